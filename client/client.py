@@ -1,0 +1,202 @@
+"""The synchronous client: one DEALER socket to kvpoold, sessions, streamed generations.
+
+A Client may be shared by threads: every use of its socket happens under one lock, and replies are sorted
+into per-request queues by request id, so each thread finds its own. ``Session.cancel()`` is meant to be
+called from another thread while a generation streams. Every wait is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from . import protocol as p
+from .address import default_address, ipc_path
+from .errors import DaemonUnavailable, RequestTimeout
+from .results import Collector, Completion, expect, generate_request, raise_if_error
+
+POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
+
+
+class Client:
+    def __init__(
+        self, address: str | None = None, *, timeout: float = 30.0, connect_timeout: float = 5.0, name: str = ""
+    ):
+        """Connect to kvpoold at ``address`` (None: $KVPOOL_ADDRESS, else the daemon's default address)."""
+        self.address = address or default_address()
+        self.timeout = timeout
+        path = ipc_path(self.address)
+        if path is not None and not path.exists():
+            raise DaemonUnavailable(
+                f"No kvpoold is listening at {self.address} (the socket file does not exist); "
+                "start it with `kvpoold` or set KVPOOL_ADDRESS."
+            )
+        self._context = zmq.Context.instance()
+        self._sock = self._context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._inboxes: dict[int, deque[p.AnyReply]] = {}
+        try:
+            hello = expect(self._call(p.Hello(version=p.PROTOCOL_VERSION, client=name), connect_timeout), p.HelloReply)
+        except RequestTimeout:
+            self.close()
+            raise DaemonUnavailable(
+                f"No kvpoold answered at {self.address} within {connect_timeout:g} s; is it running?"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        self.daemon_version = hello.daemon_version
+        self.model = hello.model
+
+    # ------------------------------------------------------------------ public API
+
+    def status(self) -> dict[str, Any]:
+        return expect(self._call(p.Status()), p.StatusReply).status
+
+    def sessions(self) -> list[p.SessionInfo]:
+        return expect(self._call(p.ListSessions()), p.SessionsReply).sessions
+
+    def open_session(self, task: str = "default") -> Session:
+        opened = expect(self._call(p.OpenSession(task=task)), p.SessionOpened)
+        return Session(self, opened.session, opened.token, opened.task, opened.context_size)
+
+    def close(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, message: p.Request) -> int:
+        request_id = next(self._ids)
+        message.id = request_id
+        with self._lock:
+            self._inboxes[request_id] = deque()
+            self._sock.send(p.encode(message))
+        return request_id
+
+    def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
+        """The next reply to ``request_id``, receiving (and sorting) whatever arrives meanwhile."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            with self._lock:
+                inbox = self._inboxes[request_id]
+                if inbox:
+                    return inbox.popleft()
+                remaining_ms = (deadline - time.monotonic()) * 1000
+                if remaining_ms <= 0:
+                    raise RequestTimeout(
+                        f"kvpoold at {self.address} did not answer within the timeout; it may "
+                        "be overloaded or hung (see `kvpool status`)."
+                    )
+                if self._sock.poll(min(POLL_SLICE_MS, remaining_ms)):
+                    self._drain()
+            time.sleep(0)  # let a thread waiting for the lock in
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reply = p.decode_reply(frame)
+            inbox = self._inboxes.get(reply.id)
+            if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
+                inbox.append(reply)
+
+    def _done(self, request_id: int) -> None:
+        with self._lock:
+            self._inboxes.pop(request_id, None)
+
+    def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
+        request_id = self._send(message)
+        try:
+            return self._next(request_id, timeout)
+        finally:
+            self._done(request_id)
+
+
+class Stream:
+    """The chunks of one generation, as they arrive; ``final`` holds the final message once it came."""
+
+    def __init__(self, session: Session, request_id: int):
+        self._session = session
+        self._client = session.client
+        self._id = request_id
+        self.final: p.Final | None = None
+
+    def __iter__(self) -> Iterator[p.Chunk]:
+        try:
+            while self.final is None:
+                reply = raise_if_error(self._client._next(self._id))
+                if isinstance(reply, p.Final):
+                    self.final = reply
+                elif isinstance(reply, p.Chunk):
+                    yield reply
+        finally:
+            if self.final is None:
+                self._abandon()
+            self._client._done(self._id)
+
+    def _abandon(self) -> None:
+        """The caller stopped reading early: stop the generation so the session is free again."""
+        with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
+            self._session.cancel()
+
+
+class Session:
+    """A session in the daemon: its context lives there; ``id`` and ``token`` identify and authorise it."""
+
+    def __init__(self, client: Client, session_id: str, token: str, task: str, context_size: int):
+        self.client = client
+        self.id = session_id
+        self.token = token
+        self.task = task
+        self.context_size = context_size
+
+    def generate(self, prompt: str | list[int] = "", **params: Any) -> Stream:
+        """Append ``prompt`` (text or token ids) to the session and stream the continuation.
+
+        Parameters: max_tokens, temperature (0 = greedy), top_k, top_p, min_p, repeat_penalty,
+        repeat_last_n, seed, stop (list of strings).
+        """
+        request = generate_request(self.id, self.token, prompt, params)
+        return Stream(self, self.client._send(request))
+
+    def complete(self, prompt: str | list[int] = "", **params: Any) -> Completion:
+        """Like generate(), but waits for the whole result."""
+        stream = self.generate(prompt, **params)
+        collector = Collector()
+        for chunk in stream:
+            collector.add(chunk)
+        assert stream.final is not None
+        return collector.result(stream.final)
+
+    def cancel(self) -> bool:
+        """Stop this session's running generation (safe from any thread); False if none was running."""
+        return expect(self.client._call(p.Cancel(session=self.id, token=self.token)), p.Cancelled).cancelled
+
+    def close(self) -> None:
+        expect(self.client._call(p.CloseSession(session=self.id, token=self.token)), p.Closed)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.client._sock.closed:
+            self.close()

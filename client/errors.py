@@ -1,0 +1,66 @@
+"""Exceptions raised by the client library: one subclass per stable error code, all under KvpoolError."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .protocol import ErrorCode
+
+
+class KvpoolError(Exception):
+    """Base of every error the client raises; ``code`` is the stable error code, ``message`` the sentence."""
+
+    code: str = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: str | None = None, detail: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.detail = detail or {}
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class DaemonUnavailable(KvpoolError):
+    """No daemon answered (client-side: the daemon is down, or the address is wrong)."""
+
+    code = "UNAVAILABLE"
+
+
+class RequestTimeout(KvpoolError):
+    """The daemon stopped answering within the client's timeout (client-side)."""
+
+    code = "TIMEOUT"
+
+
+def _subclass(name: str, code: ErrorCode) -> type[KvpoolError]:
+    return type(name, (KvpoolError,), {"code": code, "__doc__": f"The daemon answered {code.value}."})
+
+
+BadRequest = _subclass("BadRequest", ErrorCode.BAD_REQUEST)
+UnknownOp = _subclass("UnknownOp", ErrorCode.UNKNOWN_OP)
+VersionMismatch = _subclass("VersionMismatch", ErrorCode.VERSION_MISMATCH)
+UnknownTask = _subclass("UnknownTask", ErrorCode.UNKNOWN_TASK)
+UnknownSession = _subclass("UnknownSession", ErrorCode.UNKNOWN_SESSION)
+NotOwner = _subclass("NotOwner", ErrorCode.NOT_OWNER)
+SessionBusy = _subclass("SessionBusy", ErrorCode.SESSION_BUSY)
+SessionEvicted = _subclass("SessionEvicted", ErrorCode.SESSION_EVICTED)
+PoolFull = _subclass("PoolFull", ErrorCode.POOL_FULL)
+QuotaExceeded = _subclass("QuotaExceeded", ErrorCode.QUOTA_EXCEEDED)
+ContextOverflow = _subclass("ContextOverflow", ErrorCode.CONTEXT_OVERFLOW)
+BudgetUnmeetable = _subclass("BudgetUnmeetable", ErrorCode.BUDGET_UNMEETABLE)
+Overloaded = _subclass("Overloaded", ErrorCode.OVERLOADED)
+ShuttingDown = _subclass("ShuttingDown", ErrorCode.SHUTTING_DOWN)
+InternalError = _subclass("InternalError", ErrorCode.INTERNAL)
+
+_BY_CODE: dict[str, type[KvpoolError]] = {
+    cls.code: cls for cls in KvpoolError.__subclasses__() if isinstance(cls.code, ErrorCode)
+}
+
+
+def error_from_code(code: str, message: str, detail: dict[str, Any] | None = None) -> KvpoolError:
+    """The exception for a daemon Error message; an unknown code (a newer daemon) still raises KvpoolError."""
+    cls = _BY_CODE.get(code, KvpoolError)
+    return cls(message, code=code, detail=detail)

@@ -1,0 +1,252 @@
+"""The wire schema shared by the daemon and every client.
+
+Every message is a msgspec Struct in a tagged union (tag field ``op``), encoded with msgpack and sent as a
+single ZeroMQ frame (the ROUTER socket adds the client's identity frame in front). Each request carries an
+``id`` chosen by the client; every reply to it carries the same ``id``, so one connection can have several
+requests in flight. A generation streams ``Chunk`` messages and always ends with exactly one ``Final`` (or
+one ``Error``).
+
+Field constraints (``Meta``) are part of the schema: a request that violates them is refused by the
+decoder with BAD_REQUEST before it reaches the engine.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+SessionId = Annotated[str, Meta(max_length=64)]
+Token = Annotated[str, Meta(max_length=128)]
+TaskName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes: clients branch on these, people read the message next to them."""
+
+    BAD_REQUEST = "BAD_REQUEST"  # malformed frame, wrong field type, value out of range
+    UNKNOWN_OP = "UNKNOWN_OP"  # a message type this daemon does not know
+    VERSION_MISMATCH = "VERSION_MISMATCH"
+    UNKNOWN_TASK = "UNKNOWN_TASK"
+    UNKNOWN_SESSION = "UNKNOWN_SESSION"
+    NOT_OWNER = "NOT_OWNER"
+    SESSION_BUSY = "SESSION_BUSY"
+    SESSION_EVICTED = "SESSION_EVICTED"
+    POOL_FULL = "POOL_FULL"
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+    CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"
+    BUDGET_UNMEETABLE = "BUDGET_UNMEETABLE"
+    OVERLOADED = "OVERLOADED"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    INTERNAL = "INTERNAL"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens reached, or the session's context is full
+    CANCELLED = "cancelled"
+    SHUTDOWN = "shutdown"  # the daemon is stopping
+
+
+# ---------------------------------------------------------------- requests (client -> daemon)
+
+
+class Request(Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True):
+    id: RequestId = 0
+
+
+class Hello(Request, tag="hello"):
+    version: int
+    client: Annotated[str, Meta(max_length=128)] = ""
+
+
+class Status(Request, tag="status"):
+    pass
+
+
+class ListSessions(Request, tag="sessions"):
+    pass
+
+
+class OpenSession(Request, tag="open"):
+    task: TaskName = "default"
+
+
+class SessionRequest(Request):
+    """A request about one session: it must present the capability token returned at open."""
+
+    session: SessionId
+    token: Token
+
+
+class CloseSession(SessionRequest, tag="close"):
+    pass
+
+
+class Cancel(SessionRequest, tag="cancel"):
+    pass
+
+
+class Generate(SessionRequest, tag="generate"):
+    """Append ``prompt`` (text, or ``prompt_tokens``) to the session and generate a continuation.
+
+    Sampling defaults follow llama.cpp's; ``temperature=0`` is greedy. ``seed=None`` draws a random seed.
+    """
+
+    prompt: Annotated[str, Meta(max_length=1 << 20)] = ""
+    prompt_tokens: list[NonNegInt] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 128
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.8
+    top_k: Annotated[int, Meta(ge=0)] = 40
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.95
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
+    repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    repeat_last_n: Annotated[int, Meta(ge=0, le=1 << 16)] = 64
+    seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
+
+
+AnyRequest = Hello | Status | ListSessions | OpenSession | CloseSession | Cancel | Generate
+
+
+# ---------------------------------------------------------------- replies (daemon -> client)
+
+
+class Reply(Struct, tag_field="op", kw_only=True):
+    id: int = 0
+
+
+class HelloReply(Reply, tag="hello"):
+    version: int
+    daemon_version: str
+    model: str
+
+
+class StatusReply(Reply, tag="status"):
+    status: dict[str, Any]
+
+
+class SessionInfo(Struct, kw_only=True):
+    session: str
+    task: str
+    tier: str  # "hot" while in a slot
+    context_tokens: int
+    busy: bool
+    idle_s: float
+    age_s: float
+
+
+class SessionsReply(Reply, tag="sessions"):
+    sessions: list[SessionInfo]
+
+
+class SessionOpened(Reply, tag="opened"):
+    session: str
+    token: str
+    task: str
+    context_size: int
+
+
+class Closed(Reply, tag="closed"):
+    session: str
+
+
+class Cancelled(Reply, tag="cancelled"):
+    """``completion_tokens`` is the count at the moment the engine stopped the generation: the final
+    message of that generation reports the same count, which shows that no step ran after the cancel."""
+
+    cancelled: bool
+    completion_tokens: int = 0
+
+
+class Chunk(Reply, tag="chunk"):
+    text: str
+    tokens: list[int]
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    context_tokens: int  # the session's whole context after this generation
+
+
+class Timings(Struct, kw_only=True):
+    queue_ms: float  # arrival until the first step that worked on it
+    ttft_ms: float  # arrival until the first generated token
+    total_ms: float
+    decode_tokens_per_s: float  # generated tokens after the first, per second of decoding
+
+
+class Final(Reply, tag="final"):
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class Error(Reply, tag="error"):
+    code: ErrorCode
+    message: str
+    detail: dict[str, Any] | None = None
+
+
+AnyReply = HelloReply | StatusReply | SessionsReply | SessionOpened | Closed | Cancelled | Chunk | Final | Error
+
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Request | Reply) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_reply(frame: bytes) -> AnyReply:
+    return _reply_decoder.decode(frame)
+
+
+class RequestDecodeError(Exception):
+    """A frame that is not a valid request; carries the error code and a sentence for the sender."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def decode_request(frame: bytes) -> AnyRequest:
+    """Decode one request frame, or raise RequestDecodeError saying exactly what is wrong with it."""
+    try:
+        return _request_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        # Only the error path pays for a second, untyped decode: it tells unknown ops from bad fields.
+        try:
+            raw = msgspec.msgpack.decode(frame)
+        except msgspec.DecodeError:
+            raise RequestDecodeError(
+                ErrorCode.BAD_REQUEST, f"The frame is not valid msgpack ({exc}); send protocol messages."
+            ) from None
+        request_id = raw.get("id", 0) if isinstance(raw, dict) else 0
+        request_id = request_id if isinstance(request_id, int) and 0 <= request_id < 2**63 else 0
+        op = raw.get("op") if isinstance(raw, dict) else None
+        if not isinstance(raw, dict) or op is None:
+            raise RequestDecodeError(
+                ErrorCode.BAD_REQUEST,
+                "A request must be a msgpack map with an `op` field naming the operation.",
+                request_id,
+            ) from None
+        if op not in REQUEST_OPS:
+            known = ", ".join(sorted(REQUEST_OPS))
+            raise RequestDecodeError(
+                ErrorCode.UNKNOWN_OP, f"Unknown operation {op!r}; this daemon knows: {known}.", request_id
+            ) from None
+        raise RequestDecodeError(ErrorCode.BAD_REQUEST, f"Invalid {op!r} request: {exc}.", request_id) from None
+
+
+REQUEST_OPS = frozenset(cls.__struct_config__.tag for cls in AnyRequest.__args__)

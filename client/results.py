@@ -1,0 +1,73 @@
+"""What the sync and asyncio clients share: request building, reply checking and the result types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from . import protocol as p
+from .errors import BadRequest, KvpoolError, error_from_code
+
+T = TypeVar("T")
+
+
+@dataclass
+class Completion:
+    """The whole result of one generation (what ``Session.complete`` returns)."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    usage: p.Usage
+    timings: p.Timings
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.timings.ttft_ms
+
+
+@dataclass
+class Collector:
+    """Folds a stream of chunks and its final message into a Completion."""
+
+    parts: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def add(self, chunk: p.Chunk) -> None:
+        self.parts.append(chunk.text)
+        self.tokens.extend(chunk.tokens)
+
+    def result(self, final: p.Final) -> Completion:
+        return Completion("".join(self.parts), self.tokens, str(final.finish_reason), final.usage, final.timings)
+
+
+def generate_request(session: str, token: str, prompt: str | list[int], params: dict[str, Any]) -> p.Generate:
+    """Build a Generate message; bad parameter types or values raise BadRequest before anything is sent."""
+    fields: dict[str, Any] = {"session": session, "token": token, **params}
+    if isinstance(prompt, str):
+        fields["prompt"] = prompt
+    else:
+        fields["prompt_tokens"] = list(prompt)
+    try:
+        # Round-tripping through the schema applies its constraints on the client side too.
+        return msgspec.convert(fields, p.Generate)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid generate parameters: {exc}.") from None
+
+
+def raise_if_error(reply: p.AnyReply) -> p.AnyReply:
+    if isinstance(reply, p.Error):
+        raise error_from_code(reply.code, reply.message, reply.detail)
+    return reply
+
+
+def expect(reply: p.AnyReply, kind: type[T]) -> T:
+    reply = raise_if_error(reply)
+    if not isinstance(reply, kind):
+        raise KvpoolError(
+            f"Expected a {kind.__name__} reply, got {type(reply).__name__}; is the daemon a matching kvpool version?",
+            code="PROTOCOL",
+        )
+    return reply

@@ -1,0 +1,1 @@
+"""kvpoold: the resident daemon (engine, scheduler, model, server)."""

@@ -1,0 +1,108 @@
+"""The daemon's configuration: a schema (msgspec Structs), a TOML loader and CLI overrides.
+
+Precedence: built-in defaults < TOML file < command-line flags. Unknown keys and bad values are refused
+at start with the key, the value and why, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+Positive = Annotated[int, Meta(ge=1)]
+NonNegative = Annotated[int, Meta(ge=0)]
+
+
+class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Limits for the sessions of one task (``[tasks.NAME]``); 0 means no limit beyond the global ones."""
+
+    max_sessions: NonNegative = 0
+    max_context_tokens: NonNegative = 0
+
+
+def _default_tasks() -> dict[str, TaskProfile]:
+    return {"default": TaskProfile()}
+
+
+class Config(Struct, forbid_unknown_fields=True, kw_only=True):
+    # The GGUF to serve; empty means the embedded default (Gemma 3 270M Q4_K_M from the `model` extra).
+    model: str = ""
+    # ZeroMQ address; empty means ipc://<runtime dir>/kvpoold.sock (see kvpool.client.address).
+    address: str = ""
+    # Mode of the socket's directory when the daemon creates it.
+    socket_dir_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o700
+    # Hot slots: llama.cpp sequences decoded together (n_seq_max); each open session holds one.
+    hot_slots: Annotated[int, Meta(ge=1, le=256)] = 4
+    # KV cells shared by all hot slots (unified KV); also the most context one session can hold.
+    context_size: Annotated[int, Meta(ge=64, le=1 << 20)] = 4096
+    # Most tokens one engine step decodes (prefill chunks + one token per generating session).
+    batch_size: Annotated[int, Meta(ge=8, le=1 << 16)] = 512
+    max_sessions: Positive = 64
+    # Seconds of inactivity after which a session is closed; 0 keeps sessions until closed.
+    session_timeout: Annotated[float, Meta(ge=0)] = 3600.0
+    # CPU threads for decoding; 0 means one per core.
+    threads: Annotated[int, Meta(ge=0, le=1024)] = 0
+    log_level: Annotated[str, Meta(pattern=r"^(debug|info|warning|error)$")] = "info"
+    tasks: dict[str, TaskProfile] = msgspec.field(default_factory=_default_tasks)
+
+
+class ConfigError(Exception):
+    """A configuration the daemon refuses to start with; the message names the key, the value and why."""
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides`` (from CLI flags)."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"Config file {path} does not exist; pass an existing file to --config.") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from None
+    flagged = {key: value for key, value in (overrides or {}).items() if value is not None}
+    raw.update(flagged)
+    tasks_raw = raw.pop("tasks", {"default": {}})
+    try:
+        config = msgspec.convert(raw | {"tasks": {}}, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, raw, "", source, flagged)) from None
+    if not isinstance(tasks_raw, dict):
+        raise ConfigError(f"{source}: `tasks` must be a table of [tasks.NAME] profiles.")
+    tasks: dict[str, TaskProfile] = {}
+    for name, table in tasks_raw.items():
+        # Profiles are converted one by one so an error can name the task (msgspec hides dict keys).
+        if not TASK_NAME.match(name):
+            raise ConfigError(f"{source}: task name {name!r} may use only letters, digits, `_`, `.` and `-`.")
+        try:
+            tasks[name] = msgspec.convert(table, TaskProfile)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(exc, table, f"tasks.{name}", source, {})) from None
+    if "default" not in tasks:
+        raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
+    return msgspec.structs.replace(config, tasks=tasks)
+
+
+def _explain(exc: msgspec.ValidationError, raw: Any, prefix: str, source: str, flagged: dict[str, Any]) -> str:
+    """Turn msgspec's "Expected `int` >= 1 - at `$.hot_slots`" into "`hot_slots` = 0 is not allowed: ..."."""
+    why, sep, where = str(exc).partition(" - at `$")
+    keys = [k for k in where.rstrip("`").split(".") if k] if sep else []
+    if why.startswith("Object contains unknown field"):
+        bad = why.split("`")[1]
+        table = ".".join([prefix, *keys]).strip(".")
+        where_text = f"[{table}]" if table else "the top level"
+        return f"{source}: unknown key `{bad}` in {where_text}; check its spelling against docs/config.md."
+    value: Any = raw
+    for k in keys:
+        value = value.get(k) if isinstance(value, dict) else None
+    key = ".".join([prefix, *keys]).strip(".")
+    origin = f"--{keys[0].replace('_', '-')}" if keys and keys[0] in flagged else source
+    return f"{origin}: `{key}` = {value!r} is not allowed: {why}."

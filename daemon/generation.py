@@ -1,0 +1,74 @@
+"""One running `generate` request: its sampler, its text stream, its stop conditions and its timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvpool.client.protocol import Final, FinishReason, Generate, Timings, Usage
+
+from .model import Sampler
+from .sessions import Session
+from .stream_text import StreamText
+
+
+@dataclass(eq=False)
+class Generation:
+    client: bytes  # ZeroMQ identity of the requesting connection
+    request: Generate
+    session: Session
+    sampler: Sampler
+    prompt_tokens: int
+    text: StreamText
+    arrival: float = field(default_factory=time.monotonic)
+    completion_tokens: int = 0
+    first_step_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def pending_tokens(self) -> int:
+        return self.session.pending_tokens
+
+    def note_step(self, now: float) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = now
+
+    def note_token(self, now: float) -> None:
+        self.completion_tokens += 1
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+
+    def stop_reason(self) -> FinishReason | None:
+        """Why the generation must end after the token just sampled, or None to go on."""
+        if self.text.stopped:
+            return FinishReason.STOP
+        if self.completion_tokens >= self.request.max_tokens:
+            return FinishReason.LENGTH
+        # The sampled token still has to be fed; it needs one more cell of the session's context.
+        if len(self.session.tokens) > self.session.context_limit:
+            return FinishReason.LENGTH
+        return None
+
+    def final(self, reason: FinishReason, now: float) -> Final:
+        def ms(a: float | None, b: float | None) -> float:
+            return round((b - a) * 1000.0, 3) if a is not None and b is not None else 0.0
+
+        decode_s = (self.last_token_at or 0.0) - (self.first_token_at or 0.0)
+        tps = (self.completion_tokens - 1) / decode_s if decode_s > 0 and self.completion_tokens > 1 else 0.0
+        return Final(
+            id=self.request.id,
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                context_tokens=len(self.session.tokens),
+            ),
+            timings=Timings(
+                queue_ms=ms(self.arrival, self.first_step_at or now),
+                ttft_ms=ms(self.arrival, self.first_token_at),
+                total_ms=ms(self.arrival, now),
+                decode_tokens_per_s=round(tps, 3),
+            ),
+        )

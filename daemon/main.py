@@ -1,0 +1,130 @@
+"""`kvpoold`: parse the configuration, load the model, serve until SIGTERM/SIGINT, stop gracefully."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from kvpool.client import __version__
+from kvpool.client.address import default_address
+
+from .config import ConfigError, load_config
+from .default_model import ModelNotFound, resolve_model_path
+from .engine import Engine
+from .model import Model, ModelLoadError
+from .server import AddressUnavailable, Server
+
+log = logging.getLogger("kvpool.daemon")
+
+# CLI flags that override config keys of the same name (dashes for underscores).
+OVERRIDES = (
+    "model",
+    "address",
+    "hot_slots",
+    "context_size",
+    "max_sessions",
+    "session_timeout",
+    "threads",
+    "batch_size",
+    "log_level",
+)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvpoold", description="Serve one llama.cpp model to local task processes.")
+    ap.add_argument("--config", help="TOML config file (see configs/default.toml); flags override it")
+    ap.add_argument("--model", help="GGUF file to serve (default: the embedded Gemma 3 270M Q4_K_M)")
+    ap.add_argument(
+        "--address",
+        help="ipc:// address to serve (default: $RUNTIME_DIRECTORY, "
+        "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID, socket kvpoold.sock)",
+    )
+    ap.add_argument("--hot-slots", type=int, help="sequences decoded together (each open session holds one)")
+    ap.add_argument("--context-size", type=int, help="KV cells shared by all hot slots")
+    ap.add_argument("--max-sessions", type=int, help="most sessions open at once")
+    ap.add_argument("--session-timeout", type=float, help="seconds of inactivity before a session is closed")
+    ap.add_argument("--threads", type=int, help="CPU threads for decoding (0: one per core)")
+    ap.add_argument("--batch-size", type=int, help="most tokens one engine step decodes")
+    ap.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--version", action="version", version=f"kvpoold {__version__}")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        config = load_config(args.config, {k: getattr(args, k) for k in OVERRIDES})
+        logging.getLogger().setLevel(config.log_level.upper())
+        model_path = resolve_model_path(config.model)
+    except (ConfigError, ModelNotFound) as exc:
+        print(f"kvpoold: {exc}", file=sys.stderr)
+        return 2
+
+    address = config.address or default_address()
+    server = Server(address, config.socket_dir_mode)
+    try:
+        server.bind()  # before loading the model, so a second daemon fails at once
+    except AddressUnavailable as exc:
+        print(f"kvpoold: {exc}", file=sys.stderr)
+        server.close()
+        return 1
+    try:
+        threads = config.threads or os.cpu_count() or 1
+        model = Model(
+            model_path,
+            context_size=config.context_size,
+            hot_slots=config.hot_slots,
+            batch_size=config.batch_size,
+            threads=threads,
+        )
+    except ModelLoadError as exc:
+        print(f"kvpoold: {exc}", file=sys.stderr)
+        server.close()
+        return 1
+
+    engine = Engine(model, config, server.send, __version__, frame_errors=server.frame_errors)
+    engine_done = threading.Event()
+
+    def run_engine() -> None:
+        try:
+            engine.run()
+        finally:
+            server.close_sender()
+            engine_done.set()
+
+    def request_stop(signum: int, _frame: object) -> None:
+        log.info("received %s: finishing in-flight generations and stopping", signal.Signals(signum).name)
+        engine.stopping.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    engine_thread = threading.Thread(target=run_engine, name="engine")
+    io_thread = threading.Thread(target=server.serve, args=(engine.submit, engine_done), name="io")
+    engine_thread.start()
+    io_thread.start()
+    log.info(
+        "kvpoold %s ready on %s: %s, %d hot slots, %d KV cells, %d threads",
+        __version__,
+        address,
+        model.description,
+        config.hot_slots,
+        model.context_size,
+        threads,
+    )
+    while engine_thread.is_alive():
+        engine_thread.join(0.5)  # a timed join keeps the main thread responsive to signals
+    io_thread.join()
+    model.close()
+    server.close()
+    log.info("kvpoold stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

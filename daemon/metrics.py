@@ -1,0 +1,32 @@
+"""Counters the engine keeps for `status` (and, later, Prometheus): plain numbers, updated on the engine thread."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineCounters:
+    decode_calls: int = 0  # llama_decode calls that succeeded (one per engine step)
+    batch_tokens: int = 0  # tokens fed through those calls (prompt chunks + decode tokens)
+    prompt_tokens: int = 0  # prompt tokens prefilled
+    generated_tokens: int = 0  # tokens sampled and sent to clients
+    busy_seconds: float = 0.0  # wall time spent inside engine steps that decoded something
+    kv_full_events: int = 0  # llama_decode found no room in the unified KV
+    requests: Counter[str] = field(default_factory=Counter)  # by op
+    errors: Counter[str] = field(default_factory=Counter)  # by error code
+    finished: Counter[str] = field(default_factory=Counter)  # generations by finish reason
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "decode_calls": self.decode_calls,
+            "batch_tokens": self.batch_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "busy_seconds": round(self.busy_seconds, 6),
+            "kv_full_events": self.kv_full_events,
+            "requests": dict(self.requests),
+            "errors": dict(self.errors),
+            "finished": dict(self.finished),
+        }

@@ -1,0 +1,261 @@
+"""The model layer: the only module that imports llama_cpp.
+
+It loads one GGUF, creates one context whose unified KV (``context_size`` cells) is shared by ``hot_slots``
+sequences, and offers what the engine needs: tokenize / detokenize, one multi-sequence ``decode`` per step,
+per-session sampler chains, and sequence removal. Every method must be called from the engine thread:
+llama.cpp is not safe for concurrent use of one context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+
+log = logging.getLogger("kvpool.llama")
+
+# ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5. llama.cpp is chatty at load time, so everything
+# but its errors goes to debug; its errors (a failed load, say) are worth a warning in the daemon's log.
+_GGML_LOG_LEVEL_ERROR = 4
+
+
+@lc.llama_log_callback
+def _route_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # llama.cpp prints progress dots and continuation pieces too; only whole lines are worth a record.
+    message = text.decode("utf-8", errors="replace").rstrip("\n") if text else ""
+    if message.strip(" ."):
+        log.log(logging.WARNING if level == _GGML_LOG_LEVEL_ERROR else logging.DEBUG, "%s", message)
+
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        lc.llama_log_set(_route_llama_log, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+
+class ModelLoadError(Exception):
+    """The GGUF could not be loaded or the context could not be created."""
+
+
+class Sampler:
+    """A llama.cpp sampler chain owned by one generation; free() it when the generation ends."""
+
+    def __init__(self, model: Model, params: SamplingParams, history: list[int]):
+        self._ctx = model.ctx
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lc.llama_sampler_chain_add
+        if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
+            add(
+                chain,
+                lc.llama_sampler_init_penalties(model.n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0),
+            )
+        if params.temperature == 0.0:
+            add(chain, lc.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                add(chain, lc.llama_sampler_init_top_k(params.top_k))
+            add(chain, lc.llama_sampler_init_top_p(params.top_p, 1))
+            add(chain, lc.llama_sampler_init_min_p(params.min_p, 1))
+            add(chain, lc.llama_sampler_init_temp(params.temperature))
+            seed = lc.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+            add(chain, lc.llama_sampler_init_dist(seed))
+        # The repeat penalty looks at recent tokens; the session's history counts, not just this turn.
+        if params.repeat_penalty != 1.0:
+            for token in history[-params.repeat_last_n :]:
+                lc.llama_sampler_accept(chain, token)
+        self._chain = chain
+
+    def sample(self, batch_index: int) -> int:
+        """Sample from the logits of batch row ``batch_index`` of the last decode (and accept the token)."""
+        return lc.llama_sampler_sample(self._chain, self._ctx, batch_index)
+
+    def free(self) -> None:
+        if self._chain is not None:
+            lc.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+class Batch:
+    """A reusable llama_batch with numpy views on its arrays, so filling it costs no per-token ctypes calls."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._batch = lc.llama_batch_init(capacity, 0, 1)
+        b = self._batch
+        self.token = np.ctypeslib.as_array(b.token, shape=(capacity,))
+        self.pos = np.ctypeslib.as_array(b.pos, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
+        n_seq_id = np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))
+        n_seq_id[:] = 1
+        # seq_id is an array of per-token pointers, each to one int32 (n_seq_max = 1 per token).
+        self._seq_rows = [b.seq_id[i] for i in range(capacity)]
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool) -> int:
+        """Append ``tokens`` of one sequence; returns the batch row of the last token (for sampling)."""
+        start, count = self.n, len(tokens)
+        end = start + count
+        self.token[start:end] = tokens
+        self.pos[start:end] = np.arange(first_pos, first_pos + count, dtype=np.int32)
+        self.logits[start:end] = 0
+        if want_last_logits:
+            self.logits[end - 1] = 1
+        rows = self._seq_rows
+        for i in range(start, end):
+            rows[i][0] = seq_id
+        self.n = end
+        return end - 1
+
+    def as_llama_batch(self) -> lc.llama_batch:
+        self._batch.n_tokens = self.n
+        return self._batch
+
+    def free(self) -> None:
+        lc.llama_batch_free(self._batch)
+
+
+class Model:
+    def __init__(self, path: Path, *, context_size: int, hot_slots: int, batch_size: int, threads: int):
+        _init_backend()
+        self.path = Path(path)
+        mparams = lc.llama_model_default_params()
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path}: the file is not a GGUF model it supports, or is damaged."
+            )
+        self.vocab = lc.llama_model_get_vocab(self._model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = context_size
+        cparams.n_batch = batch_size
+        cparams.n_ubatch = batch_size
+        cparams.n_seq_max = hot_slots
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on
+        cparams.no_perf = True
+        self.ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self.ctx:
+            lc.llama_model_free(self._model)
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {context_size} cells for {hot_slots} slots "
+                f"with {self.path.name}; lower context_size or hot_slots."
+            )
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.context_size = lc.llama_n_ctx(self.ctx)
+        self.hot_slots = hot_slots
+        self.batch = Batch(batch_size)
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self.description = self._desc()
+        self.fingerprint = self._fingerprint()
+
+    # ------------------------------------------------------------------ text
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        out = (lc.llama_token * capacity)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), out, capacity, add_bos and self.add_bos, False)
+        if n < 0:  # more tokens than bytes can only happen with added specials; retry with the exact size
+            capacity = -n
+            out = (lc.llama_token * capacity)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), out, capacity, add_bos and self.add_bos, False)
+        return list(out[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (special tokens such as end-of-turn render as nothing)."""
+        n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+        if n < 0:
+            self._piece_buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+        return self._piece_buf.raw[:n]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    def valid_token(self, token: int) -> bool:
+        return 0 <= token < self.n_vocab
+
+    # ------------------------------------------------------------------ decoding
+
+    def decode(self) -> int:
+        """Run the filled batch through the model. 0: done; 1: no room in the KV (state unchanged)."""
+        return lc.llama_decode(self.ctx, self.batch.as_llama_batch())
+
+    def new_sampler(self, params: SamplingParams, history: list[int]) -> Sampler:
+        return Sampler(self, params, history)
+
+    def forget_sequence(self, seq_id: int) -> None:
+        """Free every KV cell of a sequence (the slot becomes empty)."""
+        lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+
+    def sequence_end(self, seq_id: int) -> int:
+        """One past the last position the KV holds for the sequence (0 when it is empty)."""
+        return lc.llama_memory_seq_pos_max(self.memory, seq_id) + 1
+
+    # ------------------------------------------------------------------ identity
+
+    def _desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        lc.llama_model_desc(self._model, buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def _fingerprint(self) -> str:
+        """Identifies the weights: file size plus hashes of its head and tail (hashing 250 MB at every start
+        would cost seconds on a device; the GGUF header and tensor data at both ends change with any model)."""
+        size = self.path.stat().st_size
+        digest = hashlib.sha256(str(size).encode())
+        with self.path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+        return digest.hexdigest()[:32]
+
+    def info(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "description": self.description,
+            "fingerprint": self.fingerprint,
+            "n_vocab": self.n_vocab,
+            "n_params": lc.llama_model_n_params(self._model),
+            "size_bytes": lc.llama_model_size(self._model),
+            "context_size": self.context_size,
+            "context_size_train": lc.llama_model_n_ctx_train(self._model),
+            "sliding_window": lc.llama_model_n_swa(self._model),
+        }
+
+    def close(self) -> None:
+        if self.ctx:
+            self.batch.free()
+            lc.llama_free(self.ctx)
+            lc.llama_model_free(self._model)
+            self.ctx = None

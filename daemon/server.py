@@ -1,0 +1,179 @@
+"""The daemon's ZeroMQ side: a ROUTER socket served by its own I/O thread.
+
+The I/O thread receives frames, decodes them (answering malformed ones itself) and queues requests for the
+engine. The engine never touches the ROUTER socket (ZeroMQ sockets are not thread-safe): it pushes replies
+into an inproc PUSH socket that the I/O thread drains into the ROUTER. ctypes releases the GIL during
+llama_decode, so frames keep moving while the model runs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+from kvpool.client import protocol as p
+from kvpool.client.address import ipc_path
+from kvpool.client.protocol import ErrorCode
+
+log = logging.getLogger("kvpool.server")
+
+OUTBOX = "inproc://kvpool-outbox"
+MAX_MESSAGE_BYTES = 4 << 20  # a larger frame is dropped by ZeroMQ (prompts are capped at 1 MiB of text)
+POLL_MS = 100
+
+
+class AddressUnavailable(Exception):
+    """The address cannot be served: another daemon holds it, or it is not an address kvpoold supports."""
+
+
+class Server:
+    def __init__(self, address: str, socket_dir_mode: int = 0o700):
+        self.address = address
+        self.socket_dir_mode = socket_dir_mode
+        self.context = zmq.Context()
+        self.frame_errors: Counter[str] = Counter()  # frames refused before they reached the engine
+        self._router: zmq.Socket | None = None
+        self._outbox_in: zmq.Socket | None = None
+        self._sender_local = threading.local()
+        self._lock_file: int | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def bind(self) -> None:
+        """Take the address: lock it against a second daemon, then bind the ROUTER (on the main thread)."""
+        path = ipc_path(self.address)
+        if path is None:
+            raise AddressUnavailable(
+                f"{self.address} is not an ipc:// address; kvpoold serves local processes over ipc:// only."
+            )
+        self._lock(path)
+        router = self.context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        router.setsockopt(zmq.LINGER, 1000)
+        try:
+            router.bind(self.address)
+        except zmq.ZMQError as exc:
+            router.close(0)
+            raise AddressUnavailable(f"Cannot bind {self.address}: {exc}.") from None
+        outbox = self.context.socket(zmq.PULL)
+        outbox.bind(OUTBOX)
+        self._router, self._outbox_in = router, outbox
+
+    def _lock(self, path: Path) -> None:
+        # ZeroMQ silently replaces an existing ipc socket file, so a second daemon would steal the address;
+        # an flock on a file next to it (released by the kernel when the holder dies) prevents that.
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, mode=self.socket_dir_mode)
+            os.chmod(path.parent, self.socket_dir_mode)  # mkdir's mode is filtered by the umask
+        lock_path = path.with_name(path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise AddressUnavailable(
+                f"Another kvpoold (pid {holder}) is already serving {self.address}; stop it first or pass "
+                "a different --address."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_file = fd
+
+    # ------------------------------------------------------------------ engine side
+
+    def send(self, client: bytes, reply: p.Reply) -> None:
+        """Queue a reply for a client; callable from the engine thread (each thread gets its own PUSH)."""
+        sock = getattr(self._sender_local, "sock", None)
+        if sock is None:
+            sock = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(OUTBOX)
+            self._sender_local.sock = sock
+        sock.send_multipart([client, p.encode(reply)], copy=False)
+
+    def close_sender(self) -> None:
+        """Close the calling thread's PUSH socket (the engine thread calls this as it exits)."""
+        sock = getattr(self._sender_local, "sock", None)
+        if sock is not None:
+            sock.close()
+            self._sender_local.sock = None
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def serve(self, submit: Callable[[bytes, p.AnyRequest], None], engine_done: threading.Event) -> None:
+        """Thread target: move frames until the engine has exited, then flush what it sent."""
+        router, outbox = self._router, self._outbox_in
+        assert router is not None and outbox is not None, "bind() first"
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(outbox, zmq.POLLIN)
+        while not engine_done.is_set():
+            events = dict(poller.poll(POLL_MS))
+            if outbox in events:
+                self._forward_replies()
+            if router in events:
+                self._receive(submit)
+        # The engine has exited: its PUSH socket flushed on close, so everything it sent is here.
+        self._forward_replies()
+        while router.poll(0):  # whoever is still asking learns that the daemon is going away
+            self._receive(
+                lambda client, request: self._refuse(
+                    client, request.id, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts."
+                )
+            )
+
+    def _forward_replies(self) -> None:
+        outbox, router = self._outbox_in, self._router
+        for _ in range(10_000):  # bounded so inbound frames are not starved by a burst of chunks
+            try:
+                frames = outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            router.send_multipart(frames, copy=False)
+
+    def _receive(self, submit: Callable[[bytes, p.AnyRequest], None]) -> None:
+        for _ in range(1_000):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            client, payload = frames[0], frames[1:]
+            if len(payload) != 1:
+                self._refuse(
+                    client,
+                    0,
+                    ErrorCode.BAD_REQUEST,
+                    f"Expected one frame per message, got {len(payload)}; send one msgpack frame.",
+                )
+                continue
+            try:
+                request = p.decode_request(payload[0])
+            except p.RequestDecodeError as exc:
+                self._refuse(client, exc.request_id, exc.code, exc.message)
+                continue
+            submit(client, request)
+
+    def _refuse(self, client: bytes, request_id: int, code: ErrorCode, message: str) -> None:
+        self.frame_errors[code.value] += 1
+        self._router.send_multipart([client, p.encode(p.Error(id=request_id, code=code, message=message))])
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        for sock in (self._outbox_in, self._router):
+            if sock is not None:
+                sock.close()
+        self.context.term()
+        path = ipc_path(self.address)
+        if self._lock_file is not None and path is not None:
+            path.unlink(missing_ok=True)
+            path.with_name(path.name + ".lock").unlink(missing_ok=True)
+            os.close(self._lock_file)
+            self._lock_file = None
