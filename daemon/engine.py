@@ -317,14 +317,13 @@ class Engine:
                 ErrorCode.BAD_REQUEST,
                 "The prompt is empty and the session has nothing to continue from; send some text.",
             )
-        total = len(s.tokens) + len(new)
-        if total > s.context_limit:
-            room = max(0, s.context_limit - len(s.tokens))
+        room = s.context_limit - len(s.tokens) - 1  # one place is kept for at least one generated token
+        if len(new) > room:
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"The prompt is {len(new)} tokens but session {s.id} has room for {room} more "
+                f"The prompt is {len(new)} tokens but session {s.id} has room for {max(room, 0)} more "
                 f"(context limit {s.context_limit}); shorten the prompt or open a new session.",
-                {"prompt_tokens": len(new), "room": room, "context_limit": s.context_limit},
+                {"prompt_tokens": len(new), "room": max(room, 0), "context_limit": s.context_limit},
             )
         params = SamplingParams(
             temperature=r.temperature,

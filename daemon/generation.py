@@ -46,8 +46,8 @@ class Generation:
             return FinishReason.STOP
         if self.completion_tokens >= self.request.max_tokens:
             return FinishReason.LENGTH
-        # The sampled token still has to be fed; it needs one more cell of the session's context.
-        if len(self.session.tokens) > self.session.context_limit:
+        # The session's context is full: the token just sampled takes its last place.
+        if len(self.session.tokens) >= self.session.context_limit:
             return FinishReason.LENGTH
         return None
 

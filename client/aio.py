@@ -1,0 +1,174 @@
+"""The asyncio twin of kvpool.client: same sessions and results, awaited instead of blocking.
+
+    async with await AsyncClient.connect() as client:
+        async with await client.open_session(task="voice") as s:
+            async for chunk in s.generate("Hello", max_tokens=16):
+                print(chunk.text, end="")
+
+One reader task receives every reply and hands it to the queue of its request id, so any number of
+coroutines can use one client at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import protocol as p
+from .address import default_address, ipc_path
+from .errors import DaemonUnavailable, RequestTimeout
+from .results import Collector, Completion, expect, generate_request, raise_if_error
+
+
+class AsyncClient:
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0):
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._context = zmq.asyncio.Context.instance()
+        self._sock = self._context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue[p.AnyReply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.daemon_version = ""
+        self.model = ""
+
+    @classmethod
+    async def connect(
+        cls, address: str | None = None, *, timeout: float = 30.0, connect_timeout: float = 5.0, name: str = ""
+    ) -> AsyncClient:
+        """Connect and say hello (None: $KVPOOL_ADDRESS, else the daemon's default address)."""
+        client = cls(address, timeout=timeout)
+        path = ipc_path(client.address)
+        if path is not None and not path.exists():
+            raise DaemonUnavailable(
+                f"No kvpoold is listening at {client.address} (the socket file does not exist); "
+                "start it with `kvpoold` or set KVPOOL_ADDRESS."
+            )
+        client._sock.connect(client.address)
+        client._reader = asyncio.get_running_loop().create_task(client._read())
+        try:
+            hello = expect(
+                await client._call(p.Hello(version=p.PROTOCOL_VERSION, client=name), connect_timeout), p.HelloReply
+            )
+        except RequestTimeout:
+            await client.close()
+            raise DaemonUnavailable(
+                f"No kvpoold answered at {client.address} within {connect_timeout:g} s; is it running?"
+            ) from None
+        except BaseException:
+            await client.close()
+            raise
+        client.daemon_version, client.model = hello.daemon_version, hello.model
+        return client
+
+    async def status(self) -> dict[str, Any]:
+        return expect(await self._call(p.Status()), p.StatusReply).status
+
+    async def sessions(self) -> list[p.SessionInfo]:
+        return expect(await self._call(p.ListSessions()), p.SessionsReply).sessions
+
+    async def open_session(self, task: str = "default") -> AsyncSession:
+        opened = expect(await self._call(p.OpenSession(task=task)), p.SessionOpened)
+        return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        if not self._sock.closed:
+            self._sock.close(0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _read(self) -> None:
+        while True:
+            reply = p.decode_reply(await self._sock.recv())
+            queue = self._queues.get(reply.id)
+            if queue is not None:  # replies to abandoned requests are dropped
+                queue.put_nowait(reply)
+
+    async def _send(self, message: p.Request) -> int:
+        request_id = next(self._ids)
+        message.id = request_id
+        self._queues[request_id] = asyncio.Queue()
+        await self._sock.send(p.encode(message))
+        return request_id
+
+    async def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
+        try:
+            return await asyncio.wait_for(self._queues[request_id].get(), self.timeout if timeout is None else timeout)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"kvpoold at {self.address} did not answer within the timeout; it may be overloaded or hung."
+            ) from None
+
+    async def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
+        request_id = await self._send(message)
+        try:
+            return await self._next(request_id, timeout)
+        finally:
+            self._queues.pop(request_id, None)
+
+
+class AsyncSession:
+    def __init__(self, client: AsyncClient, session_id: str, token: str, task: str, context_size: int):
+        self.client = client
+        self.id = session_id
+        self.token = token
+        self.task = task
+        self.context_size = context_size
+        self.final: p.Final | None = None  # the final message of the last generation
+
+    async def generate(self, prompt: str | list[int] = "", **params: Any) -> AsyncIterator[p.Chunk]:
+        """Stream the continuation of ``prompt``; same parameters as the sync Session.generate()."""
+        request = generate_request(self.id, self.token, prompt, params)
+        request_id = await self.client._send(request)
+        self.final = None
+        try:
+            while self.final is None:
+                reply = raise_if_error(await self.client._next(request_id))
+                if isinstance(reply, p.Final):
+                    self.final = reply
+                elif isinstance(reply, p.Chunk):
+                    yield reply
+        finally:
+            self.client._queues.pop(request_id, None)
+            if self.final is None:  # the caller stopped early: free the session
+                with contextlib.suppress(Exception):
+                    await self.cancel()
+
+    async def complete(self, prompt: str | list[int] = "", **params: Any) -> Completion:
+        collector = Collector()
+        async for chunk in self.generate(prompt, **params):
+            collector.add(chunk)
+        assert self.final is not None
+        return collector.result(self.final)
+
+    async def cancel(self) -> bool:
+        reply = await self.client._call(p.Cancel(session=self.id, token=self.token))
+        return expect(reply, p.Cancelled).cancelled
+
+    async def close(self) -> None:
+        expect(await self.client._call(p.CloseSession(session=self.id, token=self.token)), p.Closed)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.client._sock.closed:
+            await self.close()

@@ -1,0 +1,127 @@
+"""`kvpool`: the command line for a running kvpoold (status, generate, sessions).
+
+Exit codes: 0 ok; 1 the daemon refused the request (its code and message are printed); 2 bad usage;
+3 no daemon answered (down, wrong address, or timed out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .client import Client
+from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
+
+EXIT_REFUSED, EXIT_UNAVAILABLE = 1, 3
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvpool", description="Talk to a running kvpoold.")
+    ap.add_argument("--address", help="daemon address (default: $KVPOOL_ADDRESS or the daemon's default)")
+    ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer")
+    sub = ap.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="model, slots, sessions and counters")
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    sessions = sub.add_parser("sessions", help="list open sessions")
+    sessions.add_argument("--json", action="store_true")
+    gen = sub.add_parser("generate", help="stream a completion of PROMPT to stdout (in a new session)")
+    gen.add_argument("prompt", help="prompt text; '-' reads it from stdin")
+    gen.add_argument("--task", default="default")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stats", action="store_true", help="print finish reason, usage and timings to stderr")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        with Client(args.address, timeout=args.timeout, name="kvpool-cli") as client:
+            return COMMANDS[args.command](client, args)
+    except (DaemonUnavailable, RequestTimeout) as exc:
+        print(f"kvpool: {exc.message}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KvpoolError as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    model, slots, kv, sessions, c = (status[k] for k in ("model", "slots", "kv", "sessions", "counters"))
+    rows: list[tuple[str, Any]] = [
+        ("daemon", f"kvpoold {status['daemon_version']} (pid {status['pid']}, up {status['uptime_s']:.0f} s)"),
+        ("model", f"{model['description']} ({model['path']})"),
+        ("slots", f"{slots['used']}/{slots['total']} used"),
+        ("kv cells", f"{kv['cells_used']}/{kv['cells_total']} used"),
+        ("sessions", f"{sessions['open']} open (max {sessions['max']}), {sessions['generating']} generating"),
+        ("tokens", f"{c['generated_tokens']} generated, {c['prompt_tokens']} prompt, {c['decode_calls']} decodes"),
+        ("requests", _counts(c["requests"])),
+        ("errors", _counts(c["errors"] | c["frame_errors"])),
+    ]
+    for name, value in rows:
+        print(f"{name:>9}  {value}")
+    return 0
+
+
+def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
+    sessions = client.sessions()
+    if args.json:
+        print(json.dumps([{f: getattr(s, f) for f in s.__struct_fields__} for s in sessions], indent=2))
+        return 0
+    print(f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'busy':<5} {'idle s':>8} {'age s':>8}")
+    for s in sessions:
+        print(
+            f"{s.session:<18} {s.task:<10} {s.tier:<5} {s.context_tokens:>7} {'yes' if s.busy else 'no':<5} "
+            f"{s.idle_s:>8.1f} {s.age_s:>8.1f}"
+        )
+    return 0
+
+
+def cmd_generate(client: Client, args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    with client.open_session(task=args.task) as session:
+        stream = session.generate(prompt, **params)
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        final = stream.final
+        if args.stats and final is not None:
+            t, u = final.timings, final.usage
+            print(
+                f"finish={final.finish_reason} prompt={u.prompt_tokens} completion={u.completion_tokens} "
+                f"ttft={t.ttft_ms:.1f}ms decode={t.decode_tokens_per_s:.1f}tok/s",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
+COMMANDS = {"status": cmd_status, "sessions": cmd_sessions, "generate": cmd_generate}
+
+if __name__ == "__main__":
+    sys.exit(main())

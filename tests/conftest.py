@@ -1,0 +1,49 @@
+"""Fixtures: a tiny GGUF built once per run, and real kvpoold processes that are always stopped."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from .daemon_process import DaemonProcess
+from .tinymodel import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf")
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    # ipc:// socket paths are limited to ~107 bytes, so daemons get a short directory under /tmp.
+    path = Path(tempfile.mkdtemp(prefix="kvp-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(short_tmp: Path, tiny_model: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start kvpoold processes on the tiny model; every one is stopped and cleaned up after the test."""
+    started: list[DaemonProcess] = []
+
+    def start(
+        *args: str, model: Path | None = tiny_model, config: str | None = None, name: str = "d", wait: bool = True
+    ) -> DaemonProcess:
+        daemon = DaemonProcess(short_tmp / name, model, *args, config=config)
+        started.append(daemon)
+        return daemon.start(wait=wait)
+
+    yield start
+    for daemon in started:
+        daemon.cleanup()
+
+
+@pytest.fixture
+def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
+    """One daemon on the tiny model: 4 hot slots, 2048 cells, short of nothing the tests need."""
+    return start_daemon("--hot-slots", "4", "--context-size", "2048", "--threads", "2")

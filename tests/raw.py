@@ -1,0 +1,66 @@
+"""A raw DEALER connection for tests that need to send what the client library never would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import zmq
+from kvpool.client import protocol as p
+
+RECV_TIMEOUT_MS = 10_000
+
+
+class RawConnection:
+    def __init__(self, address: str):
+        self.context = zmq.Context.instance()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)  # a missing reply fails the test, never hangs it
+        self.sock.connect(address)
+        self.backlog: list[p.AnyReply] = []  # replies skipped by call(), returned by recv() first
+
+    def send_frames(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def send(self, message: dict[str, Any] | p.Request) -> None:
+        data = p.encode(message) if isinstance(message, p.Request) else msgspec.msgpack.encode(message)
+        self.sock.send(data)
+
+    def recv(self) -> p.AnyReply:
+        if self.backlog:
+            return self.backlog.pop(0)
+        return p.decode_reply(self.sock.recv())
+
+    def call(self, message: dict[str, Any] | p.Request) -> p.AnyReply:
+        """Send and return the reply with the same id (chunks of other requests are skipped)."""
+        self.send(message)
+        request_id = message.id if isinstance(message, p.Request) else message.get("id", 0)
+        skipped: list[p.AnyReply] = []
+        while True:
+            reply = self.recv()
+            if reply.id == request_id or not isinstance(request_id, int):
+                self.backlog[:0] = skipped
+                return reply
+            skipped.append(reply)
+
+    def until_final(self, request_id: int) -> tuple[list[p.Chunk], p.Final]:
+        chunks: list[p.Chunk] = []
+        while True:
+            reply = self.recv()
+            if reply.id != request_id:
+                continue
+            if isinstance(reply, p.Error):
+                raise AssertionError(f"unexpected error {reply.code}: {reply.message}")
+            if isinstance(reply, p.Final):
+                return chunks, reply
+            assert isinstance(reply, p.Chunk)
+            chunks.append(reply)
+
+    def open(self, task: str = "default") -> p.SessionOpened:
+        reply = self.call(p.OpenSession(id=1, task=task))
+        assert isinstance(reply, p.SessionOpened), reply
+        return reply
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,126 @@
+"""Bad input gets its error code and a sentence, and the daemon keeps serving afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from kvpool.client import protocol as p
+from kvpool.client.errors import BadRequest
+
+from .daemon_process import DaemonProcess
+from .raw import RawConnection
+
+
+@pytest.fixture
+def raw(daemon: DaemonProcess) -> Iterator[RawConnection]:
+    conn = RawConnection(daemon.address)
+    yield conn
+    conn.close()
+
+
+def assert_error(reply: p.AnyReply, code: p.ErrorCode, request_id: int | None = None) -> p.Error:
+    assert isinstance(reply, p.Error), f"expected {code}, got {reply}"
+    assert reply.code == code, reply.message
+    assert len(reply.message) > 20 and reply.message.endswith("."), "the message should be a sentence"
+    if request_id is not None:
+        assert reply.id == request_id
+    return reply
+
+
+def assert_still_serving(daemon: DaemonProcess) -> None:
+    with daemon.client() as client, client.open_session() as s:
+        result = s.complete("still there?", max_tokens=4, temperature=0.0)
+        assert result.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [b"\xc1", b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"id": 3}), msgspec.msgpack.encode("hello")],
+    ids=["invalid-msgpack", "empty", "array", "no-op", "string"],
+)
+def test_malformed_frames(raw: RawConnection, daemon: DaemonProcess, frame: bytes) -> None:
+    raw.send_frames(frame)
+    assert_error(raw.recv(), p.ErrorCode.BAD_REQUEST)
+    assert_still_serving(daemon)
+
+
+def test_several_frames_in_one_message(raw: RawConnection, daemon: DaemonProcess) -> None:
+    raw.send_frames(p.encode(p.Status(id=1)), b"extra")
+    assert_error(raw.recv(), p.ErrorCode.BAD_REQUEST)
+    assert_still_serving(daemon)
+
+
+def test_unknown_op_is_named(raw: RawConnection, daemon: DaemonProcess) -> None:
+    error = assert_error(raw.call({"op": "explode", "id": 5}), p.ErrorCode.UNKNOWN_OP, 5)
+    assert "explode" in error.message and "generate" in error.message
+    assert_still_serving(daemon)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"session": 123, "token": "x"}, "session"),
+        ({"session": "s", "token": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"session": "s", "token": "x", "prompt_tokens": [-1]}, "prompt_tokens"),
+        ({"session": "s", "token": "x", "surprise": 1}, "surprise"),
+        ({"session": "s", "token": "x", "temperature": -1.0}, "temperature"),
+        ({"session": "s", "token": "x", "top_p": 0.0}, "top_p"),
+        ({"session": "s", "token": "x", "min_p": 1.5}, "min_p"),
+        ({"session": "s", "token": "x", "max_tokens": 0}, "max_tokens"),
+        ({"session": "s", "token": "x", "repeat_penalty": 0.0}, "repeat_penalty"),
+        ({"session": "s", "token": "x", "seed": -5}, "seed"),
+    ],
+)
+def test_wrong_types_and_out_of_range_values(
+    raw: RawConnection, daemon: DaemonProcess, fields: dict, named: str
+) -> None:
+    error = assert_error(raw.call({"op": "generate", "id": 9, **fields}), p.ErrorCode.BAD_REQUEST, 9)
+    assert named in error.message
+    assert_still_serving(daemon)
+
+
+def test_client_library_checks_sampler_values_before_sending(daemon: DaemonProcess) -> None:
+    with daemon.client() as client, client.open_session() as s:
+        with pytest.raises(BadRequest, match="temperature"):
+            s.generate("x", temperature=-0.5)
+        assert s.complete("x", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
+
+
+def test_unknown_and_foreign_sessions(raw: RawConnection, daemon: DaemonProcess) -> None:
+    opened = raw.open()
+    reply = raw.call(p.Generate(id=11, session="0123456789abcdef", token=opened.token, prompt="hi"))
+    assert_error(reply, p.ErrorCode.UNKNOWN_SESSION, 11)
+    reply = raw.call(p.Generate(id=12, session=opened.session, token="f" * 32, prompt="hi"))
+    error = assert_error(reply, p.ErrorCode.NOT_OWNER, 12)
+    assert opened.token not in error.message
+    for message in (
+        p.Cancel(id=13, session=opened.session, token="nope"),
+        p.CloseSession(id=14, session=opened.session, token="nope"),
+    ):
+        assert_error(raw.call(message), p.ErrorCode.NOT_OWNER)
+    # the owner still has its session
+    raw.send(p.Generate(id=15, session=opened.session, token=opened.token, prompt="hi", max_tokens=3, temperature=0.0))
+    _, final = raw.until_final(15)
+    assert final.usage.completion_tokens == 3
+
+
+def test_prompt_longer_than_the_context(raw: RawConnection, daemon: DaemonProcess) -> None:
+    opened = raw.open()
+    reply = raw.call(p.Generate(id=21, session=opened.session, token=opened.token, prompt="x" * 5000))
+    error = assert_error(reply, p.ErrorCode.CONTEXT_OVERFLOW, 21)
+    assert error.detail is not None and error.detail["prompt_tokens"] > error.detail["room"]
+    assert_still_serving(daemon)
+
+
+def test_busy_session_unknown_task_and_version(raw: RawConnection, daemon: DaemonProcess) -> None:
+    opened = raw.open()
+    raw.send(
+        p.Generate(id=31, session=opened.session, token=opened.token, prompt="a", max_tokens=1500, temperature=0.0)
+    )
+    busy = raw.call(p.Generate(id=32, session=opened.session, token=opened.token, prompt="b"))
+    assert_error(busy, p.ErrorCode.SESSION_BUSY, 32)
+    assert_error(raw.call(p.OpenSession(id=33, task="nosuchtask")), p.ErrorCode.UNKNOWN_TASK, 33)
+    assert_error(raw.call(p.Hello(id=34, version=999)), p.ErrorCode.VERSION_MISMATCH, 34)
+    assert_still_serving(daemon)
