@@ -78,6 +78,10 @@ class AsyncClient:
         opened = expect(await self._call(p.OpenSession(task=task)), p.SessionOpened)
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
+    async def resume_session(self, session_id: str, token: str) -> AsyncSession:
+        opened = expect(await self._call(p.ResumeSession(session=session_id, token=token)), p.SessionOpened)
+        return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
+
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()

@@ -60,12 +60,19 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
-    model, slots, kv, sessions, c = (status[k] for k in ("model", "slots", "kv", "sessions", "counters"))
+    model, slots, kv, sessions, c, pool = (status[k] for k in ("model", "slots", "kv", "sessions", "counters", "pool"))
     rows: list[tuple[str, Any]] = [
         ("daemon", f"kvpoold {status['daemon_version']} (pid {status['pid']}, up {status['uptime_s']:.0f} s)"),
         ("model", f"{model['description']} ({model['path']})"),
         ("slots", f"{slots['used']}/{slots['total']} used"),
         ("kv cells", f"{kv['cells_used']}/{kv['cells_total']} used"),
+        (
+            "pool",
+            f"{_bytes(pool['used_bytes'])} used, {_bytes(pool['free_bytes'])} free, largest free extent "
+            f"{_bytes(pool['largest_free_extent_bytes'])} ({pool['name']})",
+        ),
+        ("spill", f"{_bytes(status['spill']['used_bytes'])} of {_bytes(status['spill']['max_bytes'])}"),
+        ("tiers", _counts(status["sessions_by_tier"])),
         ("sessions", f"{sessions['open']} open (max {sessions['max']}), {sessions['generating']} generating"),
         ("tokens", f"{c['generated_tokens']} generated, {c['prompt_tokens']} prompt, {c['decode_calls']} decodes"),
         ("requests", _counts(c["requests"])),
@@ -115,6 +122,14 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -70,6 +70,11 @@ class Client:
         opened = expect(self._call(p.OpenSession(task=task)), p.SessionOpened)
         return Session(self, opened.session, opened.token, opened.task, opened.context_size)
 
+    def resume_session(self, session_id: str, token: str) -> Session:
+        """Take back a session opened earlier (by this or another process, before or after a daemon restart)."""
+        opened = expect(self._call(p.ResumeSession(session=session_id, token=token)), p.SessionOpened)
+        return Session(self, opened.session, opened.token, opened.task, opened.context_size)
+
     def close(self) -> None:
         if not self._sock.closed:
             self._sock.close(0)

@@ -37,7 +37,8 @@ class ErrorCode(StrEnum):
     UNKNOWN_SESSION = "UNKNOWN_SESSION"
     NOT_OWNER = "NOT_OWNER"
     SESSION_BUSY = "SESSION_BUSY"
-    SESSION_EVICTED = "SESSION_EVICTED"
+    SESSION_EVICTED = "SESSION_EVICTED"  # dropped because the pool and the spill directory were full
+    SESSION_CORRUPT = "SESSION_CORRUPT"  # its saved state failed its checksum; the session was closed
     POOL_FULL = "POOL_FULL"
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
     CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"
@@ -89,6 +90,10 @@ class CloseSession(SessionRequest, tag="close"):
     pass
 
 
+class ResumeSession(SessionRequest, tag="resume"):
+    """Take a session back (e.g. from a new process, or after a daemon restart) with its id and token."""
+
+
 class Cancel(SessionRequest, tag="cancel"):
     pass
 
@@ -112,7 +117,7 @@ class Generate(SessionRequest, tag="generate"):
     stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
 
 
-AnyRequest = Hello | Status | ListSessions | OpenSession | CloseSession | Cancel | Generate
+AnyRequest = Hello | Status | ListSessions | OpenSession | ResumeSession | CloseSession | Cancel | Generate
 
 
 # ---------------------------------------------------------------- replies (daemon -> client)
@@ -135,8 +140,10 @@ class StatusReply(Reply, tag="status"):
 class SessionInfo(Struct, kw_only=True):
     session: str
     task: str
-    tier: str  # "hot" while in a slot
+    tier: str  # "hot" (in a slot), "pool" (shared memory), "disk" (spill directory), "new" (nothing computed)
     context_tokens: int
+    snapshot_bytes: int  # size of its last checkpoint (0 if none)
+    checkpoint_version: int
     busy: bool
     idle_s: float
     age_s: float
@@ -151,6 +158,7 @@ class SessionOpened(Reply, tag="opened"):
     token: str
     task: str
     context_size: int
+    context_tokens: int = 0  # tokens the session already holds (non-zero when resumed)
 
 
 class Closed(Reply, tag="closed"):

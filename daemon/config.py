@@ -24,6 +24,8 @@ class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
 
     max_sessions: NonNegative = 0
     max_context_tokens: NonNegative = 0
+    # Most bytes of snapshots (pool and spill) the task's sessions may hold; sizes accept "64MiB" etc.
+    pool_quota: NonNegative = 0
 
 
 def _default_tasks() -> dict[str, TaskProfile]:
@@ -43,7 +45,19 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     context_size: Annotated[int, Meta(ge=64, le=1 << 20)] = 4096
     # Most tokens one engine step decodes (prefill chunks + one token per generating session).
     batch_size: Annotated[int, Meta(ge=8, le=1 << 16)] = 512
-    max_sessions: Positive = 64
+    max_sessions: Annotated[int, Meta(ge=1, le=1 << 16)] = 64
+    # The warm tier: a POSIX shared-memory segment of this many bytes ("512MiB", "2GiB" or a number).
+    cache_pool_size: Annotated[int, Meta(ge=1 << 20)] = 256 << 20
+    # Its name in /dev/shm; empty means one derived from the address, so daemons never share by accident.
+    pool_name: Annotated[str, Meta(pattern=r"^(/[A-Za-z0-9_.-]{1,200})?$")] = ""
+    pool_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o600
+    # When sessions are snapshotted: after every completed generation (a crash loses no completed turn), or
+    # only when they leave their hot slot (cheaper; a crash loses what was never hibernated).
+    checkpoint: Annotated[str, Meta(pattern=r"^(after_generate|on_evict)$")] = "after_generate"
+    # The cold tier: snapshots evicted from the pool; empty means $STATE_DIRECTORY/spill (systemd), else
+    # $XDG_STATE_HOME/kvpool/spill, else ~/.local/state/kvpool/spill, plus the pool's name.
+    spill_dir: str = ""
+    spill_max_bytes: NonNegative = 1 << 30
     # Seconds of inactivity after which a session is closed; 0 keeps sessions until closed.
     session_timeout: Annotated[float, Meta(ge=0)] = 3600.0
     # CPU threads for decoding; 0 means one per core.
@@ -70,7 +84,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from None
     flagged = {key: value for key, value in (overrides or {}).items() if value is not None}
     raw.update(flagged)
-    tasks_raw = raw.pop("tasks", {"default": {}})
+    try:
+        _parse_sizes(raw, SIZE_KEYS, "")
+        tasks_raw = raw.pop("tasks", {"default": {}})
+        for name, table in tasks_raw.items() if isinstance(tasks_raw, dict) else ():
+            if isinstance(table, dict):
+                _parse_sizes(table, ("pool_quota",), f"tasks.{name}.")
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     try:
         config = msgspec.convert(raw | {"tasks": {}}, Config)
     except msgspec.ValidationError as exc:
@@ -89,6 +110,29 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if "default" not in tasks:
         raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
     return msgspec.structs.replace(config, tasks=tasks)
+
+
+SIZE_KEYS = ("cache_pool_size", "spill_max_bytes")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """ "512MiB", "2GiB", "1.5G", "4096" -> bytes (binary units; "MB" is read as MiB too)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size; write e.g. 512MiB, 2GiB or a number of bytes")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "")[:1].upper()])
+
+
+def _parse_sizes(table: dict[str, Any], keys: tuple[str, ...], prefix: str) -> None:
+    for key in keys:
+        if isinstance(table.get(key), str):
+            try:
+                table[key] = parse_size(table[key])
+            except ValueError as exc:
+                raise ValueError(f"`{prefix}{key}`: {exc}") from None
 
 
 def _explain(exc: msgspec.ValidationError, raw: Any, prefix: str, source: str, flagged: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ class Generation:
     sampler: Sampler
     prompt_tokens: int
     text: StreamText
+    new_tokens: list[int] = field(default_factory=list)  # the prompt, appended to the session once it runs
     arrival: float = field(default_factory=time.monotonic)
     completion_tokens: int = 0
     first_step_at: float | None = None

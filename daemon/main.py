@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvpool.client import __version__
 from kvpool.client.address import default_address
 
-from .config import ConfigError, load_config
+from .config import Config, ConfigError, load_config
 from .default_model import ModelNotFound, resolve_model_path
 from .engine import Engine
 from .model import Model, ModelLoadError
+from .pool import Pool, PoolError
 from .server import AddressUnavailable, Server
+from .sessions import SessionTable
+from .spill import SpillDir, SpillError
+from .tiers import Tiers
 
 log = logging.getLogger("kvpool.daemon")
 
@@ -32,6 +38,11 @@ OVERRIDES = (
     "threads",
     "batch_size",
     "log_level",
+    "cache_pool_size",
+    "pool_name",
+    "checkpoint",
+    "spill_dir",
+    "spill_max_bytes",
 )
 
 
@@ -51,6 +62,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, help="CPU threads for decoding (0: one per core)")
     ap.add_argument("--batch-size", type=int, help="most tokens one engine step decodes")
     ap.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--cache-pool-size", help="bytes of the shared-memory pool, e.g. 512MiB or 2GiB")
+    ap.add_argument("--pool-name", help="name of the pool in /dev/shm (default: derived from the address)")
+    ap.add_argument(
+        "--reset-pool",
+        action="store_true",
+        help="discard an existing pool that does not match (other model, layout or corrupt)",
+    )
+    ap.add_argument("--checkpoint", choices=["after_generate", "on_evict"], help="when sessions are snapshotted")
+    ap.add_argument("--spill-dir", help="directory for snapshots evicted from the pool")
+    ap.add_argument("--spill-max-bytes", help="cap of the spill directory, e.g. 1GiB (0 disables it)")
     ap.add_argument("--version", action="version", version=f"kvpoold {__version__}")
     return ap.parse_args(argv)
 
@@ -88,7 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.close()
         return 1
 
-    engine = Engine(model, config, server.send, __version__, frame_errors=server.frame_errors)
+    try:
+        tiers = open_tiers(config, model, address, reset=args.reset_pool)
+    except (PoolError, SpillError) as exc:
+        print(f"kvpoold: {exc}", file=sys.stderr)
+        model.close()
+        server.close()
+        return 1
+    engine = Engine(model, config, tiers, server.send, __version__, frame_errors=server.frame_errors)
     engine_done = threading.Event()
 
     def run_engine() -> None:
@@ -120,10 +148,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     while engine_thread.is_alive():
         engine_thread.join(0.5)  # a timed join keeps the main thread responsive to signals
     io_thread.join()
+    tiers.pool.close()
     model.close()
     server.close()
     log.info("kvpoold stopped")
     return 0
+
+
+def default_pool_name(address: str) -> str:
+    return "/kvpool-" + hashlib.sha256(address.encode()).hexdigest()[:16]
+
+
+def default_spill_dir(pool_name: str) -> Path:
+    if state := os.environ.get("STATE_DIRECTORY"):
+        base = Path(state.split(":")[0]) / "spill"
+    else:
+        base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "kvpool" / "spill"
+    return base / pool_name.lstrip("/")
+
+
+def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers:
+    """Attach to (or create) the pool, open the spill directory, and recover the sessions they hold."""
+    name = config.pool_name or default_pool_name(address)
+    pool = Pool.open(
+        name,
+        config.cache_pool_size,
+        config.max_sessions,
+        model.fingerprint,
+        model.kv_layout,
+        mode=config.pool_mode,
+        reset=reset,
+    )
+    try:
+        spill = SpillDir(
+            Path(config.spill_dir) if config.spill_dir else default_spill_dir(name), config.spill_max_bytes
+        )
+    except SpillError:
+        pool.close()
+        raise
+    tiers = Tiers(model, pool, spill, SessionTable(config, model.context_size), config)
+    recovered = tiers.recover()
+    usage = pool.usage()
+    log.info(
+        "pool %s %s: %d bytes, %d sessions recovered, %d bytes in use; spill dir %s",
+        name,
+        "created" if pool.created else "attached",
+        pool.size,
+        recovered,
+        usage["used_bytes"],
+        spill.path,
+    )
+    return tiers
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ class Sampler:
 
     def __init__(self, model: Model, params: SamplingParams, history: list[int]):
         self._ctx = model.ctx
+        self._n_vocab = model.n_vocab
+        # Plain greedy is an argmax over the logits row; numpy does it without the sampler chain's copy of the
+        # whole vocabulary into a candidate array (262k entries for Gemma 3), the same first-maximum rule.
+        self._argmax = params.temperature == 0.0 and params.repeat_penalty == 1.0
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lc.llama_sampler_chain_add
         if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
@@ -88,6 +92,9 @@ class Sampler:
 
     def sample(self, batch_index: int) -> int:
         """Sample from the logits of batch row ``batch_index`` of the last decode (and accept the token)."""
+        if self._argmax:
+            logits = lc.llama_get_logits_ith(self._ctx, batch_index)
+            return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
         return lc.llama_sampler_sample(self._chain, self._ctx, batch_index)
 
     def free(self) -> None:
@@ -174,6 +181,8 @@ class Model:
         self._piece_buf = ctypes.create_string_buffer(256)
         self.description = self._desc()
         self.fingerprint = self._fingerprint()
+        # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
+        self.kv_layout = f"type_k={cparams.type_k},type_v={cparams.type_v},swa_full={int(cparams.swa_full)}"
 
     # ------------------------------------------------------------------ text
 
@@ -217,6 +226,22 @@ class Model:
     def forget_sequence(self, seq_id: int) -> None:
         """Free every KV cell of a sequence (the slot becomes empty)."""
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+
+    def state_size(self, seq_id: int) -> int:
+        """Bytes llama_state_seq_get_data needs for the sequence's KV cells."""
+        return lc.llama_state_seq_get_size(self.ctx, seq_id)
+
+    def save_state(self, seq_id: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
+        """Copy the sequence's KV state into ``dest`` (e.g. a view of the shared-memory pool); bytes written."""
+        return lc.llama_state_seq_get_data(self.ctx, dest, len(dest), seq_id)
+
+    def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8]) -> bool:
+        """Restore a saved state into an empty sequence; False when llama.cpp rejects it (no room, mismatch)."""
+        self.forget_sequence(seq_id)
+        if lc.llama_state_seq_set_data(self.ctx, src, len(src), seq_id) == 0:
+            self.forget_sequence(seq_id)
+            return False
+        return True
 
     def sequence_end(self, seq_id: int) -> int:
         """One past the last position the KV holds for the sequence (0 when it is empty)."""

@@ -96,7 +96,7 @@ class Server:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(OUTBOX)
             self._sender_local.sock = sock
-        sock.send_multipart([client, p.encode(reply)], copy=False)
+        sock.send_multipart([client, p.encode(reply)])  # small frames: copying is cheaper than zero-copy tracking
 
     def close_sender(self) -> None:
         """Close the calling thread's PUSH socket (the engine thread calls this as it exits)."""
@@ -133,10 +133,10 @@ class Server:
         outbox, router = self._outbox_in, self._router
         for _ in range(10_000):  # bounded so inbound frames are not starved by a burst of chunks
             try:
-                frames = outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = outbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            router.send_multipart(frames, copy=False)
+            router.send_multipart(frames)
 
     def _receive(self, submit: Callable[[bytes, p.AnyRequest], None]) -> None:
         for _ in range(1_000):

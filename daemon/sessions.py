@@ -1,9 +1,8 @@
-"""Sessions and the hot slots they live in: who owns what, pure bookkeeping (no llama.cpp)."""
+"""Sessions: who owns what, and where each one's KV lives. Pure bookkeeping (no llama.cpp, no pool access)."""
 
 from __future__ import annotations
 
 import hmac
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -12,6 +11,7 @@ from kvpool.client.protocol import ErrorCode
 
 from .config import Config
 from .errors import RequestRefused
+from .pool import TIER_POOL, Snapshot
 
 if TYPE_CHECKING:
     from .generation import Generation
@@ -22,29 +22,50 @@ class Session:
     id: str
     token: str
     task: str
-    slot: int  # the llama.cpp sequence id holding this session's KV
+    entry: int  # index of the session's entry in the pool's session table
     context_limit: int  # most tokens this session's context may hold
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
-    # The whole conversation. The KV holds tokens[:n_kv]; the rest (the last sampled token, a new prompt)
-    # is fed by the next steps.
+    # The whole conversation. While resident, the KV holds tokens[:n_kv]; the rest (the last sampled token,
+    # a new prompt) is fed by the next steps.
     tokens: list[int] = field(default_factory=list)
     n_kv: int = 0
+    slot: int | None = None  # the llama.cpp sequence holding the KV while the session is hot
+    snapshot: Snapshot | None = None  # the last committed snapshot (warm or cold tier)
     generation: Generation | None = None
 
     @property
     def pending_tokens(self) -> int:
         return len(self.tokens) - self.n_kv
 
+    @property
+    def tier(self) -> str:
+        if self.slot is not None:
+            return "hot"
+        if self.snapshot is None:
+            return "new"  # opened, nothing computed yet
+        return "pool" if self.snapshot.tier == TIER_POOL else "disk"
+
+    @property
+    def checkpoint_fresh(self) -> bool:
+        """The committed snapshot holds exactly the session's current state."""
+        s = self.snapshot
+        return s is not None and s.n_tokens == len(self.tokens) and s.n_kv == self.n_kv
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.snapshot.length if self.snapshot is not None else 0
+
 
 class SessionTable:
-    def __init__(self, config: Config, hot_slots: int, context_size: int):
+    def __init__(self, config: Config, context_size: int):
         self._config = config
         self._context_size = context_size
-        self._free_slots = list(range(hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.by_id: dict[str, Session] = {}
+        # Sessions dropped when both tiers were full, id -> token: their owners (only) get SESSION_EVICTED.
+        self.evicted: dict[str, str] = {}
 
-    def open(self, task: str) -> Session:
+    def check_can_open(self, task: str) -> None:
         profile = self._config.tasks.get(task)
         if profile is None:
             known = ", ".join(sorted(self._config.tasks))
@@ -62,26 +83,29 @@ class SessionTable:
                 ErrorCode.QUOTA_EXCEEDED,
                 f"Task {task!r} already holds its max_sessions={profile.max_sessions} sessions; close one first.",
             )
-        if not self._free_slots:
-            raise RequestRefused(
-                ErrorCode.POOL_FULL,
-                f"All {len(self.by_id)} hot slots hold open sessions and this build keeps every session in a "
-                "slot; close a session or raise hot_slots.",
-            )
-        limit = min(self._context_size, profile.max_context_tokens or self._context_size)
-        session = Session(
-            id=secrets.token_hex(8),
-            token=secrets.token_hex(16),
-            task=task,
-            slot=self._free_slots.pop(),
-            context_limit=limit,
-        )
+
+    def context_limit(self, task: str) -> int:
+        profile = self._config.tasks.get(task)
+        limit = profile.max_context_tokens if profile is not None else 0
+        return min(self._context_size, limit or self._context_size)
+
+    def add(self, session: Session) -> None:
         self.by_id[session.id] = session
-        return session
+        self.evicted.pop(session.id, None)
 
     def get(self, session_id: str, token: str) -> Session:
         """The session, if ``token`` is its capability token; the error says nothing about other sessions."""
         session = self.by_id.get(session_id)
+        if session is None and session_id in self.evicted:
+            if not hmac.compare_digest(self.evicted[session_id].encode(), token.encode()):
+                raise RequestRefused(
+                    ErrorCode.NOT_OWNER, f"Session {session_id!r} belongs to another client; use your own session."
+                )
+            raise RequestRefused(
+                ErrorCode.SESSION_EVICTED,
+                f"Session {session_id!r} was evicted because the pool and the spill directory were full; "
+                "open a new session (or give the daemon a larger cache_pool_size or spill_max_bytes).",
+            )
         if session is None:
             raise RequestRefused(
                 ErrorCode.UNKNOWN_SESSION,
@@ -93,16 +117,13 @@ class SessionTable:
             )
         return session
 
-    def close(self, session: Session) -> None:
+    def remove(self, session: Session, evicted: bool = False) -> None:
         del self.by_id[session.id]
-        self._free_slots.append(session.slot)
+        if evicted:
+            self.evicted[session.id] = session.token
 
     def count(self, task: str) -> int:
         return sum(1 for s in self.by_id.values() if s.task == task)
 
     def idle_longer_than(self, seconds: float, now: float) -> list[Session]:
         return [s for s in self.by_id.values() if s.generation is None and now - s.last_used > seconds]
-
-    @property
-    def slots_used(self) -> int:
-        return len(self.by_id)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import posix_ipc
 from kvpool.client import Client, DaemonUnavailable
 
 START_TIMEOUT_S = 60.0
@@ -23,10 +26,26 @@ class DaemonProcess:
         self.args = list(args)
         self.model = model
         self.config = config
+        # Each test daemon gets its own pool segment and spill dir, removed by cleanup() even on failure.
+        self.pool_name = f"/kvpool-test-{secrets.token_hex(6)}"
+        self.spill_dir = workdir / "spill"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "kvpool.daemon.main", "--address", self.address]
+        # A small pool by default: posix_fallocate reserves all of it in /dev/shm for the daemon's lifetime.
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpool.daemon.main",
+            "--address",
+            self.address,
+            "--pool-name",
+            self.pool_name,
+            "--spill-dir",
+            str(self.spill_dir),
+            "--cache-pool-size",
+            "16MiB",
+        ]
         if self.model is not None:
             cmd += ["--model", str(self.model)]
         if self.config is not None:
@@ -78,6 +97,8 @@ class DaemonProcess:
 
     def cleanup(self) -> None:
         self.stop()
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(self.pool_name)
         for leftover in (self.workdir / "kvpoold.sock", self.workdir / "kvpoold.sock.lock"):
             if leftover.exists():
                 os.unlink(leftover)

@@ -173,3 +173,15 @@ def test_streamed_text_equals_text_up_to_first_stop(body: str, stops: list[str],
     first = min((i for i in (body.find(s) for s in stops) if i >= 0), default=-1)
     assert out == (body[:first] if first >= 0 else body)
     assert text.stopped == (first >= 0)
+
+
+def test_config_reference_documents_every_key_and_flag() -> None:
+    from kvpool.daemon.config import TaskProfile
+    from kvpool.daemon.main import OVERRIDES
+
+    reference = (ROOT / "docs" / "config.md").read_text()
+    for name in (*Config.__struct_fields__, *TaskProfile.__struct_fields__):
+        if name != "tasks":
+            assert f"`{name}`" in reference, f"docs/config.md does not document `{name}`"
+    for key in OVERRIDES:
+        assert f"`--{key.replace('_', '-')}`" in reference, f"docs/config.md does not document --{key}"

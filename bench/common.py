@@ -1,0 +1,78 @@
+"""What every benchmark needs: a private kvpoold on a private address, pool and spill dir, always cleaned up."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import posix_ipc
+from kvpool.client import Client, DaemonUnavailable
+
+READY_TIMEOUT_S = 120.0
+
+
+@dataclass
+class BenchDaemon:
+    address: str
+    pool_name: str
+    workdir: str
+    proc: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def private_daemon(model: str, *args: str) -> Iterator[BenchDaemon]:
+    workdir = tempfile.mkdtemp(prefix="kvpool-bench-")
+    address = f"ipc://{workdir}/kvpoold.sock"
+    pool_name = f"/kvpool-bench-{workdir.rsplit('-', 1)[-1]}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpool.daemon.main",
+        "--model",
+        model,
+        "--address",
+        address,
+        "--pool-name",
+        pool_name,
+        "--spill-dir",
+        f"{workdir}/spill",
+        "--log-level",
+        "warning",
+        *args,
+    ]
+    proc = subprocess.Popen(cmd)
+    daemon = BenchDaemon(address, pool_name, workdir, proc)
+    try:
+        wait_ready(daemon)
+        yield daemon
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(pool_name)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def wait_ready(daemon: BenchDaemon) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if daemon.proc.poll() is not None:
+            raise SystemExit(f"kvpoold exited with {daemon.proc.returncode}")
+        try:
+            with Client(daemon.address, connect_timeout=0.5):
+                return
+        except DaemonUnavailable:
+            time.sleep(0.1)  # polling interval of a bounded readiness wait
+    raise SystemExit("kvpoold did not start")
+
+
+def default_model(path: str | None) -> str:
+    from kvpool.daemon.default_model import resolve_model_path
+
+    return str(resolve_model_path(path or ""))

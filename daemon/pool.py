@@ -1,0 +1,367 @@
+"""The warm tier: one POSIX shared-memory segment of fixed size holding session snapshots.
+
+Layout: a header page (magic, layout version, model fingerprint, KV layout, sizes, generation), a session
+table of fixed-size entries, and an extent area managed by ExtentAllocator. Only the table is persistent
+state: the free list is rebuilt from it at attach.
+
+Crash consistency: every entry has two snapshot records. A new snapshot is written to a fresh extent and
+checksummed, its record (the one not in use) is filled in, and then its version (one aligned 8-byte store)
+is set above the other record's: that store is the commit. The old extent is freed after. A daemon killed
+at any instant therefore leaves, for every session, its last committed snapshot intact.
+
+The segment outlives the daemon, so a restarted daemon attaches to it and recovers every session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from .allocator import Extent, ExtentAllocator
+from .checksum import checksum
+
+MAGIC = b"KVPOOL\x00\x01"
+LAYOUT_VERSION = 1
+HEADER_BYTES = 4096
+ALIGN = 64
+
+FREE, LIVE, EVICTED = 0, 1, 2  # entry states; EVICTED keeps the id so its owner learns SESSION_EVICTED
+TIER_POOL, TIER_DISK = 1, 2
+
+HEADER = np.dtype(
+    {
+        "names": [
+            "magic",
+            "layout",
+            "entries",
+            "pool_size",
+            "table_offset",
+            "area_offset",
+            "area_size",
+            "generation",
+            "fingerprint",
+            "kv_layout",
+        ],
+        "formats": ["S8", "<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "S32", "S64"],
+        "offsets": [0, 8, 12, 16, 24, 32, 40, 48, 64, 96],
+        "itemsize": 256,
+    }
+)
+RECORD = np.dtype(
+    {
+        "names": ["version", "tier", "offset", "length", "state_bytes", "n_tokens", "n_kv", "checksum"],
+        "formats": ["<u8", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4", "<u8"],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48],
+        "itemsize": 64,
+    }
+)
+ENTRY = np.dtype(
+    {
+        "names": ["state", "session", "token", "task", "created", "last_used", "records"],
+        "formats": ["<u4", "S16", "S32", "S64", "<f8", "<f8", (RECORD, (2,))],
+        "offsets": [0, 8, 24, 56, 120, 128, 192],
+        "itemsize": 320,
+    }
+)
+
+
+class PoolError(Exception):
+    """The segment cannot be created or attached; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A committed snapshot record: where the bytes are and what they hold."""
+
+    version: int
+    tier: int
+    offset: int
+    length: int
+    state_bytes: int
+    n_tokens: int
+    n_kv: int
+    checksum: int
+
+    @property
+    def extent(self) -> Extent:
+        return Extent(self.offset, self.length)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    index: int
+    state: int
+    session: str
+    token: str
+    task: str
+    created: float
+    last_used: float
+    snapshot: Snapshot | None
+
+
+class Pool:
+    def __init__(self, shm: posix_ipc.SharedMemory, mapping: mmap.mmap, created: bool):
+        self.name = shm.name
+        self.created = created
+        self._shm = shm
+        self._map = mapping
+        self.header = np.frombuffer(mapping, dtype=HEADER, count=1)
+        h = self.header[0]
+        self.size = int(h["pool_size"])
+        self.table = np.frombuffer(mapping, dtype=ENTRY, count=int(h["entries"]), offset=int(h["table_offset"]))
+        used = [s.extent for e in self.entries() if (s := e.snapshot) is not None and s.tier == TIER_POOL]
+        self.allocator = ExtentAllocator.from_used(int(h["area_offset"]), int(h["area_size"]), used, ALIGN)
+
+    # ------------------------------------------------------------------ create / attach
+
+    @classmethod
+    def open(
+        cls,
+        name: str,
+        size: int,
+        entries: int,
+        fingerprint: str,
+        kv_layout: str,
+        *,
+        mode: int = 0o600,
+        reset: bool = False,
+    ) -> Pool:
+        """Attach to the segment ``name`` if it exists and matches, else create it (O_EXCL, fallocate)."""
+        if reset:
+            cls.unlink(name)
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
+        except posix_ipc.ExistentialError:
+            return cls._attach(name, fingerprint, kv_layout)
+        try:
+            # posix_fallocate reserves every page now: a full /dev/shm fails here, not later with SIGBUS.
+            os.posix_fallocate(shm.fd, 0, size)
+            mapping = mmap.mmap(shm.fd, size)
+        except OSError as exc:
+            shm.close_fd()
+            shm.unlink()
+            raise PoolError(
+                f"Cannot reserve a {size}-byte pool in /dev/shm ({exc.strerror}); free space there "
+                "or lower cache_pool_size."
+            ) from None
+        shm.close_fd()
+        cls._format(mapping, size, entries, fingerprint, kv_layout)
+        return cls(shm, mapping, created=True)
+
+    @staticmethod
+    def _format(mapping: mmap.mmap, size: int, entries: int, fingerprint: str, kv_layout: str) -> None:
+        table_offset = HEADER_BYTES
+        area_offset = -(-(table_offset + entries * ENTRY.itemsize) // 4096) * 4096
+        area_size = (size - area_offset) // ALIGN * ALIGN
+        if area_size < 1 << 16:
+            raise PoolError(f"cache_pool_size {size} is too small for {entries} session entries; raise it.")
+        header = np.frombuffer(mapping, dtype=HEADER, count=1)
+        header[0] = (
+            b"",
+            LAYOUT_VERSION,
+            entries,
+            size,
+            table_offset,
+            area_offset,
+            area_size,
+            0,
+            fingerprint.encode(),
+            kv_layout.encode(),
+        )
+        # The magic goes last: a segment with a valid magic is always fully formatted.
+        header[0]["magic"] = MAGIC
+        del header
+
+    @classmethod
+    def _attach(cls, name: str, fingerprint: str, kv_layout: str) -> Pool:
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.PermissionsError:
+            raise PoolError(f"Pool segment {name} belongs to another user; pass a different --pool-name.") from None
+        size = shm.size
+        if size < HEADER_BYTES:
+            shm.close_fd()
+            raise PoolError(f"Pool segment {name} is too small to be a kvpool pool; remove it with --reset-pool.")
+        mapping = mmap.mmap(shm.fd, size)
+        shm.close_fd()
+        h = np.frombuffer(mapping, dtype=HEADER, count=1)[0]
+        problem = None
+        if h["magic"] != MAGIC:
+            problem = "is not a kvpool pool (or was never fully formatted)"
+        elif h["layout"] != LAYOUT_VERSION:
+            problem = f"has layout version {h['layout']}, this daemon writes {LAYOUT_VERSION}"
+        elif h["fingerprint"].decode() != fingerprint:
+            theirs = h["fingerprint"].decode()
+            problem = f"holds sessions of another model (fingerprint {theirs}, this model {fingerprint})"
+        elif h["kv_layout"].decode() != kv_layout:
+            problem = f"was written with KV layout {h['kv_layout'].decode()!r}, this daemon uses {kv_layout!r}"
+        elif int(h["pool_size"]) != size:
+            problem = f"says it is {int(h['pool_size'])} bytes but is {size}"
+        if problem:
+            del h
+            mapping.close()
+            raise PoolError(
+                f"Pool segment {name} {problem}; start with --reset-pool to discard it, or pass another --pool-name."
+            )
+        del h
+        try:
+            pool = cls(shm, mapping, created=False)
+        except ValueError as exc:
+            raise PoolError(
+                f"Pool segment {name} has a corrupt session table ({exc}); start with --reset-pool."
+            ) from None
+        pool.header[0]["generation"] += 1
+        return pool
+
+    @staticmethod
+    def unlink(name: str) -> bool:
+        try:
+            posix_ipc.unlink_shared_memory(name)
+            return True
+        except posix_ipc.ExistentialError:
+            return False
+
+    def close(self) -> None:
+        """Unmap (the segment stays for the next daemon)."""
+        del self.header, self.table
+        self._map.close()
+
+    # ------------------------------------------------------------------ table
+
+    def entries(self) -> list[EntryInfo]:
+        return [self.entry(i) for i in np.nonzero(self.table["state"] != FREE)[0]]
+
+    def entry(self, index: int) -> EntryInfo:
+        e = self.table[index]
+        return EntryInfo(
+            int(index),
+            int(e["state"]),
+            e["session"].decode(),
+            e["token"].decode(),
+            e["task"].decode(),
+            float(e["created"]),
+            float(e["last_used"]),
+            self.committed(index),
+        )
+
+    def committed(self, index: int) -> Snapshot | None:
+        records = self.table[index]["records"]
+        k = int(np.argmax(records["version"]))
+        r = records[k]
+        if r["version"] == 0:
+            return None
+        return Snapshot(
+            int(r["version"]),
+            int(r["tier"]),
+            int(r["offset"]),
+            int(r["length"]),
+            int(r["state_bytes"]),
+            int(r["n_tokens"]),
+            int(r["n_kv"]),
+            int(r["checksum"]),
+        )
+
+    def claim(self, session: str, token: str, task: str) -> int | None:
+        """Write a new live entry; None when the table is full (an evicted tombstone is reused first)."""
+        states = self.table["state"]
+        free = np.nonzero(states == FREE)[0]
+        if len(free) == 0:
+            evicted = np.nonzero(states == EVICTED)[0]
+            if len(evicted) == 0:
+                return None
+            free = evicted[np.argsort(self.table["last_used"][evicted])]
+        index = int(free[0])
+        e = self.table[index]
+        e["state"] = FREE
+        now = time.time()
+        e["session"], e["token"], e["task"] = session.encode(), token.encode(), task.encode()
+        e["created"] = e["last_used"] = now
+        e["records"]["version"] = 0
+        e["state"] = LIVE  # last: the entry exists only once it is complete
+        return index
+
+    def touch(self, index: int) -> None:
+        self.table[index]["last_used"] = time.time()
+
+    def release(self, index: int) -> None:
+        """Forget an entry (session closed or expired); its pool extent is freed."""
+        self._free_committed(index)
+        self.table[index]["state"] = FREE
+
+    def mark_evicted(self, index: int) -> None:
+        """Keep only the session's id, so its owner gets SESSION_EVICTED instead of UNKNOWN_SESSION."""
+        self._free_committed(index)
+        self.table[index]["records"]["version"] = 0
+        self.table[index]["state"] = EVICTED
+
+    def _free_committed(self, index: int) -> None:
+        snap = self.committed(index)
+        if snap is not None and snap.tier == TIER_POOL:
+            self.allocator.free(snap.extent)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return memoryview(self._map)[offset : offset + length]
+
+    def address(self, offset: int, length: int) -> ctypes.Array[ctypes.c_uint8]:
+        """A ctypes array over pool bytes, for llama.cpp to read or write in place (delete it after use)."""
+        return (ctypes.c_uint8 * length).from_buffer(self._map, offset)
+
+    def commit(
+        self,
+        index: int,
+        tier: int,
+        extent: Extent | None,
+        state_bytes: int,
+        n_tokens: int,
+        n_kv: int,
+        digest: int,
+        payload_bytes: int,
+    ) -> Snapshot:
+        """Switch the entry to a new snapshot already written and checksummed; free the previous extent."""
+        previous = self.committed(index)
+        records = self.table[index]["records"]
+        k = 0 if previous is None else 1 - int(np.argmax(records["version"]))
+        r = records[k]
+        r["tier"] = tier
+        r["offset"] = extent.offset if extent else 0
+        r["length"] = extent.length if extent else payload_bytes
+        r["state_bytes"], r["n_tokens"], r["n_kv"], r["checksum"] = state_bytes, n_tokens, n_kv, digest
+        version = 1 if previous is None else previous.version + 1
+        records["version"][k] = version  # the commit: one aligned 8-byte store
+        if previous is not None and previous.tier == TIER_POOL:
+            self.allocator.free(previous.extent)
+        snap = self.committed(index)
+        assert snap is not None and snap.version == version
+        return snap
+
+    def verify(self, snap: Snapshot) -> bool:
+        return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)) == snap.checksum
+
+    def tokens(self, snap: Snapshot) -> list[int]:
+        start = snap.offset + snap.state_bytes
+        return np.frombuffer(self._map, dtype="<i4", count=snap.n_tokens, offset=start).tolist()
+
+    def write_tokens(self, offset: int, tokens: list[int]) -> None:
+        np.frombuffer(self._map, dtype="<i4", count=len(tokens), offset=offset)[:] = tokens
+
+    # ------------------------------------------------------------------ figures
+
+    def usage(self) -> dict[str, int]:
+        a = self.allocator
+        return {
+            "size_bytes": self.size,
+            "area_bytes": a.size,
+            "used_bytes": a.size - a.free_bytes,
+            "free_bytes": a.free_bytes,
+            "largest_free_extent_bytes": a.largest_free,
+            "entries": len(self.table),
+            "entries_used": int(np.count_nonzero(self.table["state"] == LIVE)),
+        }

@@ -1,0 +1,181 @@
+"""What each request does to the engine's state. Runs on the engine thread, between steps.
+
+A handler returns its reply, or None when the reply comes later (a generation streams chunks and a final
+message). Refusals raise RequestRefused; the engine turns them into Error messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvpool.client import protocol as p
+from kvpool.client.protocol import ErrorCode, FinishReason
+
+from .errors import RequestRefused
+from .generation import Generation
+from .model import SamplingParams
+from .sessions import Session
+from .stream_text import StreamText
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("kvpool.engine")
+
+
+class RequestHandlers:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.model = engine.model
+        self.sessions = engine.sessions
+        self.tiers = engine.tiers
+        self.by_type: dict[type, Any] = {
+            p.Hello: self.hello,
+            p.Status: self.status,
+            p.ListSessions: self.list_sessions,
+            p.OpenSession: self.open,
+            p.ResumeSession: self.resume,
+            p.CloseSession: self.close,
+            p.Cancel: self.cancel,
+            p.Generate: self.generate,
+        }
+
+    def hello(self, client: bytes, r: p.Hello) -> p.Reply:
+        if r.version != p.PROTOCOL_VERSION:
+            raise RequestRefused(
+                ErrorCode.VERSION_MISMATCH,
+                f"This daemon speaks protocol {p.PROTOCOL_VERSION}, the client {r.version}; "
+                "install matching kvpool versions.",
+            )
+        return p.HelloReply(
+            id=r.id, version=p.PROTOCOL_VERSION, daemon_version=self.engine.daemon_version, model=self.model.description
+        )
+
+    def status(self, client: bytes, r: p.Status) -> p.Reply:
+        return p.StatusReply(id=r.id, status=self.engine.status())
+
+    def list_sessions(self, client: bytes, r: p.ListSessions) -> p.Reply:
+        now = time.monotonic()
+        infos = [
+            p.SessionInfo(
+                session=s.id,
+                task=s.task,
+                tier=s.tier,
+                context_tokens=len(s.tokens),
+                snapshot_bytes=s.snapshot_bytes,
+                checkpoint_version=s.snapshot.version if s.snapshot else 0,
+                busy=s.generation is not None,
+                idle_s=round(now - s.last_used, 3),
+                age_s=round(now - s.created, 3),
+            )
+            for s in self.sessions.by_id.values()
+        ]
+        return p.SessionsReply(id=r.id, sessions=infos)
+
+    def open(self, client: bytes, r: p.OpenSession) -> p.Reply:
+        self.sessions.check_can_open(r.task)
+        session_id, token = secrets.token_hex(8), secrets.token_hex(16)
+        entry = self.engine.pool.claim(session_id, token, r.task)
+        if entry is None:
+            raise RequestRefused(
+                ErrorCode.QUOTA_EXCEEDED,
+                "The pool's session table is full; close a session or "
+                "raise max_sessions (and restart with --reset-pool).",
+            )
+        s = Session(
+            id=session_id, token=token, task=r.task, entry=entry, context_limit=self.sessions.context_limit(r.task)
+        )
+        self.sessions.add(s)
+        log.info("session %s opened for task %s", s.id, s.task)
+        return self._opened(r.id, s)
+
+    def resume(self, client: bytes, r: p.ResumeSession) -> p.Reply:
+        s = self.sessions.get(r.session, r.token)
+        s.last_used = time.monotonic()
+        return self._opened(r.id, s)
+
+    @staticmethod
+    def _opened(request_id: int, s: Session) -> p.SessionOpened:
+        return p.SessionOpened(
+            id=request_id,
+            session=s.id,
+            token=s.token,
+            task=s.task,
+            context_size=s.context_limit,
+            context_tokens=len(s.tokens),
+        )
+
+    def close(self, client: bytes, r: p.CloseSession) -> p.Reply:
+        s = self.sessions.get(r.session, r.token)
+        if s.generation is not None:
+            self.engine.finish(s.generation, FinishReason.CANCELLED, time.monotonic())
+        self.tiers.drop(s)
+        return p.Closed(id=r.id, session=s.id)
+
+    def cancel(self, client: bytes, r: p.Cancel) -> p.Reply:
+        s = self.sessions.get(r.session, r.token)
+        g = s.generation
+        if g is None:
+            return p.Cancelled(id=r.id, cancelled=False)
+        self.engine.finish(g, FinishReason.CANCELLED, time.monotonic())
+        return p.Cancelled(id=r.id, cancelled=True, completion_tokens=g.completion_tokens)
+
+    def generate(self, client: bytes, r: p.Generate) -> None:
+        s = self.sessions.get(r.session, r.token)
+        if s.generation is not None:
+            raise RequestRefused(
+                ErrorCode.SESSION_BUSY, f"Session {s.id} is still generating; wait for its final message or cancel it."
+            )
+        new = self._prompt_tokens(r, s)
+        if not new and s.pending_tokens == 0:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                "The prompt is empty and the session has nothing to continue from; send some text.",
+            )
+        room = s.context_limit - len(s.tokens) - 1  # one place is kept for at least one generated token
+        if len(new) > room:
+            raise RequestRefused(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"The prompt is {len(new)} tokens but session {s.id} has room for {max(room, 0)} more "
+                f"(context limit {s.context_limit}); shorten the prompt or open a new session.",
+                {"prompt_tokens": len(new), "room": max(room, 0), "context_limit": s.context_limit},
+            )
+        params = SamplingParams(
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
+            repeat_penalty=r.repeat_penalty,
+            repeat_last_n=r.repeat_last_n,
+            seed=r.seed,
+        )
+        g = Generation(
+            client=client,
+            request=r,
+            session=s,
+            sampler=self.model.new_sampler(params, s.tokens + new),
+            prompt_tokens=len(new),
+            text=StreamText(r.stop),
+            new_tokens=new,
+        )
+        s.generation = g
+        s.last_used = g.arrival
+        self.engine.waiting.append(g)
+        return None  # the reply is the stream of chunks and the final message
+
+    def _prompt_tokens(self, r: p.Generate, s: Session) -> list[int]:
+        if r.prompt_tokens is not None:
+            if r.prompt:
+                raise RequestRefused(ErrorCode.BAD_REQUEST, "Send either `prompt` or `prompt_tokens`, not both.")
+            bad = [t for t in r.prompt_tokens if not self.model.valid_token(t)]
+            if bad:
+                raise RequestRefused(
+                    ErrorCode.BAD_REQUEST,
+                    f"Token ids {bad[:5]} are outside this model's vocabulary of "
+                    f"{self.model.n_vocab}; tokenize with the daemon's model.",
+                )
+            return list(r.prompt_tokens)
+        return self.model.tokenize(r.prompt, add_bos=not s.tokens)

@@ -1,0 +1,117 @@
+"""The cold tier: snapshots evicted from the pool, one file each in a size-capped spill directory.
+
+A file is written atomically (temporary name, fsync, rename, fsync of the directory) and carries its own
+header and checksum, verified on every read. File names hold the session id and the snapshot version, so
+the pool's session table says which file is current; files it does not reference are leftovers of a crash
+and are removed at start.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .checksum import checksum
+
+MAGIC = b"KVSPILL1"
+HEADER = struct.Struct("<8sQQIII")  # magic, version, state_bytes, n_tokens, n_kv, checksum
+SUFFIX = ".snap"
+
+
+class SpillError(Exception):
+    """The spill directory cannot be used; the message says what to do."""
+
+
+class SnapshotCorrupt(Exception):
+    """A snapshot's bytes do not match its checksum (or its file is missing or truncated)."""
+
+
+class SpillDir:
+    def __init__(self, path: Path, max_bytes: int):
+        self.path = path
+        self.max_bytes = max_bytes
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            probe = path / ".write-test"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            raise SpillError(
+                f"Spill directory {path} is not writable ({exc.strerror}); fix its permissions or set spill_dir."
+            ) from None
+        self._sizes: dict[str, int] = {p.name: p.stat().st_size for p in path.glob(f"*{SUFFIX}")}
+        for tmp in path.glob("*.tmp"):  # a write interrupted by a crash
+            tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def name(session: str, version: int) -> str:
+        return f"{session}.{version}{SUFFIX}"
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def fits(self, payload_bytes: int) -> bool:
+        return self.used_bytes + HEADER.size + payload_bytes <= self.max_bytes
+
+    def write(
+        self, session: str, version: int, payload: memoryview, state_bytes: int, n_tokens: int, n_kv: int, digest: int
+    ) -> None:
+        name = self.name(session, version)
+        tmp = self.path / f"{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, HEADER.pack(MAGIC, version, state_bytes, n_tokens, n_kv, digest))
+            view = payload
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path / name)
+        dir_fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself must survive a power cut
+        finally:
+            os.close(dir_fd)
+        self._sizes[name] = HEADER.size + len(payload)
+
+    def read(self, session: str, version: int) -> bytes:
+        """The payload (state bytes then int32 tokens), checked against the header's checksum."""
+        name = self.name(session, version)
+        try:
+            data = (self.path / name).read_bytes()
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"spill file {name} is missing") from None
+        if len(data) < HEADER.size:
+            raise SnapshotCorrupt(f"spill file {name} is truncated")
+        magic, file_version, state_bytes, n_tokens, _n_kv, digest = HEADER.unpack_from(data)
+        payload = data[HEADER.size :]
+        if magic != MAGIC or file_version != version or len(payload) != state_bytes + 4 * n_tokens:
+            raise SnapshotCorrupt(f"spill file {name} has a damaged header")
+        if checksum(payload) != digest:
+            raise SnapshotCorrupt(f"spill file {name} fails its checksum")
+        return payload
+
+    def read_tokens(self, session: str, version: int) -> list[int]:
+        """Only the token history of a spilled snapshot (at start, to rebuild the session table cheaply)."""
+        with (self.path / self.name(session, version)).open("rb") as f:
+            _magic, _version, state_bytes, n_tokens, _n_kv, _digest = HEADER.unpack(f.read(HEADER.size))
+            f.seek(HEADER.size + state_bytes)
+            return np.frombuffer(f.read(4 * n_tokens), dtype="<i4").tolist()
+
+    def remove(self, session: str, version: int) -> None:
+        name = self.name(session, version)
+        (self.path / name).unlink(missing_ok=True)
+        self._sizes.pop(name, None)
+
+    def keep_only(self, live: set[str]) -> int:
+        """Delete files no session references (left by a crash between write and commit); return how many."""
+        stale = [name for name in self._sizes if name not in live]
+        for name in stale:
+            (self.path / name).unlink(missing_ok=True)
+            del self._sizes[name]
+        return len(stale)

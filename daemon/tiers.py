@@ -1,0 +1,293 @@
+"""Moving sessions between the three KV tiers: hot slots, the shared-memory pool, the spill directory.
+
+- A session needs a hot slot only while it generates. When none is free, the least recently used idle
+  resident session is hibernated: its state is checkpointed into the pool (unless the last checkpoint is
+  still fresh) and its slot and KV cells are freed. Restoring reads the snapshot straight from the pool.
+- Checkpoints go to a fresh pool extent; when no extent fits, the least recently used snapshot that is not
+  pinned moves to the spill directory; when that is full too, the oldest idle spilled session is dropped
+  (its owner gets SESSION_EVICTED). Only when nothing can move is the request refused with POOL_FULL.
+Runs on the engine thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Iterable
+
+import numpy as np
+from kvpool.client.protocol import ErrorCode
+
+from .allocator import Extent
+from .checksum import checksum
+from .config import Config
+from .errors import RequestRefused
+from .model import Model
+from .pool import LIVE, TIER_DISK, TIER_POOL, Pool
+from .sessions import Session, SessionTable
+from .spill import SnapshotCorrupt, SpillDir
+
+log = logging.getLogger("kvpool.tiers")
+
+
+class SessionCorrupt(RequestRefused):
+    def __init__(self, session: Session, why: str):
+        super().__init__(
+            ErrorCode.SESSION_CORRUPT,
+            f"Session {session.id}'s saved state is damaged ({why}); it was closed, open a new one.",
+        )
+
+
+class Tiers:
+    def __init__(self, model: Model, pool: Pool, spill: SpillDir, sessions: SessionTable, config: Config):
+        self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
+        self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.resident: dict[int, Session] = {}
+        self.counts = {
+            "hibernations": 0,
+            "restores_pool": 0,
+            "restores_disk": 0,
+            "checkpoints": 0,
+            "spills": 0,
+            "evictions": 0,
+            "checksum_failures": 0,
+        }
+
+    # ------------------------------------------------------------------ hot tier
+
+    def make_resident(self, s: Session) -> bool:
+        """Give ``s`` a slot with its KV restored; False when every slot is busy generating."""
+        if s.slot is not None:
+            return True
+        if not self.free_slots:
+            idle = [r for r in self.resident.values() if r.generation is None]
+            if not idle:
+                return False
+            self.hibernate(min(idle, key=lambda r: r.last_used))
+        slot = self.free_slots.pop()
+        try:
+            self._restore(s, slot)
+        except BaseException:
+            self.free_slots.append(slot)
+            raise
+        s.slot = slot
+        self.resident[slot] = s
+        return True
+
+    def hibernate(self, s: Session) -> None:
+        """Free the session's slot and cells; its state stays in the pool (or on disk)."""
+        assert s.slot is not None and s.generation is None
+        if not s.checkpoint_fresh:
+            self.checkpoint(s)
+        self.model.forget_sequence(s.slot)
+        del self.resident[s.slot]
+        self.free_slots.append(s.slot)
+        s.slot = None
+        self.counts["hibernations"] += 1
+
+    def hibernate_idle(self, exclude: Iterable[Session], count: int = 1) -> int:
+        """Hibernate up to ``count`` idle resident sessions (LRU first), to free KV cells; how many moved."""
+        skip = set(map(id, exclude))
+        idle = sorted(
+            (r for r in self.resident.values() if r.generation is None and id(r) not in skip), key=lambda r: r.last_used
+        )
+        for r in idle[:count]:
+            self.hibernate(r)
+        return min(count, len(idle))
+
+    def _restore(self, s: Session, slot: int) -> None:
+        snap = s.snapshot
+        if snap is None or snap.n_kv == 0:
+            self.model.forget_sequence(slot)
+            s.n_kv = 0
+            return
+        if snap.tier == TIER_POOL:
+            if not self.pool.verify(snap):
+                self.counts["checksum_failures"] += 1
+                raise SessionCorrupt(s, "its pool snapshot fails its checksum")
+            state = self.pool.address(snap.offset, snap.state_bytes)
+            ok = self.model.load_state(slot, state)
+            del state  # release the export of the mapping
+            self.counts["restores_pool"] += 1
+        else:
+            try:
+                payload = self.spill.read(s.id, snap.version)
+            except SnapshotCorrupt as exc:
+                self.counts["checksum_failures"] += 1
+                raise SessionCorrupt(s, str(exc)) from None
+            state = (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0)
+            ok = self.model.load_state(slot, state)
+            self.counts["restores_disk"] += 1
+        if not ok:
+            raise SessionCorrupt(s, "llama.cpp rejected its saved state")
+        s.n_kv = snap.n_kv
+
+    # ------------------------------------------------------------------ warm tier
+
+    def checkpoint(self, s: Session) -> None:
+        """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
+        assert s.slot is not None
+        state_bytes = self.model.state_size(s.slot)
+        payload = state_bytes + 4 * len(s.tokens)
+        extent = self._allocate(payload, pinned=s)
+        if extent is None:
+            self._checkpoint_to_disk(s, state_bytes)
+            return
+        state = self.pool.address(extent.offset, state_bytes)
+        written = self.model.save_state(s.slot, state)
+        del state
+        if written != state_bytes:
+            self.pool.allocator.free(extent)
+            raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
+        self.pool.write_tokens(extent.offset + state_bytes, s.tokens)
+        digest = checksum(self.pool.view(extent.offset, payload))
+        previous = s.snapshot
+        s.snapshot = self.pool.commit(s.entry, TIER_POOL, extent, state_bytes, len(s.tokens), s.n_kv, digest, payload)
+        if previous is not None and previous.tier == TIER_DISK:
+            self.spill.remove(s.id, previous.version)
+        self.counts["checkpoints"] += 1
+
+    def _checkpoint_to_disk(self, s: Session, state_bytes: int) -> None:
+        """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
+        assert s.slot is not None
+        buffer = (ctypes.c_uint8 * (state_bytes + 4 * len(s.tokens)))()
+        self.model.save_state(s.slot, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
+        view = memoryview(buffer).cast("B")
+        np.frombuffer(buffer, dtype="<i4", offset=state_bytes)[:] = s.tokens
+        self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv)
+        self.counts["checkpoints"] += 1
+
+    def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
+        """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits."""
+        if nbytes > self.pool.allocator.size:
+            return None
+        while (extent := self.pool.allocator.allocate(nbytes)) is None:
+            victims = [
+                v
+                for v in self.sessions.by_id.values()
+                if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL
+            ]
+            if not victims:
+                return None
+            self.spill_out(min(victims, key=lambda v: v.last_used))
+        return extent
+
+    def spill_out(self, s: Session) -> None:
+        """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""
+        snap = s.snapshot
+        assert snap is not None and snap.tier == TIER_POOL
+        view = self.pool.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)
+        try:
+            self._write_disk(s, view, snap.state_bytes, snap.n_tokens, snap.n_kv, snap.checksum)
+        finally:
+            view.release()
+        self.counts["spills"] += 1
+
+    # ------------------------------------------------------------------ cold tier
+
+    def _write_disk(
+        self, s: Session, payload: memoryview, state_bytes: int, n_tokens: int, n_kv: int, digest: int | None = None
+    ) -> None:
+        self._make_disk_room(len(payload), keep=s)
+        digest = checksum(payload) if digest is None else digest
+        previous = s.snapshot
+        version = (previous.version if previous else 0) + 1
+        self.spill.write(s.id, version, payload, state_bytes, n_tokens, n_kv, digest)
+        s.snapshot = self.pool.commit(s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload))
+        if previous is not None and previous.tier == TIER_DISK:
+            self.spill.remove(s.id, previous.version)
+
+    def _make_disk_room(self, nbytes: int, keep: Session) -> None:
+        while not self.spill.fits(nbytes):
+            victims = [
+                v
+                for v in self.sessions.by_id.values()
+                if v is not keep
+                and v.slot is None
+                and v.generation is None
+                and v.snapshot is not None
+                and v.snapshot.tier == TIER_DISK
+            ]
+            if not victims:
+                raise RequestRefused(
+                    ErrorCode.POOL_FULL,
+                    f"The pool ({self.pool.size} bytes) and the spill directory ({self.spill.max_bytes} bytes) "
+                    "are full of sessions in use; close sessions or raise cache_pool_size or spill_max_bytes.",
+                )
+            self.evict(min(victims, key=lambda v: v.last_used))
+
+    def evict(self, s: Session) -> None:
+        """Drop a session for room: its owner gets SESSION_EVICTED from now on."""
+        log.warning("evicting session %s (task %s): the pool and the spill directory are full", s.id, s.task)
+        self.drop(s, evicted=True)
+        self.counts["evictions"] += 1
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def drop(self, s: Session, evicted: bool = False) -> None:
+        """Forget a session in every tier (closed, expired, corrupt or evicted)."""
+        if s.slot is not None:
+            self.model.forget_sequence(s.slot)
+            del self.resident[s.slot]
+            self.free_slots.append(s.slot)
+            s.slot = None
+        if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
+            self.spill.remove(s.id, s.snapshot.version)
+        if evicted:
+            self.pool.mark_evicted(s.entry)
+        else:
+            self.pool.release(s.entry)
+        self.sessions.remove(s, evicted=evicted)
+
+    def recover(self) -> int:
+        """Rebuild the session table from the pool (after a restart); returns how many sessions came back."""
+        now_wall, now = time.time(), time.monotonic()
+        live_files: set[str] = set()
+        for e in self.pool.entries():
+            if e.state != LIVE:
+                self.sessions.evicted[e.session] = e.token
+                continue
+            snap = e.snapshot
+            tokens: list[int] = []
+            if snap is not None and snap.tier == TIER_POOL:
+                tokens = self.pool.tokens(snap)
+            elif snap is not None:
+                live_files.add(self.spill.name(e.session, snap.version))
+                try:
+                    tokens = self.spill.read_tokens(e.session, snap.version)
+                except (OSError, ValueError):
+                    tokens = [0] * snap.n_tokens  # the restore will report the damage for this session
+            age = max(0.0, now_wall - e.last_used)
+            s = Session(
+                id=e.session,
+                token=e.token,
+                task=e.task,
+                entry=e.index,
+                context_limit=self.sessions.context_limit(e.task),
+                created=now - (now_wall - e.created),
+                last_used=now - age,
+                tokens=tokens,
+                n_kv=snap.n_kv if snap else 0,
+                snapshot=snap,
+            )
+            self.sessions.add(s)
+        stale = self.spill.keep_only(live_files)
+        if stale:
+            log.info("removed %d spill files left by an interrupted write", stale)
+        return len(self.sessions.by_id)
+
+    def usage(self) -> dict[str, object]:
+        by_tier: dict[str, int] = {}
+        for s in self.sessions.by_id.values():
+            by_tier[s.tier] = by_tier.get(s.tier, 0) + 1
+        return {
+            "pool": self.pool.usage() | {"name": self.pool.name},
+            "spill": {
+                "dir": str(self.spill.path),
+                "used_bytes": self.spill.used_bytes,
+                "max_bytes": self.spill.max_bytes,
+            },
+            "sessions_by_tier": by_tier,
+            "moves": dict(self.counts),
+        }

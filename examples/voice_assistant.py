@@ -1,0 +1,60 @@
+"""Voice assistant task: short turns in one multi-turn session (the daemon keeps the conversation).
+
+Reads one user turn per line from --script FILE or stdin, prints each answer as it streams, and a latency
+summary at the end. The default model is a base model, so the conversation is a plain-text transcript.
+
+    python examples/voice_assistant.py --script examples/data/voice_turns.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvpool.client import Client, KvpoolError
+from latency import summary
+
+PREAMBLE = "A friendly voice assistant on a home robot answers each question in one short sentence.\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--address", help="kvpoold address (default: $KVPOOL_ADDRESS or the daemon's default)")
+    ap.add_argument("--script", help="file with one user turn per line (default: stdin)")
+    ap.add_argument("--task", default="voice")
+    ap.add_argument("--max-tokens", type=int, default=40)
+    args = ap.parse_args()
+    lines = Path(args.script).read_text(encoding="utf-8").splitlines() if args.script else sys.stdin
+    ttfts: list[float] = []
+    tokens = 0
+    started = time.monotonic()
+    try:
+        with Client(args.address, name="voice-assistant") as client, client.open_session(args.task) as session:
+            prompt = PREAMBLE
+            for line in lines:
+                question = line.strip()
+                if not question:
+                    continue
+                print(f"[voice] user: {question}", flush=True)
+                stream = session.generate(
+                    f"{prompt}User: {question}\nAssistant:", max_tokens=args.max_tokens, temperature=0.0, stop=["\n"]
+                )
+                answer = "".join(chunk.text for chunk in stream)
+                print(f"[voice] assistant:{answer}", flush=True)
+                assert stream.final is not None
+                ttfts.append(stream.final.timings.ttft_ms)
+                tokens += stream.final.usage.completion_tokens
+                # The session already holds everything said so far, including the newline that stopped the
+                # answer (the token that completes a stop string stays in the context).
+                prompt = "" if stream.final.finish_reason == "stop" else "\n"
+    except KvpoolError as exc:
+        print(f"[voice] error: {exc}", file=sys.stderr)
+        return 1
+    print(summary("voice", ttfts, tokens, time.monotonic() - started), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

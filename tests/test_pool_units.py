@@ -1,0 +1,191 @@
+"""The pool's pure parts: the extent allocator (property tests) and the segment layout (no model, no daemon)."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Iterator
+
+import posix_ipc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpool.daemon.allocator import Extent, ExtentAllocator
+from kvpool.daemon.checksum import checksum
+from kvpool.daemon.pool import TIER_DISK, TIER_POOL, Pool, PoolError
+
+AREA_START, AREA_SIZE, ALIGN = 4096, 64 * 1024, 64
+
+# ---------------------------------------------------------------- allocator
+
+
+def check_invariants(allocator: ExtentAllocator, used: list[Extent]) -> None:
+    pieces = sorted(used + allocator.holes)
+    cursor = AREA_START
+    for piece in pieces:  # used and free extents tile the area exactly: no overlap, no lost byte
+        assert piece.offset == cursor, f"gap or overlap at {cursor}: {piece}"
+        cursor = piece.end
+    assert cursor == AREA_START + AREA_SIZE
+    holes = allocator.holes
+    assert all(a.end < b.offset for a, b in itertools.pairwise(holes)), "adjacent holes not coalesced"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "evict"]), st.integers(1, 20_000)), max_size=120))
+def test_random_alloc_free_evict_never_overlaps_or_loses_bytes(ops: list[tuple[str, int]]) -> None:
+    allocator = ExtentAllocator(AREA_START, AREA_SIZE, ALIGN)
+    used: list[Extent] = []  # in allocation order: the front is the "least recently used"
+    for op, n in ops:
+        if op == "alloc":
+            extent = allocator.allocate(n)
+            if extent is None:
+                assert allocator.largest_free < allocator.rounded(n)
+            else:
+                assert extent.length >= n and extent.offset % ALIGN == 0
+                # first fit: no hole below the chosen one was large enough
+                assert all(h.length < extent.length for h in allocator.holes if h.end <= extent.offset)
+                used.append(extent)
+        elif op == "free" and used:
+            allocator.free(used.pop(n % len(used)))
+        elif op == "evict" and used:  # evict the LRU until the request fits, as the pool does
+            while used and allocator.largest_free < allocator.rounded(n):
+                allocator.free(used.pop(0))
+            extent = allocator.allocate(n)  # n <= the area, so once everything is evicted it must fit
+            assert extent is not None
+            used.append(extent)
+        check_invariants(allocator, used)
+        assert allocator.free_bytes + sum(e.length for e in used) == AREA_SIZE
+        rebuilt = ExtentAllocator.from_used(AREA_START, AREA_SIZE, used, ALIGN)
+        assert rebuilt.holes == allocator.holes  # the free list is derivable from the table alone
+    for extent in used:
+        allocator.free(extent)
+    assert allocator.holes == [Extent(AREA_START, AREA_SIZE)]  # fully coalesced
+
+
+def test_double_free_and_overlapping_tables_are_refused() -> None:
+    allocator = ExtentAllocator(AREA_START, AREA_SIZE, ALIGN)
+    extent = allocator.allocate(100)
+    assert extent is not None
+    allocator.free(extent)
+    with pytest.raises(ValueError):
+        allocator.free(extent)
+    with pytest.raises(ValueError):
+        ExtentAllocator.from_used(AREA_START, AREA_SIZE, [Extent(4096, 128), Extent(4160, 64)], ALIGN)
+
+
+# ---------------------------------------------------------------- segment
+
+
+@pytest.fixture
+def pool_name() -> Iterator[str]:
+    name = f"/kvpool-test-{secrets.token_hex(6)}"
+    yield name
+    Pool.unlink(name)
+
+
+def open_pool(name: str, fingerprint: str = "a" * 32, layout: str = "type_k=1") -> Pool:
+    return Pool.open(name, 1 << 20, 8, fingerprint, layout)
+
+
+def write_snapshot(pool: Pool, index: int, payload: bytes, tokens: list[int]) -> None:
+    extent = pool.allocator.allocate(len(payload) + 4 * len(tokens))
+    assert extent is not None
+    pool.view(extent.offset, len(payload))[:] = payload
+    pool.write_tokens(extent.offset + len(payload), tokens)
+    digest = checksum(pool.view(extent.offset, len(payload) + 4 * len(tokens)))
+    pool.commit(
+        index, TIER_POOL, extent, len(payload), len(tokens), len(tokens) - 1, digest, len(payload) + 4 * len(tokens)
+    )
+
+
+def test_sessions_and_snapshots_survive_reattach(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    assert pool.created
+    index = pool.claim("0123456789abcdef", "t" * 32, "voice")
+    assert index is not None
+    write_snapshot(pool, index, b"first state", [1, 2, 3])
+    write_snapshot(pool, index, b"second, longer state", [1, 2, 3, 4, 5])
+    used = pool.usage()["used_bytes"]
+    pool.close()
+
+    again = open_pool(pool_name)
+    assert not again.created
+    (entry,) = again.entries()
+    assert (entry.session, entry.token, entry.task) == ("0123456789abcdef", "t" * 32, "voice")
+    snap = entry.snapshot
+    assert snap is not None and snap.version == 2 and again.verify(snap)
+    assert bytes(again.view(snap.offset, snap.state_bytes)) == b"second, longer state"
+    assert again.tokens(snap) == [1, 2, 3, 4, 5]
+    assert again.usage()["used_bytes"] == used  # the free list was rebuilt from the table
+    again.release(index)
+    assert again.usage()["used_bytes"] == 0
+    again.close()
+
+
+def test_uncommitted_write_leaves_the_last_snapshot(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    index = pool.claim("s1", "t", "default")
+    assert index is not None
+    write_snapshot(pool, index, b"committed", [7])
+    # A crash between writing a new extent and its commit: the bytes are there, the record is not switched.
+    extent = pool.allocator.allocate(64)
+    assert extent is not None
+    pool.view(extent.offset, 9)[:] = b"half-done"
+    pool.close()
+    again = open_pool(pool_name)
+    snap = again.committed(index)
+    assert snap is not None and bytes(again.view(snap.offset, snap.state_bytes)) == b"committed"
+    assert again.usage()["used_bytes"] == again.allocator.rounded(9 + 4)  # the orphan extent is free again
+    again.close()
+
+
+def test_flipped_byte_fails_the_checksum(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    index = pool.claim("s1", "t", "default")
+    assert index is not None
+    write_snapshot(pool, index, b"precious state", [1, 2])
+    snap = pool.committed(index)
+    assert snap is not None and pool.verify(snap)
+    pool.view(snap.offset + 3, 1)[0] ^= 0x40
+    assert not pool.verify(snap)
+    pool.close()
+
+
+def test_disk_tier_record_and_eviction_tombstone(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    index = pool.claim("s1", "t", "default")
+    assert index is not None
+    write_snapshot(pool, index, b"state", [1])
+    snap = pool.commit(index, TIER_DISK, None, 5, 1, 0, 123, 9)
+    assert snap.tier == TIER_DISK and snap.version == 2 and pool.usage()["used_bytes"] == 0
+    pool.mark_evicted(index)
+    (entry,) = pool.entries()
+    assert entry.snapshot is None and entry.session == "s1"
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    ("fingerprint", "layout", "message"),
+    [("b" * 32, "type_k=1", "another model"), ("a" * 32, "type_k=8", "KV layout")],
+)
+def test_mismatched_segment_is_refused(pool_name: str, fingerprint: str, layout: str, message: str) -> None:
+    open_pool(pool_name).close()
+    with pytest.raises(PoolError, match=message) as err:
+        open_pool(pool_name, fingerprint, layout)
+    assert "--reset-pool" in str(err.value)
+    reset = Pool.open(pool_name, 1 << 20, 8, fingerprint, layout, reset=True)
+    assert reset.created
+    reset.close()
+
+
+def test_foreign_segment_is_refused(pool_name: str) -> None:
+    shm = posix_ipc.SharedMemory(pool_name, posix_ipc.O_CREX, size=1 << 20)
+    shm.close_fd()  # zero-filled: not a kvpool pool
+    with pytest.raises(PoolError, match="not a kvpool pool"):
+        open_pool(pool_name)
+
+
+def test_full_dev_shm_is_a_clear_error(pool_name: str) -> None:
+    with pytest.raises(PoolError, match="cache_pool_size"):
+        Pool.open(pool_name, 1 << 50, 8, "a" * 32, "x")  # a petabyte: posix_fallocate says no
+    assert not Pool.unlink(pool_name), "a failed create must not leave a segment behind"
