@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import posix_ipc
+
 from kvpool.client import Client, DaemonUnavailable
 
 READY_TIMEOUT_S = 120.0

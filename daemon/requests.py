@@ -129,6 +129,7 @@ class RequestHandlers:
             raise RequestRefused(
                 ErrorCode.SESSION_BUSY, f"Session {s.id} is still generating; wait for its final message or cancel it."
             )
+        self._check_quota(s)
         new = self._prompt_tokens(r, s)
         if not new and s.pending_tokens == 0:
             raise RequestRefused(
@@ -165,6 +166,19 @@ class RequestHandlers:
         s.last_used = g.arrival
         self.engine.waiting.append(g)
         return None  # the reply is the stream of chunks and the final message
+
+    def _check_quota(self, s: Session) -> None:
+        quota = self.engine.config.tasks[s.task].pool_quota
+        if not quota:
+            return
+        held = sum(x.snapshot_bytes for x in self.sessions.by_id.values() if x.task == s.task)
+        if held >= quota:
+            raise RequestRefused(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"Task {s.task!r} holds {held} bytes of session snapshots, at or over its pool_quota of {quota}; "
+                "close some of its sessions or raise the quota.",
+                {"held_bytes": held, "pool_quota": quota},
+            )
 
     def _prompt_tokens(self, r: p.Generate, s: Session) -> list[int]:
         if r.prompt_tokens is not None:

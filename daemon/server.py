@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
+
 from kvpool.client import protocol as p
 from kvpool.client.address import ipc_path
 from kvpool.client.protocol import ErrorCode

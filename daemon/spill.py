@@ -17,7 +17,7 @@ import numpy as np
 from .checksum import checksum
 
 MAGIC = b"KVSPILL1"
-HEADER = struct.Struct("<8sQQIII")  # magic, version, state_bytes, n_tokens, n_kv, checksum
+HEADER = struct.Struct("<8sQQIIQ")  # magic, version, state_bytes, n_tokens, n_kv, checksum
 SUFFIX = ".snap"
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 
 import numpy as np
+
 from kvpool.client.protocol import ErrorCode
 
 from .allocator import Extent
@@ -44,7 +45,7 @@ class Tiers:
         self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.resident: dict[int, Session] = {}
-        self.counts = {
+        self.counts: dict[str, float] = {
             "hibernations": 0,
             "restores_pool": 0,
             "restores_disk": 0,
@@ -52,6 +53,11 @@ class Tiers:
             "spills": 0,
             "evictions": 0,
             "checksum_failures": 0,
+            # time and bytes of pool checkpoints (state copy + checksum) and restores (checksum + copy back)
+            "checkpoint_seconds": 0.0,
+            "checkpoint_bytes": 0,
+            "restore_pool_seconds": 0.0,
+            "restore_pool_bytes": 0,
         }
 
     # ------------------------------------------------------------------ hot tier
@@ -103,6 +109,7 @@ class Tiers:
             s.n_kv = 0
             return
         if snap.tier == TIER_POOL:
+            started = time.perf_counter()
             if not self.pool.verify(snap):
                 self.counts["checksum_failures"] += 1
                 raise SessionCorrupt(s, "its pool snapshot fails its checksum")
@@ -110,6 +117,8 @@ class Tiers:
             ok = self.model.load_state(slot, state)
             del state  # release the export of the mapping
             self.counts["restores_pool"] += 1
+            self.counts["restore_pool_seconds"] += time.perf_counter() - started
+            self.counts["restore_pool_bytes"] += snap.state_bytes
         else:
             try:
                 payload = self.spill.read(s.id, snap.version)
@@ -134,6 +143,7 @@ class Tiers:
         if extent is None:
             self._checkpoint_to_disk(s, state_bytes)
             return
+        started = time.perf_counter()
         state = self.pool.address(extent.offset, state_bytes)
         written = self.model.save_state(s.slot, state)
         del state
@@ -147,6 +157,8 @@ class Tiers:
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)
         self.counts["checkpoints"] += 1
+        self.counts["checkpoint_seconds"] += time.perf_counter() - started
+        self.counts["checkpoint_bytes"] += state_bytes
 
     def _checkpoint_to_disk(self, s: Session, state_bytes: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""

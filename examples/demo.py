@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import posix_ipc
+
 from kvpool.client import Client, DaemonUnavailable
 
 HERE = Path(__file__).resolve().parent

@@ -13,8 +13,9 @@ import json
 import sys
 import time
 
-from kvpool.client import Client, KvpoolError
 from latency import summary
+
+from kvpool.client import Client, KvpoolError
 
 
 def main() -> int:

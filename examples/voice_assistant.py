@@ -13,8 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvpool.client import Client, KvpoolError
 from latency import summary
+
+from kvpool.client import Client, KvpoolError
 
 PREAMBLE = "A friendly voice assistant on a home robot answers each question in one short sentence.\n"
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import posix_ipc
+
 from kvpool.client import Client, DaemonUnavailable
 
 START_TIMEOUT_S = 60.0

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from kvpool.client import Client, DaemonUnavailable
 from kvpool.client import protocol as p
 from kvpool.client.errors import ContextOverflow, QuotaExceeded, UnknownSession

@@ -10,6 +10,7 @@ import posix_ipc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpool.daemon.allocator import Extent, ExtentAllocator
 from kvpool.daemon.checksum import checksum
 from kvpool.daemon.pool import TIER_DISK, TIER_POOL, Pool, PoolError

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpool.client import protocol as p
 from kvpool.client.errors import KvpoolError, NotOwner, error_from_code
 from kvpool.daemon.config import Config, ConfigError, load_config
