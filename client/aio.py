@@ -101,7 +101,11 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            reply = p.decode_reply(await self._sock.recv())
+            frame = await self._sock.recv()
+            try:
+                reply = p.decode_reply(frame)
+            except Exception:  # one unreadable frame must not silence every later reply
+                continue
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
@@ -142,17 +146,17 @@ class AsyncSession:
         """Stream the continuation of ``prompt``; same parameters as the sync Session.generate()."""
         request = generate_request(self.id, self.token, prompt, params)
         request_id = await self.client._send(request)
-        self.final = None
+        final: p.Final | None = None  # this generation's own: self.final may already belong to a newer one
         try:
-            while self.final is None:
+            while final is None:
                 reply = raise_if_error(await self.client._next(request_id))
                 if isinstance(reply, p.Final):
-                    self.final = reply
+                    final = self.final = reply
                 elif isinstance(reply, p.Chunk):
                     yield reply
         finally:
             self.client._queues.pop(request_id, None)
-            if self.final is None:  # the caller stopped early: free the session
+            if final is None:  # the caller stopped early (use contextlib.aclosing to make that prompt)
                 with contextlib.suppress(Exception):
                     await self.cancel()
 

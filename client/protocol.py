@@ -105,10 +105,10 @@ class Generate(SessionRequest, tag="generate"):
     """
 
     prompt: Annotated[str, Meta(max_length=1 << 20)] = ""
-    prompt_tokens: list[NonNegInt] | None = None
+    prompt_tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 128
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.8
-    top_k: Annotated[int, Meta(ge=0)] = 40
+    top_k: Annotated[int, Meta(ge=0, le=1 << 24)] = 40
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.95
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
     repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
@@ -243,16 +243,16 @@ def decode_request(frame: bytes) -> AnyRequest:
         request_id = raw.get("id", 0) if isinstance(raw, dict) else 0
         request_id = request_id if isinstance(request_id, int) and 0 <= request_id < 2**63 else 0
         op = raw.get("op") if isinstance(raw, dict) else None
-        if not isinstance(raw, dict) or op is None:
+        if not isinstance(raw, dict) or not isinstance(op, str):
             raise RequestDecodeError(
                 ErrorCode.BAD_REQUEST,
-                "A request must be a msgpack map with an `op` field naming the operation.",
+                "A request must be a msgpack map whose `op` field is a string naming the operation.",
                 request_id,
             ) from None
         if op not in REQUEST_OPS:
             known = ", ".join(sorted(REQUEST_OPS))
             raise RequestDecodeError(
-                ErrorCode.UNKNOWN_OP, f"Unknown operation {op!r}; this daemon knows: {known}.", request_id
+                ErrorCode.UNKNOWN_OP, f"Unknown operation {op[:64]!r}; this daemon knows: {known}.", request_id
             ) from None
         raise RequestDecodeError(ErrorCode.BAD_REQUEST, f"Invalid {op!r} request: {exc}.", request_id) from None
 

@@ -62,13 +62,20 @@ class Engine:
         self.stopping = threading.Event()
         self.started = time.monotonic()
         self._next_expiry_check = 0.0
+        self._inbox_lock = threading.Lock()
+        self._inbox_closed = False
         self.handlers = RequestHandlers(self)
 
     # ------------------------------------------------------------------ loop
 
-    def submit(self, client: bytes, request: p.AnyRequest) -> None:
-        """Called by the I/O thread: queue a request for the next step."""
-        self.inbox.put((client, request))
+    def submit(self, client: bytes, request: p.AnyRequest) -> bool:
+        """Called by the I/O thread: queue a request for the next step; False once the engine has stopped
+        taking requests (the I/O thread then answers SHUTTING_DOWN itself)."""
+        with self._inbox_lock:
+            if self._inbox_closed:
+                return False
+            self.inbox.put((client, request))
+            return True
 
     def run(self) -> None:
         """Thread target: step until asked to stop; then end every generation and checkpoint every session."""
@@ -106,12 +113,13 @@ class Engine:
             return
         self.counters.decode_calls += 1
         self.counters.batch_tokens += batch.n
+        # The KV now holds every fed token: record that for the whole step before anything can fail.
+        for work in plan:
+            work.item.note_step(started)
+            work.item.session.n_kv += work.n_tokens
         for work, row in zip(plan, rows, strict=True):
-            g = work.item
-            g.note_step(started)
-            g.session.n_kv += work.n_tokens
             if work.completes:
-                self._accept(g, g.sampler.sample(row), now)
+                self._accept(work.item, work.item.sampler.sample(row), now)
         self.counters.busy_seconds += time.monotonic() - started
 
     def _take_requests(self, block: bool) -> None:
@@ -191,7 +199,9 @@ class Engine:
         if reason is not None:
             self.finish(g, reason, now, flushed=True)
 
-    def finish(self, g: Generation, reason: FinishReason, now: float, flushed: bool = False) -> None:
+    def finish(
+        self, g: Generation, reason: FinishReason, now: float, flushed: bool = False, checkpoint: bool = True
+    ) -> None:
         """End a generation: flush its text, send its final message, checkpoint its session (by policy)."""
         if not flushed and (rest := g.text.flush()):
             self.send(g.client, p.Chunk(id=g.request.id, text=rest, tokens=[]))
@@ -199,11 +209,11 @@ class Engine:
         self._release(g)
         g.session.last_used = now
         self.counters.finished[reason.value] += 1
-        if self.config.checkpoint == "after_generate" and g.session.slot is not None:
+        if checkpoint and self.config.checkpoint == "after_generate" and g.session.slot is not None:
             try:
                 self.tiers.checkpoint(g.session)
-            except RequestRefused as refused:  # the answer is out; the session stays resident and usable
-                log.warning("checkpoint of session %s failed: %s", g.session.id, refused.message)
+            except (RequestRefused, OSError) as exc:  # the answer is out; the session stays resident and usable
+                log.warning("checkpoint of session %s failed: %s", g.session.id, exc)
 
     def _release(self, g: Generation) -> None:
         g.sampler.free()
@@ -222,8 +232,11 @@ class Engine:
         """llama_decode found no free cells in the unified KV (state unchanged): hibernate idle sessions to make
         room and retry next step; if none is idle, the session with the most context ends with `length`."""
         self.counters.kv_full_events += 1
-        if self.tiers.hibernate_idle(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
-            return
+        try:
+            if self.tiers.hibernate_idle(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
+                return
+        except RequestRefused as refused:
+            log.warning("could not hibernate idle sessions to free KV cells: %s", refused.message)
         victim = max((w.item for w in plan), key=lambda g: len(g.session.tokens))
         log.warning(
             "unified KV is full (%d cells): ending the generation of session %s with `length`",
@@ -258,6 +271,15 @@ class Engine:
             self.finish(g, FinishReason.SHUTDOWN, now)
         for g in list(self.waiting):
             self._abandon(g, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts.")
+        # A clean stop loses nothing: every resident session is checkpointed, whatever the policy.
+        for s in list(self.tiers.resident.values()):
+            if not s.checkpoint_fresh:
+                try:
+                    self.tiers.checkpoint(s)
+                except (RequestRefused, OSError) as exc:
+                    log.error("could not checkpoint session %s at stop: %s", s.id, exc)
+        with self._inbox_lock:  # from here on the I/O thread answers new requests itself
+            self._inbox_closed = True
         while True:
             try:
                 client, request = self.inbox.get_nowait()
@@ -266,13 +288,6 @@ class Engine:
             self.reply_error(
                 client, request.id, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts."
             )
-        # A clean stop loses nothing: every resident session is checkpointed, whatever the policy.
-        for s in list(self.tiers.resident.values()):
-            if not s.checkpoint_fresh:
-                try:
-                    self.tiers.checkpoint(s)
-                except RequestRefused as refused:
-                    log.error("could not checkpoint session %s at stop: %s", s.id, refused.message)
 
     def _expire_idle_sessions(self) -> None:
         timeout = self.config.session_timeout

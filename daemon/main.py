@@ -159,8 +159,12 @@ def default_pool_name(address: str) -> str:
     return "/kvpool-" + hashlib.sha256(address.encode()).hexdigest()[:16]
 
 
-def default_spill_dir(pool_name: str) -> Path:
-    if state := os.environ.get("STATE_DIRECTORY"):
+def spill_dir_for(configured: str, pool_name: str) -> Path:
+    """The spill directory of one pool: the configured (or default) base plus the pool's name, so daemons
+    sharing a base never touch each other's files."""
+    if configured:
+        base = Path(configured)
+    elif state := os.environ.get("STATE_DIRECTORY"):
         base = Path(state.split(":")[0]) / "spill"
     else:
         base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "kvpool" / "spill"
@@ -180,9 +184,7 @@ def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers
         reset=reset,
     )
     try:
-        spill = SpillDir(
-            Path(config.spill_dir) if config.spill_dir else default_spill_dir(name), config.spill_max_bytes
-        )
+        spill = SpillDir(spill_dir_for(config.spill_dir, name), config.spill_max_bytes)
     except SpillError:
         pool.close()
         raise

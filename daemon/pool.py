@@ -15,6 +15,7 @@ The segment outlives the daemon, so a restarted daemon attaches to it and recove
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import time
@@ -69,6 +70,16 @@ ENTRY = np.dtype(
         "itemsize": 320,
     }
 )
+
+
+def _lock(shm: posix_ipc.SharedMemory) -> None:
+    try:
+        fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        shm.close_fd()
+        raise PoolError(
+            f"Pool segment {shm.name} is in use by another running kvpoold; give each daemon its own --pool-name."
+        ) from None
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -138,13 +149,22 @@ class Pool:
         mode: int = 0o600,
         reset: bool = False,
     ) -> Pool:
-        """Attach to the segment ``name`` if it exists and matches, else create it (O_EXCL, fallocate)."""
+        """Attach to the segment ``name`` if it exists and matches, else create it (O_EXCL, fallocate).
+        The daemon holds an flock on the segment while it runs, so two daemons never share one."""
         if reset:
-            cls.unlink(name)
+            try:
+                existing = posix_ipc.SharedMemory(name)
+            except posix_ipc.ExistentialError:
+                pass
+            else:
+                _lock(existing)  # never discard a pool another daemon is using
+                existing.close_fd()
+                cls.unlink(name)
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
         except posix_ipc.ExistentialError:
-            return cls._attach(name, fingerprint, kv_layout)
+            return cls._attach(name, size, entries, fingerprint, kv_layout)
+        _lock(shm)
         try:
             # posix_fallocate reserves every page now: a full /dev/shm fails here, not later with SIGBUS.
             os.posix_fallocate(shm.fd, 0, size)
@@ -156,7 +176,6 @@ class Pool:
                 f"Cannot reserve a {size}-byte pool in /dev/shm ({exc.strerror}); free space there "
                 "or lower cache_pool_size."
             ) from None
-        shm.close_fd()
         cls._format(mapping, size, entries, fingerprint, kv_layout)
         return cls(shm, mapping, created=True)
 
@@ -185,17 +204,17 @@ class Pool:
         del header
 
     @classmethod
-    def _attach(cls, name: str, fingerprint: str, kv_layout: str) -> Pool:
+    def _attach(cls, name: str, want_size: int, want_entries: int, fingerprint: str, kv_layout: str) -> Pool:
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.PermissionsError:
             raise PoolError(f"Pool segment {name} belongs to another user; pass a different --pool-name.") from None
+        _lock(shm)
         size = shm.size
         if size < HEADER_BYTES:
             shm.close_fd()
             raise PoolError(f"Pool segment {name} is too small to be a kvpool pool; remove it with --reset-pool.")
         mapping = _map(shm.fd, size)
-        shm.close_fd()
         h = np.frombuffer(mapping, dtype=HEADER, count=1)[0]
         problem = None
         if h["magic"] != MAGIC:
@@ -209,9 +228,14 @@ class Pool:
             problem = f"was written with KV layout {h['kv_layout'].decode()!r}, this daemon uses {kv_layout!r}"
         elif int(h["pool_size"]) != size:
             problem = f"says it is {int(h['pool_size'])} bytes but is {size}"
+        elif size != want_size:
+            problem = f"is {size} bytes but cache_pool_size is {want_size}"
+        elif int(h["entries"]) != want_entries:
+            problem = f"has {int(h['entries'])} session entries but max_sessions is {want_entries}"
         if problem:
             del h
             mapping.close()
+            shm.close_fd()
             raise PoolError(
                 f"Pool segment {name} {problem}; start with --reset-pool to discard it, or pass another --pool-name."
             )
@@ -219,6 +243,7 @@ class Pool:
         try:
             pool = cls(shm, mapping, created=False)
         except ValueError as exc:
+            shm.close_fd()
             raise PoolError(
                 f"Pool segment {name} has a corrupt session table ({exc}); start with --reset-pool."
             ) from None
@@ -234,9 +259,10 @@ class Pool:
             return False
 
     def close(self) -> None:
-        """Unmap (the segment stays for the next daemon)."""
+        """Unmap and unlock (the segment stays for the next daemon)."""
         del self.header, self.table
         self._map.close()
+        self._shm.close_fd()
 
     # ------------------------------------------------------------------ table
 
@@ -306,6 +332,15 @@ class Pool:
         self.table[index]["records"]["version"] = 0
         self.table[index]["state"] = EVICTED
 
+    def discard(self, index: int) -> None:
+        """Drop a resident session's checkpoint to make room (its KV is still hot). The older record is
+        cleared first: a crash in between leaves the newer one, never a stale older snapshot."""
+        records = self.table[index]["records"]
+        newer = int(np.argmax(records["version"]))
+        self._free_committed(index)
+        records["version"][1 - newer] = 0
+        records["version"][newer] = 0
+
     def _free_committed(self, index: int) -> None:
         snap = self.committed(index)
         if snap is not None and snap.tier == TIER_POOL:
@@ -350,6 +385,15 @@ class Pool:
 
     def verify(self, snap: Snapshot) -> bool:
         return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)) == snap.checksum
+
+    def in_bounds(self, snap: Snapshot) -> bool:
+        """The record describes bytes inside its own extent, inside the extent area."""
+        a = self.allocator
+        return (
+            a.start <= snap.offset
+            and snap.offset + snap.length <= a.start + a.size
+            and snap.state_bytes + 4 * snap.n_tokens <= snap.length
+        )
 
     def tokens(self, snap: Snapshot) -> list[int]:
         start = snap.offset + snap.state_bytes

@@ -110,8 +110,8 @@ class RequestHandlers:
 
     def close(self, client: bytes, r: p.CloseSession) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
-        if s.generation is not None:
-            self.engine.finish(s.generation, FinishReason.CANCELLED, time.monotonic())
+        if s.generation is not None:  # no checkpoint: the session is about to go
+            self.engine.finish(s.generation, FinishReason.CANCELLED, time.monotonic(), checkpoint=False)
         self.tiers.drop(s)
         return p.Closed(id=r.id, session=s.id)
 
@@ -168,7 +168,8 @@ class RequestHandlers:
         return None  # the reply is the stream of chunks and the final message
 
     def _check_quota(self, s: Session) -> None:
-        quota = self.engine.config.tasks[s.task].pool_quota
+        profile = self.engine.config.tasks.get(s.task)  # a recovered session's task may have left the config
+        quota = profile.pool_quota if profile is not None else 0
         if not quota:
             return
         held = sum(x.snapshot_bytes for x in self.sessions.by_id.values() if x.task == s.task)

@@ -56,6 +56,10 @@ class Server:
         self._lock(path)
         router = self.context.socket(zmq.ROUTER)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # No send limit: at the default (1000 messages) ZeroMQ silently drops what a slow reader has not taken,
+        # possibly a final message. Streams are bounded by max_tokens; a slow-reader policy comes with the
+        # reliability work.
+        router.setsockopt(zmq.SNDHWM, 0)
         router.setsockopt(zmq.LINGER, 1000)
         try:
             router.bind(self.address)
@@ -108,7 +112,7 @@ class Server:
 
     # ------------------------------------------------------------------ I/O thread
 
-    def serve(self, submit: Callable[[bytes, p.AnyRequest], None], engine_done: threading.Event) -> None:
+    def serve(self, submit: Callable[[bytes, p.AnyRequest], bool], engine_done: threading.Event) -> None:
         """Thread target: move frames until the engine has exited, then flush what it sent."""
         router, outbox = self._router, self._outbox_in
         assert router is not None and outbox is not None, "bind() first"
@@ -124,11 +128,7 @@ class Server:
         # The engine has exited: its PUSH socket flushed on close, so everything it sent is here.
         self._forward_replies()
         while router.poll(0):  # whoever is still asking learns that the daemon is going away
-            self._receive(
-                lambda client, request: self._refuse(
-                    client, request.id, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts."
-                )
-            )
+            self._receive(lambda client, request: False)
 
     def _forward_replies(self) -> None:
         outbox, router = self._outbox_in, self._router
@@ -139,7 +139,7 @@ class Server:
                 return
             router.send_multipart(frames)
 
-    def _receive(self, submit: Callable[[bytes, p.AnyRequest], None]) -> None:
+    def _receive(self, submit: Callable[[bytes, p.AnyRequest], bool]) -> None:
         for _ in range(1_000):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
@@ -159,7 +159,16 @@ class Server:
             except p.RequestDecodeError as exc:
                 self._refuse(client, exc.request_id, exc.code, exc.message)
                 continue
-            submit(client, request)
+            except Exception:  # the I/O thread must survive any frame: a bug costs one request
+                log.exception("could not decode a frame")
+                self._refuse(
+                    client, 0, ErrorCode.BAD_REQUEST, "The daemon could not read this frame; send a protocol message."
+                )
+                continue
+            if not submit(client, request):
+                self._refuse(
+                    client, request.id, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts."
+                )
 
     def _refuse(self, client: bytes, request_id: int, code: ErrorCode, message: str) -> None:
         self.frame_errors[code.value] += 1

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from .generation import Generation
 
 
+MAX_EVICTED_REMEMBERED = 4096
+
+
 @dataclass(eq=False)
 class Session:
     id: str
@@ -121,6 +124,8 @@ class SessionTable:
         del self.by_id[session.id]
         if evicted:
             self.evicted[session.id] = session.token
+            if len(self.evicted) > MAX_EVICTED_REMEMBERED:  # oldest first (dicts keep insertion order)
+                del self.evicted[next(iter(self.evicted))]
 
     def count(self, task: str) -> int:
         return sum(1 for s in self.by_id.values() if s.task == task)

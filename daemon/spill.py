@@ -57,6 +57,10 @@ class SpillDir:
     def fits(self, payload_bytes: int) -> bool:
         return self.used_bytes + HEADER.size + payload_bytes <= self.max_bytes
 
+    def could_fit(self, payload_bytes: int) -> bool:
+        """Whether the snapshot would fit an empty spill directory."""
+        return HEADER.size + payload_bytes <= self.max_bytes
+
     def write(
         self, session: str, version: int, payload: memoryview, state_bytes: int, n_tokens: int, n_kv: int, digest: int
     ) -> None:
@@ -69,9 +73,14 @@ class SpillDir:
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
-        finally:
             os.close(fd)
-        os.rename(tmp, self.path / name)
+            fd = -1
+            os.rename(tmp, self.path / name)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)  # a failed write (disk full, I/O error) leaves nothing behind
+            raise
         dir_fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the rename itself must survive a power cut
@@ -98,10 +107,17 @@ class SpillDir:
 
     def read_tokens(self, session: str, version: int) -> list[int]:
         """Only the token history of a spilled snapshot (at start, to rebuild the session table cheaply)."""
-        with (self.path / self.name(session, version)).open("rb") as f:
-            _magic, _version, state_bytes, n_tokens, _n_kv, _digest = HEADER.unpack(f.read(HEADER.size))
-            f.seek(HEADER.size + state_bytes)
-            return np.frombuffer(f.read(4 * n_tokens), dtype="<i4").tolist()
+        name = self.name(session, version)
+        try:
+            with (self.path / name).open("rb") as f:
+                _magic, _version, state_bytes, n_tokens, _n_kv, _digest = HEADER.unpack(f.read(HEADER.size))
+                f.seek(HEADER.size + state_bytes)
+                data = f.read(4 * n_tokens)
+        except (OSError, struct.error) as exc:
+            raise SnapshotCorrupt(f"spill file {name} cannot be read ({exc})") from None
+        if len(data) != 4 * n_tokens:
+            raise SnapshotCorrupt(f"spill file {name} is truncated")
+        return np.frombuffer(data, dtype="<i4").tolist()
 
     def remove(self, session: str, version: int) -> None:
         name = self.name(session, version)

@@ -53,6 +53,7 @@ class Tiers:
             "spills": 0,
             "evictions": 0,
             "checksum_failures": 0,
+            "restores_without_room": 0,  # llama.cpp had no cells for a restore: idle sessions made room
             # time and bytes of pool checkpoints (state copy + checksum) and restores (checksum + copy back)
             "checkpoint_seconds": 0.0,
             "checkpoint_bytes": 0,
@@ -73,9 +74,18 @@ class Tiers:
             self.hibernate(min(idle, key=lambda r: r.last_used))
         slot = self.free_slots.pop()
         try:
-            self._restore(s, slot)
+            # llama.cpp refuses a state it has no free cells for: hibernate idle sessions until it fits.
+            while not self._restore(s, slot):
+                self.counts["restores_without_room"] += 1
+                if self.hibernate_idle(exclude=[s], count=1):
+                    continue
+                if any(r.generation is not None for r in self.resident.values()):
+                    self.free_slots.append(slot)
+                    return False  # the generating sessions hold the cells; try again after a step
+                raise SessionCorrupt(s, "llama.cpp rejected its saved state even with an empty KV")
         except BaseException:
-            self.free_slots.append(slot)
+            if slot not in self.free_slots:
+                self.free_slots.append(slot)
             raise
         s.slot = slot
         self.resident[slot] = s
@@ -102,12 +112,14 @@ class Tiers:
             self.hibernate(r)
         return min(count, len(idle))
 
-    def _restore(self, s: Session, slot: int) -> None:
+    def _restore(self, s: Session, slot: int) -> bool:
+        """Load the session's snapshot into ``slot``; False when llama.cpp refuses it (e.g. no free cells).
+        A snapshot that fails its checksum raises SessionCorrupt."""
         snap = s.snapshot
         if snap is None or snap.n_kv == 0:
             self.model.forget_sequence(slot)
             s.n_kv = 0
-            return
+            return True
         if snap.tier == TIER_POOL:
             started = time.perf_counter()
             if not self.pool.verify(snap):
@@ -128,9 +140,9 @@ class Tiers:
             state = (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0)
             ok = self.model.load_state(slot, state)
             self.counts["restores_disk"] += 1
-        if not ok:
-            raise SessionCorrupt(s, "llama.cpp rejected its saved state")
-        s.n_kv = snap.n_kv
+        if ok:
+            s.n_kv = snap.n_kv
+        return ok
 
     # ------------------------------------------------------------------ warm tier
 
@@ -145,8 +157,13 @@ class Tiers:
             return
         started = time.perf_counter()
         state = self.pool.address(extent.offset, state_bytes)
-        written = self.model.save_state(s.slot, state)
-        del state
+        try:
+            written = self.model.save_state(s.slot, state)
+        except BaseException:
+            self.pool.allocator.free(extent)
+            raise
+        finally:
+            del state
         if written != state_bytes:
             self.pool.allocator.free(extent)
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
@@ -164,7 +181,9 @@ class Tiers:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
         assert s.slot is not None
         buffer = (ctypes.c_uint8 * (state_bytes + 4 * len(s.tokens)))()
-        self.model.save_state(s.slot, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
+        written = self.model.save_state(s.slot, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
+        if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
+            raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         view = memoryview(buffer).cast("B")
         np.frombuffer(buffer, dtype="<i4", offset=state_bytes)[:] = s.tokens
         self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv)
@@ -182,8 +201,23 @@ class Tiers:
             ]
             if not victims:
                 return None
-            self.spill_out(min(victims, key=lambda v: v.last_used))
+            self._make_pool_room(min(victims, key=lambda v: v.last_used))
         return extent
+
+    def _make_pool_room(self, victim: Session) -> None:
+        """Take a snapshot out of the pool: to disk if it can go there; otherwise a resident session loses only
+        its checkpoint (its KV is still hot), and an idle one is evicted."""
+        try:
+            self.spill_out(victim)
+            return
+        except RequestRefused:
+            if victim.slot is None and victim.generation is not None:
+                raise  # it waits for a slot: its snapshot is all it has
+        if victim.slot is not None:
+            self.pool.discard(victim.entry)
+            victim.snapshot = None
+        else:
+            self.evict(victim)
 
     def spill_out(self, s: Session) -> None:
         """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""
@@ -205,12 +239,25 @@ class Tiers:
         digest = checksum(payload) if digest is None else digest
         previous = s.snapshot
         version = (previous.version if previous else 0) + 1
-        self.spill.write(s.id, version, payload, state_bytes, n_tokens, n_kv, digest)
+        try:
+            self.spill.write(s.id, version, payload, state_bytes, n_tokens, n_kv, digest)
+        except OSError as exc:
+            raise RequestRefused(
+                ErrorCode.POOL_FULL,
+                f"Writing a snapshot to the spill directory {self.spill.path} failed ({exc.strerror}); free space "
+                "there or raise cache_pool_size.",
+            ) from None
         s.snapshot = self.pool.commit(s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload))
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)
 
     def _make_disk_room(self, nbytes: int, keep: Session) -> None:
+        if not self.spill.could_fit(nbytes):  # evicting everything would not help
+            raise RequestRefused(
+                ErrorCode.POOL_FULL,
+                f"A {nbytes}-byte snapshot does not fit the pool ({self.pool.size} bytes) nor the spill directory "
+                f"(spill_max_bytes={self.spill.max_bytes}); raise one of them or use shorter contexts.",
+            )
         while not self.spill.fits(nbytes):
             victims = [
                 v
@@ -262,14 +309,17 @@ class Tiers:
                 continue
             snap = e.snapshot
             tokens: list[int] = []
+            # A damaged record or file must not stop the start: the session comes back with placeholder tokens
+            # and its restore reports SESSION_CORRUPT (the checksum cannot match).
+            placeholder = [0] * min(snap.n_tokens if snap else 0, self.model.context_size)
             if snap is not None and snap.tier == TIER_POOL:
-                tokens = self.pool.tokens(snap)
+                tokens = self.pool.tokens(snap) if self.pool.in_bounds(snap) else placeholder
             elif snap is not None:
                 live_files.add(self.spill.name(e.session, snap.version))
                 try:
                     tokens = self.spill.read_tokens(e.session, snap.version)
-                except (OSError, ValueError):
-                    tokens = [0] * snap.n_tokens  # the restore will report the damage for this session
+                except SnapshotCorrupt:
+                    tokens = placeholder
             age = max(0.0, now_wall - e.last_used)
             s = Session(
                 id=e.session,

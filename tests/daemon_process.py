@@ -29,7 +29,8 @@ class DaemonProcess:
         self.config = config
         # Each test daemon gets its own pool segment and spill dir, removed by cleanup() even on failure.
         self.pool_name = f"/kvpool-test-{secrets.token_hex(6)}"
-        self.spill_dir = workdir / "spill"
+        self.spill_base = workdir / "spill"
+        self.spill_dir = self.spill_base / self.pool_name.lstrip("/")  # the daemon adds the pool's name
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
@@ -43,7 +44,7 @@ class DaemonProcess:
             "--pool-name",
             self.pool_name,
             "--spill-dir",
-            str(self.spill_dir),
+            str(self.spill_base),
             "--cache-pool-size",
             "16MiB",
         ]

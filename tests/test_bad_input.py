@@ -38,8 +38,16 @@ def assert_still_serving(daemon: DaemonProcess) -> None:
 
 @pytest.mark.parametrize(
     "frame",
-    [b"\xc1", b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"id": 3}), msgspec.msgpack.encode("hello")],
-    ids=["invalid-msgpack", "empty", "array", "no-op", "string"],
+    [
+        b"\xc1",
+        b"",
+        b"\x93\x01\x02\x03",
+        msgspec.msgpack.encode({"id": 3}),
+        msgspec.msgpack.encode("hello"),
+        msgspec.msgpack.encode({"op": [], "id": 1}),
+        msgspec.msgpack.encode({"op": {"x": 1}, "id": 2}),
+    ],
+    ids=["invalid-msgpack", "empty", "array", "no-op", "string", "op-list", "op-map"],
 )
 def test_malformed_frames(raw: RawConnection, daemon: DaemonProcess, frame: bytes) -> None:
     raw.send_frames(frame)

@@ -250,3 +250,48 @@ pool_quota = "100KiB"
             s.complete("more", max_tokens=2)
         other = client.open_session()  # other tasks are not affected
         assert other.complete(LONG, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_restore_into_a_full_kv_hibernates_instead_of_failing(start_daemon: Start) -> None:
+    # 256 cells for 2 slots: two 150-token sessions never fit together, so every restore needs room first.
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "256")
+    text = "y" * 140
+    with daemon.client() as client:
+        b, a = client.open_session(), client.open_session()
+        first_b = b.complete(text, max_tokens=4, **GREEDY).tokens
+        a.complete(text + "a", max_tokens=4, **GREEDY)  # no cells left: b is hibernated
+        second_b = b.complete("!", max_tokens=4, **GREEDY).tokens  # a free slot, but no free cells
+        status = client.status()
+        assert status["moves"]["checksum_failures"] == 0 and status["moves"]["restores_pool"] >= 1
+        assert status["moves"]["restores_without_room"] >= 1
+    ref = start_daemon("--hot-slots", "1", "--context-size", "512", name="ref")
+    with ref.client() as client:
+        s = client.open_session()
+        assert s.complete(text, max_tokens=4, **GREEDY).tokens == first_b
+        assert s.complete("!", max_tokens=4, **GREEDY).tokens == second_b
+
+
+def test_with_spilling_disabled_a_full_pool_evicts_the_oldest_idle_session(start_daemon: Start) -> None:
+    daemon = start_daemon(
+        "--hot-slots", "1", "--context-size", "2048", "--cache-pool-size", "1MiB", "--spill-max-bytes", "0"
+    )
+    with daemon.client() as client:
+        sessions = [client.open_session() for _ in range(8)]
+        for s in sessions:
+            assert s.complete(LONG, max_tokens=2, **GREEDY).usage.completion_tokens == 2
+        assert client.status()["moves"]["evictions"] > 0
+        with pytest.raises(SessionEvicted):
+            sessions[0].complete("more", max_tokens=2)
+        assert sessions[-1].complete("more", max_tokens=2, **GREEDY).usage.completion_tokens == 2
+
+
+def test_a_pool_is_never_shared_and_must_match_the_config(start_daemon: Start) -> None:
+    first = start_daemon()
+    second = DaemonProcess(first.workdir.parent / "second", first.model)
+    second.pool_name = first.pool_name  # same pool, other address
+    second.workdir.mkdir()
+    refused = run_until_exit(second.command())
+    assert refused.returncode == 1 and "in use by another running kvpoold" in refused.stderr
+    assert first.stop() == 0
+    resized = run_until_exit([*first.command(), "--cache-pool-size", "32MiB"])
+    assert resized.returncode == 1 and "cache_pool_size" in resized.stderr and "--reset-pool" in resized.stderr
