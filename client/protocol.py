@@ -115,6 +115,8 @@ class Generate(SessionRequest, tag="generate"):
     repeat_last_n: Annotated[int, Meta(ge=0, le=1 << 16)] = 64
     seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] | None = None
     stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
+    # Tighten the task's time-to-first-token budget for this request (milliseconds); it cannot loosen it.
+    deadline_ms: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
 
 
 AnyRequest = Hello | Status | ListSessions | OpenSession | ResumeSession | CloseSession | Cancel | Generate
@@ -207,7 +209,16 @@ AnyReply = HelloReply | StatusReply | SessionsReply | SessionOpened | Closed | C
 
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 _reply_decoder = msgspec.msgpack.Decoder(AnyReply)
-_encoder = msgspec.msgpack.Encoder()
+
+
+def _encode_other(obj: Any) -> Any:
+    # Status figures may be numpy scalars; they travel as plain numbers.
+    if hasattr(obj, "item") and hasattr(obj, "dtype"):
+        return obj.item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_other)
 
 
 def encode(message: Request | Reply) -> bytes:

@@ -19,13 +19,30 @@ Positive = Annotated[int, Meta(ge=1)]
 NonNegative = Annotated[int, Meta(ge=0)]
 
 
-class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Limits for the sessions of one task (``[tasks.NAME]``); 0 means no limit beyond the global ones."""
+Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 
+
+class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Budgets and limits for the sessions of one task (``[tasks.NAME]``); 0 means none."""
+
+    # Higher runs first when deadlines tie.
+    priority: Annotated[int, Meta(ge=-100, le=100)] = 0
+    # Time-to-first-token and time-per-output-token budgets in milliseconds (0 = none).
+    ttft_ms: Millis = 0.0
+    tpot_ms: Millis = 0.0
+    # Best-effort work is never refused for its budget (it is queued and its lateness counted), yields to
+    # deadline-bound work first, and may be preempted (hibernated, then resumed exactly).
+    best_effort: bool = False
+    # Most generations of this task queued or running at once (OVERLOADED beyond); 0 = no limit.
+    max_queue: NonNegative = 0
     max_sessions: NonNegative = 0
     max_context_tokens: NonNegative = 0
     # Most bytes of snapshots (pool and spill) the task's sessions may hold; sizes accept "64MiB" etc.
     pool_quota: NonNegative = 0
+
+    @property
+    def deadline_bound(self) -> bool:
+        return not self.best_effort and (self.ttft_ms > 0 or self.tpot_ms > 0)
 
 
 def _default_tasks() -> dict[str, TaskProfile]:
@@ -54,6 +71,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # When sessions are snapshotted: after every completed generation (a crash loses no completed turn), or
     # only when they leave their hot slot (cheaper; a crash loses what was never hibernated).
     checkpoint: Annotated[str, Meta(pattern=r"^(after_generate|on_evict)$")] = "after_generate"
+    # "budgets": earliest deadline first, chunked prefill, admission control, preemption of best-effort work.
+    # "fcfs": first come first served with whole-batch prefill chunks and no admission control (to compare).
+    scheduling: Annotated[str, Meta(pattern=r"^(budgets|fcfs)$")] = "budgets"
     # The cold tier: snapshots evicted from the pool; empty means $STATE_DIRECTORY/spill (systemd), else
     # $XDG_STATE_HOME/kvpool/spill, else ~/.local/state/kvpool/spill, plus the pool's name.
     spill_dir: str = ""

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -21,13 +21,15 @@ from kvpool.client import protocol as p
 from kvpool.client.protocol import ErrorCode, FinishReason
 
 from .config import Config
+from .cost_model import CostModel, StepShape, calibrate
 from .errors import RequestRefused
 from .generation import Generation
+from .latency_stats import TaskStats
 from .metrics import EngineCounters
 from .model import Model
 from .pool import Pool
 from .requests import RequestHandlers
-from .scheduler import Work, plan_step
+from .scheduler import Work, plan_budgeted, plan_fcfs, steps_for, urgency
 from .sessions import SessionTable
 from .tiers import Tiers
 
@@ -57,6 +59,9 @@ class Engine:
         self.running: list[Generation] = []
         self.waiting: list[Generation] = []  # accepted, waiting for a hot slot (FCFS)
         self.counters = EngineCounters()
+        self.cost = CostModel()
+        self.last_step_seconds = 0.0
+        self.task_stats: dict[str, TaskStats] = defaultdict(TaskStats)
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
         self.inbox: queue.Queue[tuple[bytes, p.AnyRequest]] = queue.Queue()
         self.stopping = threading.Event()
@@ -80,6 +85,7 @@ class Engine:
     def run(self) -> None:
         """Thread target: step until asked to stop; then end every generation and checkpoint every session."""
         try:
+            self._calibrate()
             while not self.stopping.is_set():
                 try:
                     self.step()
@@ -96,13 +102,19 @@ class Engine:
         if not self.running:
             return
         started = time.monotonic()
-        plan = plan_step(self.running, self.model.batch.capacity)
+        capacity = self.model.batch.capacity
+        if self.config.scheduling == "fcfs":
+            plan = plan_fcfs(self.running, capacity)
+        else:
+            plan = plan_budgeted(self.running, capacity, self.cost, self.step_time_cap())
         batch = self.model.batch
         batch.clear()
         rows = []
         for work in plan:
             s = work.item.session
             rows.append(batch.add(s.slot, s.tokens[s.n_kv : s.n_kv + work.n_tokens], s.n_kv, work.completes))
+        shape = StepShape.of([(w.item.position, w.n_tokens, w.completes) for w in plan])
+        timed = time.perf_counter()
         rc = self.model.decode()
         now = time.monotonic()
         if rc == 1:
@@ -117,10 +129,47 @@ class Engine:
         for work in plan:
             work.item.note_step(started)
             work.item.session.n_kv += work.n_tokens
-        for work, row in zip(plan, rows, strict=True):
-            if work.completes:
-                self._accept(work.item, work.item.sampler.sample(row), now)
-        self.counters.busy_seconds += time.monotonic() - started
+        tokens = [w.item.sampler.sample(row) if w.completes else None for w, row in zip(plan, rows, strict=True)]
+        self.cost.update(shape, time.perf_counter() - timed)  # the model predicts decode + sampling
+        for work, token in zip(plan, tokens, strict=True):
+            if token is not None:
+                self._accept(work.item, token, now)
+        self.last_step_seconds = time.monotonic() - started
+        self.counters.busy_seconds += self.last_step_seconds
+
+    def step_time_cap(self) -> float | None:
+        """The longest a step may take: the tightest per-token budget in flight, and half of the tightest
+        first-token budget of the tasks with open sessions (one of them may ask at any moment, and must not
+        wait behind a long prompt chunk)."""
+        caps = [g.tpot_s for g in self.running if g.tpot_s and g.first_token_at is not None and not g.best_effort]
+        for task, profile in self.config.tasks.items():
+            if profile.ttft_ms and not profile.best_effort and self.sessions.count(task):
+                caps.append(profile.ttft_ms / 2000.0)
+        return min(caps) if caps else None
+
+    def _calibrate(self) -> None:
+        """Measure a few synthetic steps on a free slot so the cost model starts from this machine's speed."""
+        if self.config.scheduling == "fcfs" or not self.tiers.free_slots:
+            return
+        slot = self.tiers.free_slots[-1]
+        batch = self.model.batch
+        vocab = self.model.n_vocab
+
+        def run(start: int, n: int) -> float:
+            if start:
+                batch.clear()
+                batch.add(slot, [t % vocab for t in range(3, 3 + start)], 0, False)
+                self.model.decode()
+            batch.clear()
+            batch.add(slot, [t % vocab for t in range(7, 7 + n)], start, True)
+            began = time.perf_counter()
+            self.model.decode()
+            seconds = time.perf_counter() - began
+            self.model.forget_sequence(slot)
+            return seconds
+
+        calibrate(self.cost, run)
+        log.info("cost model calibrated: %s", {k: v for k, v in self.cost.as_dict().items() if k != "calibration"})
 
     def _take_requests(self, block: bool) -> None:
         try:
@@ -154,7 +203,16 @@ class Engine:
             )
             return
         if reply is not None:
-            self.send(client, reply)
+            try:
+                self.send(client, reply)
+            except Exception:  # a reply that cannot be encoded is a bug: answer, log, keep serving
+                log.exception("could not send the reply to %s", op)
+                self.reply_error(
+                    client,
+                    request.id,
+                    ErrorCode.INTERNAL,
+                    "The daemon could not encode its reply; it is logged, report it.",
+                )
 
     def reply_error(
         self, client: bytes, request_id: int, code: ErrorCode, message: str, detail: dict[str, Any] | None = None
@@ -163,11 +221,17 @@ class Engine:
         self.send(client, p.Error(id=request_id, code=code, message=message, detail=detail))
 
     def _admit_waiting(self) -> None:
-        """Give waiting generations a hot slot (restoring their KV), oldest first, while slots can be had."""
+        """Give waiting generations a hot slot (restoring their KV), most urgent first; a deadline-bound one
+        may swap out a running best-effort generation when every slot is generating."""
+        if self.config.scheduling != "fcfs":
+            self.waiting.sort(key=urgency)
         while self.waiting:
             g = self.waiting[0]
             try:
-                if not self.tiers.make_resident(g.session):
+                resident = self.tiers.make_resident(g.session)
+                if not resident and self._preempt_for(g):
+                    resident = self.tiers.make_resident(g.session)
+                if not resident:
                     return  # every slot is generating; try again next step
             except RequestRefused as refused:
                 self.waiting.pop(0)
@@ -176,9 +240,27 @@ class Engine:
                     self.tiers.drop(g.session)
                 continue
             self.waiting.pop(0)
-            g.session.tokens.extend(g.new_tokens)
-            self.counters.prompt_tokens += len(g.new_tokens)
+            if g.new_tokens:  # first admission (a preempted generation comes back with nothing new)
+                g.session.tokens.extend(g.new_tokens)
+                self.counters.prompt_tokens += len(g.new_tokens)
+                g.new_tokens = []
             self.running.append(g)
+
+    def _preempt_for(self, g: Generation) -> bool:
+        """Swap a running best-effort generation out to the pool (not recomputed: it resumes from the same
+        KV and sampler state, so its output does not change) to free a slot for deadline-bound ``g``."""
+        if self.config.scheduling == "fcfs" or g.best_effort:
+            return False
+        victims = [r for r in self.running if r.best_effort]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: r.arrival)  # the newest best-effort work yields first
+        self.tiers.hibernate(victim.session, preempt=True)
+        self.running.remove(victim)
+        self.waiting.append(victim)
+        self.task_stats[victim.session.task].preemptions += 1
+        log.info("preempted best-effort session %s for deadline-bound session %s", victim.session.id, g.session.id)
+        return True
 
     # ------------------------------------------------------------------ tokens
 
@@ -187,6 +269,8 @@ class Engine:
         g.session.tokens.append(token)
         g.note_token(now)
         self.counters.generated_tokens += 1
+        if g.completion_tokens == 1:
+            self._record_first_token(g, now)
         if self.model.is_end_of_generation(token):
             self.send(g.client, p.Chunk(id=g.request.id, text=g.text.flush(), tokens=[token]))
             self.finish(g, FinishReason.STOP, now, flushed=True)
@@ -209,11 +293,23 @@ class Engine:
         self._release(g)
         g.session.last_used = now
         self.counters.finished[reason.value] += 1
+        stats = self.task_stats[g.session.task]
+        stats.late_tokens += g.late_tokens
+        if g.completion_tokens > 1 and g.first_token_at is not None and g.last_token_at is not None:
+            stats.tpot_ms.add((g.last_token_at - g.first_token_at) * 1000.0 / (g.completion_tokens - 1))
         if checkpoint and self.config.checkpoint == "after_generate" and g.session.slot is not None:
             try:
                 self.tiers.checkpoint(g.session)
             except (RequestRefused, OSError) as exc:  # the answer is out; the session stays resident and usable
                 log.warning("checkpoint of session %s failed: %s", g.session.id, exc)
+
+    def _record_first_token(self, g: Generation, now: float) -> None:
+        stats = self.task_stats[g.session.task]
+        ttft_ms = (now - g.arrival) * 1000.0
+        stats.ttft_ms.add(ttft_ms)
+        if g.ttft_s and ttft_ms > g.ttft_s * 1000.0:
+            stats.deadline_misses += 1
+            stats.lateness_ms += ttft_ms - g.ttft_s * 1000.0
 
     def _release(self, g: Generation) -> None:
         g.sampler.free()
@@ -301,6 +397,27 @@ class Engine:
 
     # ------------------------------------------------------------------ status
 
+    def estimate_ttft(self, prompt_tokens: int, position: int, deadline: float) -> float:
+        """Seconds until a new prompt's first token: what is left of the step in flight, then the prompts that
+        are due no later than it and its own, in chunks next to the streams already decoding."""
+        cap = self.step_time_cap()
+        decoders = sum(1 for g in self.running if g.pending_tokens == 1)
+        ahead = sum(
+            len(g.new_tokens) + g.pending_tokens
+            for g in (*self.running, *self.waiting)
+            if not g.best_effort and g.first_token_at is None and g.deadline <= deadline
+        )
+        _, seconds = steps_for(ahead + prompt_tokens, decoders, position, self.model.batch.capacity, self.cost, cap)
+        in_flight = min(cap, self.last_step_seconds) if cap else self.last_step_seconds
+        return in_flight + seconds
+
+    def in_flight(self, task: str) -> int:
+        return sum(1 for g in (*self.waiting, *self.running) if g.session.task == task)
+
+    def queue_depth(self, task: str) -> int:
+        """Generations of a task that have not produced their first token yet."""
+        return sum(1 for g in (*self.waiting, *self.running) if g.session.task == task and g.first_token_at is None)
+
     def status(self) -> dict[str, Any]:
         return {
             "daemon_version": self.daemon_version,
@@ -323,4 +440,10 @@ class Engine:
             "batch_size": self.model.batch.capacity,
             "checkpoint": self.config.checkpoint,
             "counters": self.counters.as_dict() | {"frame_errors": dict(self.frame_errors)},
+            "scheduler": {
+                "policy": self.config.scheduling,
+                "step_cap_ms": round(cap * 1000.0, 2) if (cap := self.step_time_cap()) else None,
+                "cost_model": self.cost.as_dict(),
+            },
+            "tasks": {task: self.task_stats[task].as_dict(self.queue_depth(task)) for task in self.config.tasks},
         } | self.tiers.usage()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,16 +27,36 @@ class Generation:
     first_step_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # Budgets from the task's profile (tightened by the request's deadline_ms); 0 means none.
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    best_effort: bool = False
+    priority: int = 0
+    late_tokens: int = 0  # tokens that came later than tpot_s after the previous one
 
     @property
     def pending_tokens(self) -> int:
         return self.session.pending_tokens
+
+    @property
+    def position(self) -> int:
+        return self.session.n_kv
+
+    @property
+    def deadline(self) -> float:
+        """When the next token is due: the first within ttft_s of arrival, each next within tpot_s."""
+        if self.first_token_at is None:
+            return self.arrival + self.ttft_s if self.ttft_s else math.inf
+        assert self.last_token_at is not None
+        return self.last_token_at + self.tpot_s if self.tpot_s else math.inf
 
     def note_step(self, now: float) -> None:
         if self.first_step_at is None:
             self.first_step_at = now
 
     def note_token(self, now: float) -> None:
+        if self.tpot_s and self.last_token_at is not None and now - self.last_token_at > self.tpot_s:
+            self.late_tokens += 1
         self.completion_tokens += 1
         if self.first_token_at is None:
             self.first_token_at = now

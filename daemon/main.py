@@ -43,6 +43,7 @@ OVERRIDES = (
     "checkpoint",
     "spill_dir",
     "spill_max_bytes",
+    "scheduling",
 )
 
 
@@ -71,6 +72,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--checkpoint", choices=["after_generate", "on_evict"], help="when sessions are snapshotted")
     ap.add_argument("--spill-dir", help="directory for snapshots evicted from the pool")
+    ap.add_argument("--scheduling", choices=["budgets", "fcfs"], help="latency budgets, or first come first served")
     ap.add_argument("--spill-max-bytes", help="cap of the spill directory, e.g. 1GiB (0 disables it)")
     ap.add_argument("--version", action="version", version=f"kvpoold {__version__}")
     return ap.parse_args(argv)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.client import protocol as p
 from kvpool.client.protocol import ErrorCode, FinishReason
 
+from .config import TaskProfile
 from .errors import RequestRefused
 from .generation import Generation
 from .model import SamplingParams
@@ -144,6 +145,7 @@ class RequestHandlers:
                 f"(context limit {s.context_limit}); shorten the prompt or open a new session.",
                 {"prompt_tokens": len(new), "room": max(room, 0), "context_limit": s.context_limit},
             )
+        g_budget = self._budget(r, s, len(new) + s.pending_tokens)
         params = SamplingParams(
             temperature=r.temperature,
             top_k=r.top_k,
@@ -161,11 +163,47 @@ class RequestHandlers:
             prompt_tokens=len(new),
             text=StreamText(r.stop),
             new_tokens=new,
+            **g_budget,
         )
         s.generation = g
         s.last_used = g.arrival
         self.engine.waiting.append(g)
         return None  # the reply is the stream of chunks and the final message
+
+    def _budget(self, r: p.Generate, s: Session, prompt_tokens: int) -> dict[str, Any]:
+        """The generation's budgets from its task's profile (and the request's own deadline), after admission
+        control: a deadline-bound request whose first token cannot make it is refused now, with the estimate."""
+        profile = self.engine.config.tasks.get(s.task) or TaskProfile()
+        stats = self.engine.task_stats[s.task]
+        if profile.max_queue and self.engine.in_flight(s.task) >= profile.max_queue:
+            stats.refusals[ErrorCode.OVERLOADED.value] += 1
+            raise RequestRefused(
+                ErrorCode.OVERLOADED,
+                f"Task {s.task!r} already has {profile.max_queue} generations queued or running (its max_queue); "
+                "retry when one has finished.",
+            )
+        ttft_ms = profile.ttft_ms
+        if r.deadline_ms is not None:
+            ttft_ms = min(ttft_ms, r.deadline_ms) if ttft_ms else r.deadline_ms
+        budget = {
+            "ttft_s": ttft_ms / 1000.0,
+            "tpot_s": profile.tpot_ms / 1000.0,
+            "best_effort": profile.best_effort,
+            "priority": profile.priority,
+        }
+        if ttft_ms and not profile.best_effort and self.engine.config.scheduling == "budgets":
+            now = time.monotonic()
+            estimate = self.engine.estimate_ttft(prompt_tokens, len(s.tokens), now + ttft_ms / 1000.0)
+            if estimate * 1000.0 > ttft_ms:
+                stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
+                raise RequestRefused(
+                    ErrorCode.BUDGET_UNMEETABLE,
+                    f"The first token would take about {estimate * 1000.0:.0f} ms but the budget is {ttft_ms:.0f} ms "
+                    f"({prompt_tokens} prompt tokens, {len(self.engine.running)} generations running); shorten "
+                    "the prompt, retry later, or use a best-effort task.",
+                    {"estimate_ms": round(estimate * 1000.0, 1), "budget_ms": ttft_ms},
+                )
+        return budget
 
     def _check_quota(self, s: Session) -> None:
         profile = self.engine.config.tasks.get(s.task)  # a recovered session's task may have left the config

@@ -1,15 +1,26 @@
-"""Which tokens the next engine step feeds to llama.cpp: pure bookkeeping, no llama.cpp, unit-testable.
+"""Which tokens the next engine step feeds to llama.cpp: pure logic, no llama.cpp, unit-testable.
 
-Every running generation has some tokens of its session's history that are not in the KV yet ("pending"):
-a whole new prompt at first, then exactly one (the token it just sampled). One step feeds one token to
-every decoding generation first, so a long prompt never stalls the streams already flowing, and then
-spends the rest of the step's token budget on prompts, oldest first, in chunks.
+Every running generation has tokens of its session that are not in the KV yet ("pending"): a whole prompt
+at first, then exactly one (the token it just sampled).
+
+- "budgets" (default): earliest deadline first. Decode tokens of deadline-bound generations always ride in
+  the next step; prompts are fed in chunks sized by the cost model so that the step stays within the time cap
+  (the tightest per-token budget in flight, or the headroom kept for deadline-bound tasks that may ask at any
+  moment). Best-effort work only gets what is left.
+- "fcfs": every decode token first, then prompts oldest first in chunks as large as the batch allows: the
+  behaviour of a server without budgets, kept to measure against.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+from .cost_model import CostModel, StepShape
+
+MIN_CHUNK = 8  # the most urgent prompt always moves by at least this much, however tight the cap
 
 
 class Schedulable(Protocol):
@@ -17,7 +28,19 @@ class Schedulable(Protocol):
     def pending_tokens(self) -> int: ...
 
     @property
+    def position(self) -> int: ...  # where its next tokens go (tokens already in the KV)
+
+    @property
     def arrival(self) -> float: ...
+
+    @property
+    def deadline(self) -> float: ...  # when its next token is due (math.inf: no deadline)
+
+    @property
+    def best_effort(self) -> bool: ...
+
+    @property
+    def priority(self) -> int: ...
 
 
 T = TypeVar("T", bound=Schedulable)
@@ -30,8 +53,12 @@ class Work(Generic[T]):
     completes: bool  # True when this chunk feeds the last pending token: the step samples for it
 
 
-def plan_step(running: list[T], token_budget: int) -> list[Work[T]]:
-    """Decode tokens for every generating item, then prefill chunks FCFS within ``token_budget``."""
+def urgency(g: Schedulable) -> tuple[bool, float, int, float]:
+    """Sort key: deadline-bound before best-effort, then earliest deadline, higher priority, older."""
+    return (g.best_effort, g.deadline, -g.priority, g.arrival)
+
+
+def plan_fcfs(running: list[T], token_budget: int) -> list[Work[T]]:
     decoding = [g for g in running if g.pending_tokens == 1]
     prefilling = sorted((g for g in running if g.pending_tokens > 1), key=lambda g: g.arrival)
     plan = [Work(g, 1, True) for g in decoding[:token_budget]]
@@ -43,3 +70,72 @@ def plan_step(running: list[T], token_budget: int) -> list[Work[T]]:
         plan.append(Work(g, n, n == g.pending_tokens))
         budget -= n
     return plan
+
+
+def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap: float | None) -> list[Work[T]]:
+    plan: list[Work[T]] = []
+    chunks: list[tuple[int, int, bool]] = []
+
+    def fits(chunk: tuple[int, int, bool]) -> bool:
+        if sum(c[1] for c in chunks) + chunk[1] > token_budget:
+            return False
+        return time_cap is None or cost.predict(StepShape.of([*chunks, chunk])) <= time_cap
+
+    def add(g: T, n: int) -> None:
+        chunk = (g.position, n, n == g.pending_tokens)
+        plan.append(Work(g, n, chunk[2]))
+        chunks.append(chunk)
+
+    for g in sorted((g for g in running if g.pending_tokens == 1), key=urgency):
+        if sum(c[1] for c in chunks) >= token_budget:
+            break
+        if not g.best_effort or fits((g.position, 1, True)):  # deadline-bound decode tokens always ride
+            add(g, 1)
+    for g in sorted((g for g in running if g.pending_tokens > 1), key=urgency):
+        room = token_budget - sum(c[1] for c in chunks)
+        if room <= 0:
+            break
+        n = _largest_chunk(g, min(g.pending_tokens, room), fits)
+        if n == 0:
+            prompt_moving = any(w.item.pending_tokens > 1 for w in plan)
+            if prompt_moving or (g.best_effort and plan):
+                break
+            n = min(g.pending_tokens, room, MIN_CHUNK)  # progress for the most urgent prompt
+        add(g, n)
+    return plan
+
+
+def _largest_chunk(g: Schedulable, most: int, fits: Callable[[tuple[int, int, bool]], bool]) -> int:
+    """The largest n <= most whose chunk keeps the step within its cap (predicted time grows with n)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits((g.position, mid, mid == g.pending_tokens)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def steps_for(
+    prompt_tokens: int, decoders: int, position: int, token_budget: int, cost: CostModel, time_cap: float | None
+) -> tuple[int, float]:
+    """How many steps and seconds a prompt of ``prompt_tokens`` needs next to ``decoders`` decode tokens,
+    in chunks that keep each step within ``time_cap`` (for admission control)."""
+    if prompt_tokens <= 0:
+        return 0, 0.0
+    room = max(1, token_budget - decoders)
+    chunk = room
+    if time_cap is not None:
+        lo, hi = MIN_CHUNK, room
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            shape = StepShape(decoders + mid, decoders + 1, decoders * position + mid * (position + mid // 2))
+            if cost.predict(shape) <= time_cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        chunk = min(room, lo)
+    steps = math.ceil(prompt_tokens / chunk)
+    per_step = cost.predict(StepShape(decoders + chunk, decoders + 1, decoders * position + chunk * position))
+    return steps, steps * per_step

@@ -91,9 +91,10 @@ class Tiers:
         self.resident[slot] = s
         return True
 
-    def hibernate(self, s: Session) -> None:
-        """Free the session's slot and cells; its state stays in the pool (or on disk)."""
-        assert s.slot is not None and s.generation is None
+    def hibernate(self, s: Session, preempt: bool = False) -> None:
+        """Free the session's slot and cells; its state stays in the pool (or on disk). ``preempt``: the
+        session is in the middle of a generation that will resume from exactly this state."""
+        assert s.slot is not None and (preempt or s.generation is None)
         if not s.checkpoint_fresh:
             self.checkpoint(s)
         self.model.forget_sequence(s.slot)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -13,7 +12,6 @@ from hypothesis import strategies as st
 from kvpool.client import protocol as p
 from kvpool.client.errors import KvpoolError, NotOwner, error_from_code
 from kvpool.daemon.config import Config, ConfigError, load_config
-from kvpool.daemon.scheduler import plan_step
 from kvpool.daemon.stream_text import StreamText
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,45 +96,6 @@ def test_flags_override_the_file_and_are_named_in_errors(tmp_path: Path) -> None
         load_config(path, {"max_sessions": 0})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
-
-
-# ---------------------------------------------------------------- scheduler
-
-
-@dataclass
-class Item:
-    pending_tokens: int
-    arrival: float
-
-
-def test_decodes_ride_first_then_prefills_fcfs_in_chunks() -> None:
-    late_prompt, early_prompt = Item(300, 2.0), Item(400, 1.0)
-    decoding = [Item(1, 5.0), Item(1, 6.0)]
-    plan = plan_step([late_prompt, *decoding, early_prompt], token_budget=256)
-    assert [(w.item, w.n_tokens, w.completes) for w in plan] == [
-        (decoding[0], 1, True),
-        (decoding[1], 1, True),
-        (early_prompt, 254, False),
-    ]
-
-
-def test_short_prompt_completes_within_the_budget() -> None:
-    a, b = Item(10, 1.0), Item(20, 2.0)
-    plan = plan_step([b, a], token_budget=64)
-    assert [(w.item, w.n_tokens, w.completes) for w in plan] == [(a, 10, True), (b, 20, True)]
-
-
-@given(st.lists(st.tuples(st.integers(1, 600), st.floats(0, 100)), max_size=20), st.integers(1, 512))
-def test_plan_never_exceeds_budget_or_pending(items: list[tuple[int, float]], budget: int) -> None:
-    running = [Item(n, t) for n, t in items]
-    plan = plan_step(running, budget)
-    assert sum(w.n_tokens for w in plan) <= budget
-    for w in plan:
-        assert 1 <= w.n_tokens <= w.item.pending_tokens
-        assert w.completes == (w.n_tokens == w.item.pending_tokens)
-    assert len({id(w.item) for w in plan}) == len(plan)
-    if sum(n for n, _ in items) <= budget:
-        assert len(plan) == len(running)
 
 
 # ---------------------------------------------------------------- streamed text

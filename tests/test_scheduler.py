@@ -1,0 +1,138 @@
+"""The scheduler and the cost model, with a fake clock and a fixed cost model: no model, no daemon."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool.daemon.cost_model import CostModel, StepShape, calibrate
+from kvpool.daemon.scheduler import MIN_CHUNK, plan_budgeted, plan_fcfs, steps_for
+
+
+@dataclass(eq=False)
+class Item:
+    pending_tokens: int
+    arrival: float
+    deadline: float = math.inf
+    best_effort: bool = False
+    priority: int = 0
+    position: int = 0
+
+
+def fixed_cost(fixed_ms: float = 10.0, per_token_ms: float = 1.0) -> CostModel:
+    """A cost model that knows exactly: fixed + per token (no output or attention cost)."""
+    model = CostModel()
+    model.theta[:] = [fixed_ms / 1e3, per_token_ms / 1e3, 0.0, 0.0]
+    model._usable = model.theta.copy()
+    return model
+
+
+def summary(plan: list) -> list[tuple[Item, int, bool]]:
+    return [(w.item, w.n_tokens, w.completes) for w in plan]
+
+
+# ---------------------------------------------------------------- fcfs
+
+
+def test_fcfs_feeds_decodes_then_prompts_oldest_first() -> None:
+    late_prompt, early_prompt = Item(300, 2.0), Item(400, 1.0)
+    decoding = [Item(1, 5.0), Item(1, 6.0)]
+    plan = plan_fcfs([late_prompt, *decoding, early_prompt], token_budget=256)
+    assert summary(plan) == [(decoding[0], 1, True), (decoding[1], 1, True), (early_prompt, 254, False)]
+
+
+# ---------------------------------------------------------------- earliest deadline first
+
+
+def test_prompts_go_by_earliest_deadline_not_arrival() -> None:
+    vision = Item(1500, arrival=1.0, deadline=11.0)
+    voice = Item(30, arrival=2.0, deadline=2.3)
+    plan = plan_budgeted([vision, voice], 512, fixed_cost(), time_cap=None)
+    assert summary(plan)[0] == (voice, 30, True)  # the later arrival with the earlier deadline goes first
+    assert summary(plan)[1] == (vision, 482, False)
+
+
+def test_ties_go_to_priority_then_age_and_best_effort_goes_last() -> None:
+    a, b = Item(10, 1.0, deadline=5.0, priority=0), Item(10, 2.0, deadline=5.0, priority=3)
+    background = Item(10, 0.0, best_effort=True)
+    plan = plan_budgeted([background, a, b], 512, fixed_cost(), time_cap=None)
+    assert [w.item for w in plan] == [b, a, background]
+
+
+def test_chunks_are_sized_to_the_time_cap() -> None:
+    # 10 ms fixed + 1 ms per token, cap 50 ms: two decode tokens leave room for a 38-token chunk.
+    decoders = [Item(1, 1.0, deadline=1.1), Item(1, 1.0, deadline=1.2)]
+    prompt = Item(1000, 0.5, deadline=9.0)
+    plan = plan_budgeted([prompt, *decoders], 512, fixed_cost(), time_cap=0.050)
+    assert summary(plan) == [(decoders[0], 1, True), (decoders[1], 1, True), (prompt, 38, False)]
+    without_cap = plan_budgeted([prompt, *decoders], 512, fixed_cost(), time_cap=None)
+    assert summary(without_cap)[2] == (prompt, 510, False)
+
+
+def test_deadline_bound_decodes_always_ride_but_best_effort_yields() -> None:
+    # cap 12 ms: room for two tokens beyond the fixed cost. Three deadline-bound decodes exceed it and still
+    # all ride; the best-effort decode and the best-effort prompt wait.
+    bound = [Item(1, 1.0, deadline=1.0 + i) for i in range(3)]
+    background = Item(1, 0.0, best_effort=True)
+    prompt = Item(100, 0.0, best_effort=True)
+    plan = plan_budgeted([background, prompt, *bound], 512, fixed_cost(), time_cap=0.012)
+    assert [w.item for w in plan] == bound
+
+
+def test_the_most_urgent_prompt_always_moves() -> None:
+    prompt = Item(100, 0.0, deadline=3.0)
+    plan = plan_budgeted([prompt], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)  # nothing fits the cap
+    assert summary(plan) == [(prompt, MIN_CHUNK, False)]
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 600), st.floats(0, 100), st.floats(0, 200), st.booleans()), max_size=16),
+    st.integers(8, 512),
+    st.one_of(st.none(), st.floats(0.011, 0.5)),
+)
+def test_plan_respects_budget_and_pending(items: list, budget: int, cap: float | None) -> None:
+    running = [Item(n, t, deadline=d, best_effort=be) for n, t, d, be in items]
+    plan = plan_budgeted(running, budget, fixed_cost(), cap)
+    assert sum(w.n_tokens for w in plan) <= budget
+    assert len({id(w.item) for w in plan}) == len(plan)
+    for w in plan:
+        assert 1 <= w.n_tokens <= w.item.pending_tokens
+        assert w.completes == (w.n_tokens == w.item.pending_tokens)
+    prompts = [w for w in plan if w.item.pending_tokens > 1]
+    if cap is not None and len(prompts) > 1:  # beyond the guaranteed minimal chunk, the cap holds
+        assert fixed_cost().predict(StepShape(sum(w.n_tokens for w in plan), 0, 0)) <= cap + 1e-9
+
+
+# ---------------------------------------------------------------- admission estimate and cost model
+
+
+def test_admission_estimate_counts_chunks_under_the_cap() -> None:
+    cost = fixed_cost()
+    steps, seconds = steps_for(100, decoders=2, position=0, token_budget=512, cost=cost, time_cap=0.050)
+    assert steps == 3  # 38 tokens per step next to 2 decodes
+    assert math.isclose(seconds, 3 * 0.050, rel_tol=1e-6)
+    steps, seconds = steps_for(100, decoders=0, position=0, token_budget=512, cost=cost, time_cap=None)
+    assert (steps, round(seconds, 6)) == (1, 0.522)  # one 512-token chunk
+
+
+def test_cost_model_learns_a_linear_machine() -> None:
+    true = {"fixed": 0.02, "token": 0.0015, "output": 0.004, "attention": 0.0003}
+
+    def run(start: int, n: int) -> float:
+        shape = StepShape.of([(start, n, True)])
+        return (
+            true["fixed"]
+            + true["token"] * shape.tokens
+            + true["output"] * shape.outputs
+            + true["attention"] * shape.attention / 1e4
+        )
+
+    model = CostModel()
+    calibrate(model, run, repeat=20)
+    for start, n, outputs in [(0, 1, 1), (0, 300, 1), (500, 1, 1), (100, 64, 2)]:
+        shape = StepShape.of([(start, n, True)] + [(0, 1, True)] * (outputs - 1))
+        expected = run(start, n) + (outputs - 1) * (true["token"] + true["output"] + true["attention"] / 1e4)
+        assert math.isclose(model.predict(shape), expected, rel_tol=0.05), (start, n)
