@@ -156,10 +156,12 @@ class Engine:
         vocab = self.model.n_vocab
 
         def run(start: int, n: int) -> float:
-            if start:
+            for at in range(0, start, batch.capacity):  # the context, in batches the context accepts
                 batch.clear()
-                batch.add(slot, [t % vocab for t in range(3, 3 + start)], 0, False)
+                count = min(batch.capacity, start - at)
+                batch.add(slot, [t % vocab for t in range(3 + at, 3 + at + count)], at, False)
                 self.model.decode()
+            n = min(n, batch.capacity)
             batch.clear()
             batch.add(slot, [t % vocab for t in range(7, 7 + n)], start, True)
             began = time.perf_counter()
@@ -168,7 +170,12 @@ class Engine:
             self.model.forget_sequence(slot)
             return seconds
 
-        calibrate(self.cost, run)
+        try:
+            calibrate(self.cost, run)
+        except Exception:  # the online updates will still fit the model; serving matters more
+            log.exception("cost model calibration failed; starting from the prior")
+            self.model.forget_sequence(slot)
+            return
         log.info("cost model calibrated: %s", {k: v for k, v in self.cost.as_dict().items() if k != "calibration"})
 
     def _take_requests(self, block: bool) -> None:

@@ -47,13 +47,16 @@ class RawConnection:
 
     def until_final(self, request_id: int) -> tuple[list[p.Chunk], p.Final]:
         chunks: list[p.Chunk] = []
+        skipped: list[p.AnyReply] = []  # other requests' replies, kept for later recv() calls
         while True:
             reply = self.recv()
             if reply.id != request_id:
+                skipped.append(reply)
                 continue
             if isinstance(reply, p.Error):
                 raise AssertionError(f"unexpected error {reply.code}: {reply.message}")
             if isinstance(reply, p.Final):
+                self.backlog[:0] = skipped
                 return chunks, reply
             assert isinstance(reply, p.Chunk)
             chunks.append(reply)
