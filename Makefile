@@ -29,7 +29,10 @@ lint: setup
 	$(PY) -m ruff check .
 
 bench: setup
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/throughput.py
+	$(PY) bench/resume.py
+	$(PY) bench/latency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -80,6 +80,21 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     ]
     for name, value in rows:
         print(f"{name:>9}  {value}")
+    scheduler = status["scheduler"]
+    cap = scheduler["step_cap_ms"]
+    print(f"{'schedule':>9}  {scheduler['policy']}, step cap {f'{cap:.0f} ms' if cap else 'none'}")
+    print(
+        f"\n{'task':<10} {'ttft p50/p95/p99 ms':>21} {'tpot p50 ms':>11} {'missed':>6} {'late tok':>8} "
+        f"{'preempt':>7} {'queue':>5}  refusals"
+    )
+    for task, t in status["tasks"].items():
+        ttft, tpot = t["ttft_ms"], t["tpot_ms"]
+        pct = f"{ttft['p50']:.0f}/{ttft['p95']:.0f}/{ttft['p99']:.0f}" if ttft["count"] else "-"
+        per_token = f"{tpot['p50']:.0f}" if tpot["count"] else "-"
+        print(
+            f"{task:<10} {pct:>21} {per_token:>11} {t['deadline_misses']:>6} {t['late_tokens']:>8} "
+            f"{t['preemptions']:>7} {t['queue_depth']:>5}  {_counts(t['refusals'])}"
+        )
     return 0
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FORGET = 0.995  # weight of the past per update: about the last 200 steps count
+SMALL_STEP = 32  # tokens: steps up to this size use the small-step fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,43 +37,67 @@ class StepShape:
         return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4])
 
 
-class CostModel:
+class _LinearFit:
+    """Recursive least squares over the step features, slowly forgetting old steps."""
+
     def __init__(self) -> None:
         # A cautious prior (10 ms fixed, 2 ms per token) until calibration says otherwise.
         self.theta = np.array([0.010, 0.002, 0.0, 0.0])
-        self._usable = self.theta.copy()
+        self.usable = self.theta.copy()
         self._p = np.eye(4) * 1e3
-        self.updates = 0
-        self.calibration: list[dict[str, float]] = []
 
-    def predict(self, shape: StepShape) -> float:
-        """Seconds; never below a small floor (a step always costs something)."""
-        return max(1e-4, float(shape.features() @ self._usable))
-
-    def update(self, shape: StepShape, seconds: float) -> None:
-        x = shape.features()
+    def update(self, x: np.ndarray, seconds: float) -> None:
         px = self._p @ x
         gain = px / (FORGET + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self._p = (self._p - np.outer(gain, px)) / FORGET
-        self.updates += 1
         # Noise can push a marginal cost below zero; predictions must still grow with the work.
-        self._usable = np.concatenate([self.theta[:1], np.maximum(self.theta[1:], 0.0)])
+        self.usable = np.concatenate([self.theta[:1], np.maximum(self.theta[1:], 0.0)])
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, float]:
         fixed, per_token, per_output, per_attention = (float(x) for x in self.theta)
         return {
             "fixed_ms": round(fixed * 1e3, 3),
             "per_token_ms": round(per_token * 1e3, 4),
             "per_output_ms": round(per_output * 1e3, 4),
             "per_10k_attention_ms": round(per_attention * 1e3, 4),
+        }
+
+
+class CostModel:
+    """Two linear fits, one for small steps (decode tokens, short prompts) and one for large ones (prompt
+    chunks): on a CPU a small batch is bound by reading the weights and a large one by arithmetic, so one line
+    fitted to a stream of large chunks would mispredict the short step a voice request needs, and the other way
+    round."""
+
+    def __init__(self) -> None:
+        self.small, self.large = _LinearFit(), _LinearFit()
+        self.updates = 0
+        self.calibration: list[dict[str, float]] = []
+
+    def _fit(self, shape: StepShape) -> _LinearFit:
+        return self.small if shape.tokens <= SMALL_STEP else self.large
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds; never below a small floor (a step always costs something)."""
+        return max(1e-4, float(shape.features() @ self._fit(shape).usable))
+
+    def update(self, shape: StepShape, seconds: float) -> None:
+        self._fit(shape).update(shape.features(), seconds)
+        self.updates += 1
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "small_steps": self.small.as_dict(),
+            "large_steps": self.large.as_dict(),
+            "small_step_tokens": SMALL_STEP,
             "updates": self.updates,
             "calibration": self.calibration,
         }
 
 
 # Shapes measured at start: (tokens already in the sequence, tokens fed).
-CALIBRATION = [(0, 1), (0, 16), (0, 64), (128, 1), (128, 32), (0, 4)]
+CALIBRATION = [(0, 1), (0, 16), (128, 1), (128, 32), (0, 4), (0, 64), (0, 256), (128, 128), (256, 64)]
 
 
 def calibrate(model: CostModel, run: Callable[[int, int], float], repeat: int = 1) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import logging
 import os
@@ -134,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     engine_thread = threading.Thread(target=run_engine, name="engine")
     io_thread = threading.Thread(target=server.serve, args=(engine.submit, engine_done), name="io")
     engine_thread.start()

@@ -162,6 +162,9 @@ class Model:
         cparams.n_batch = batch_size
         cparams.n_ubatch = batch_size
         cparams.n_seq_max = hot_slots
+        # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
+        # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
+        cparams.n_outputs_max = hot_slots
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on

@@ -163,6 +163,7 @@ class RequestHandlers:
             prompt_tokens=len(new),
             text=StreamText(r.stop),
             new_tokens=new,
+            arrival=self.engine.received_at,
             **g_budget,
         )
         s.generation = g
@@ -192,8 +193,8 @@ class RequestHandlers:
             "priority": profile.priority,
         }
         if ttft_ms and not profile.best_effort and self.engine.config.scheduling == "budgets":
-            now = time.monotonic()
-            estimate = self.engine.estimate_ttft(prompt_tokens, len(s.tokens), now + ttft_ms / 1000.0)
+            deadline = self.engine.received_at + ttft_ms / 1000.0
+            estimate = self.engine.estimate_ttft(prompt_tokens, len(s.tokens), deadline)
             if estimate * 1000.0 > ttft_ms:
                 stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
                 raise RequestRefused(
@@ -201,7 +202,12 @@ class RequestHandlers:
                     f"The first token would take about {estimate * 1000.0:.0f} ms but the budget is {ttft_ms:.0f} ms "
                     f"({prompt_tokens} prompt tokens, {len(self.engine.running)} generations running); shorten "
                     "the prompt, retry later, or use a best-effort task.",
-                    {"estimate_ms": round(estimate * 1000.0, 1), "budget_ms": ttft_ms},
+                    {
+                        "estimate_ms": round(estimate * 1000.0, 1),
+                        "budget_ms": ttft_ms,
+                        "waited_ms": round((time.monotonic() - self.engine.received_at) * 1000.0, 1),
+                        "step_cap_ms": round((self.engine.step_time_cap() or 0.0) * 1000.0, 1),
+                    },
                 )
         return budget
 

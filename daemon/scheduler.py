@@ -13,7 +13,6 @@ at first, then exactly one (the token it just sampled).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -95,6 +94,8 @@ def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap
         room = token_budget - sum(c[1] for c in chunks)
         if room <= 0:
             break
+        if g.best_effort and any(not w.item.best_effort and w.item.pending_tokens > 1 for w in plan):
+            break  # a deadline-bound prompt is in this step: keep the step short so its first token comes soon
         n = _largest_chunk(g, min(g.pending_tokens, room), fits)
         if n == 0:
             prompt_moving = any(w.item.pending_tokens > 1 for w in plan)
@@ -136,6 +137,9 @@ def steps_for(
             else:
                 hi = mid - 1
         chunk = min(room, lo)
-    steps = math.ceil(prompt_tokens / chunk)
-    per_step = cost.predict(StepShape(decoders + chunk, decoders + 1, decoders * position + chunk * position))
-    return steps, steps * per_step
+
+    def step(n: int) -> float:
+        return cost.predict(StepShape(decoders + n, decoders + 1, decoders * position + n * (position + n // 2)))
+
+    full, rest = divmod(prompt_tokens, chunk)
+    return full + (rest > 0), full * step(chunk) + (step(rest) if rest else 0.0)

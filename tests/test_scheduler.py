@@ -25,8 +25,9 @@ class Item:
 def fixed_cost(fixed_ms: float = 10.0, per_token_ms: float = 1.0) -> CostModel:
     """A cost model that knows exactly: fixed + per token (no output or attention cost)."""
     model = CostModel()
-    model.theta[:] = [fixed_ms / 1e3, per_token_ms / 1e3, 0.0, 0.0]
-    model._usable = model.theta.copy()
+    for fit in (model.small, model.large):
+        fit.theta[:] = [fixed_ms / 1e3, per_token_ms / 1e3, 0.0, 0.0]
+        fit.usable = fit.theta.copy()
     return model
 
 
@@ -59,7 +60,10 @@ def test_ties_go_to_priority_then_age_and_best_effort_goes_last() -> None:
     a, b = Item(10, 1.0, deadline=5.0, priority=0), Item(10, 2.0, deadline=5.0, priority=3)
     background = Item(10, 0.0, best_effort=True)
     plan = plan_budgeted([background, a, b], 512, fixed_cost(), time_cap=None)
-    assert [w.item for w in plan] == [b, a, background]
+    assert [w.item for w in plan] == [b, a]  # the best-effort prompt waits for a step of its own
+    decoding_background = Item(1, 0.0, best_effort=True)
+    plan = plan_budgeted([decoding_background, a, b], 512, fixed_cost(), time_cap=None)
+    assert [w.item for w in plan] == [decoding_background, b, a]  # decode tokens are cheap: they ride
 
 
 def test_chunks_are_sized_to_the_time_cap() -> None:
@@ -80,6 +84,14 @@ def test_deadline_bound_decodes_always_ride_but_best_effort_yields() -> None:
     prompt = Item(100, 0.0, best_effort=True)
     plan = plan_budgeted([background, prompt, *bound], 512, fixed_cost(), time_cap=0.012)
     assert [w.item for w in plan] == bound
+
+
+def test_best_effort_prompts_stay_out_of_a_step_that_starts_a_deadline_bound_answer() -> None:
+    voice = Item(20, 2.0, deadline=2.3)
+    vision = Item(1000, 1.0, best_effort=True)
+    plan = plan_budgeted([vision, voice], 512, fixed_cost(), time_cap=0.150)
+    assert summary(plan) == [(voice, 20, True)]
+    assert summary(plan_budgeted([vision], 512, fixed_cost(), time_cap=0.150)) == [(vision, 140, False)]
 
 
 def test_the_most_urgent_prompt_always_moves() -> None:
@@ -112,10 +124,10 @@ def test_plan_respects_budget_and_pending(items: list, budget: int, cap: float |
 def test_admission_estimate_counts_chunks_under_the_cap() -> None:
     cost = fixed_cost()
     steps, seconds = steps_for(100, decoders=2, position=0, token_budget=512, cost=cost, time_cap=0.050)
-    assert steps == 3  # 38 tokens per step next to 2 decodes
-    assert math.isclose(seconds, 3 * 0.050, rel_tol=1e-6)
+    assert steps == 3  # 38 tokens per step next to 2 decodes, then 24
+    assert math.isclose(seconds, 2 * 0.050 + (0.010 + 0.026), rel_tol=1e-6)
     steps, seconds = steps_for(100, decoders=0, position=0, token_budget=512, cost=cost, time_cap=None)
-    assert (steps, round(seconds, 6)) == (1, 0.522)  # one 512-token chunk
+    assert (steps, round(seconds, 6)) == (1, 0.110)  # one 100-token chunk: 10 ms + 100 x 1 ms
 
 
 def test_cost_model_learns_a_linear_machine() -> None:
@@ -132,7 +144,7 @@ def test_cost_model_learns_a_linear_machine() -> None:
 
     model = CostModel()
     calibrate(model, run, repeat=20)
-    for start, n, outputs in [(0, 1, 1), (0, 300, 1), (500, 1, 1), (100, 64, 2)]:
+    for start, n, outputs in [(0, 1, 1), (0, 300, 1), (500, 1, 1), (100, 64, 2), (0, 20, 1)]:
         shape = StepShape.of([(start, n, True)] + [(0, 1, True)] * (outputs - 1))
         expected = run(start, n) + (outputs - 1) * (true["token"] + true["output"] + true["attention"] / 1e4)
         assert math.isclose(model.predict(shape), expected, rel_tol=0.05), (start, n)

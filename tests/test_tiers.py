@@ -295,3 +295,20 @@ def test_a_pool_is_never_shared_and_must_match_the_config(start_daemon: Start) -
     assert first.stop() == 0
     resized = run_until_exit([*first.command(), "--cache-pool-size", "32MiB"])
     assert resized.returncode == 1 and "cache_pool_size" in resized.stderr and "--reset-pool" in resized.stderr
+
+
+def test_a_hot_session_never_waits_for_its_own_slot(start_daemon: Start) -> None:
+    """One slot, held by idle session A. B (not hot) and then A ask at once: A must not queue behind B, which
+    waits for the slot A holds (this deadlocked both)."""
+    daemon = start_daemon("--hot-slots", "1", "--scheduling", "fcfs")
+    raw = RawConnection(daemon.address)
+    try:
+        a, b = raw.open(), raw.open()
+        raw.send(p.Generate(id=2, session=a.session, token=a.token, prompt="first", max_tokens=3, temperature=0.0))
+        raw.until_final(2)  # A is now hot and idle
+        raw.send(p.Generate(id=3, session=b.session, token=b.token, prompt="bee", max_tokens=3, temperature=0.0))
+        raw.send(p.Generate(id=4, session=a.session, token=a.token, prompt="again", max_tokens=3, temperature=0.0))
+        finals = {raw.until_final(i)[1].usage.completion_tokens for i in (3, 4)}  # bounded by the socket timeout
+        assert finals == {3}
+    finally:
+        raw.close()

@@ -145,3 +145,11 @@ def test_config_reference_documents_every_key_and_flag() -> None:
             assert f"`{name}`" in reference, f"docs/config.md does not document `{name}`"
     for key in OVERRIDES:
         assert f"`--{key.replace('_', '-')}`" in reference, f"docs/config.md does not document --{key}"
+
+
+def test_example_configs_load() -> None:
+    for path in (ROOT / "configs").glob("*.toml"):
+        config = load_config(path)
+        assert "default" in config.tasks, path
+    edge = load_config(ROOT / "configs" / "edge-2gb.toml")
+    assert edge.cache_pool_size == 192 << 20 and edge.tasks["vision"].best_effort
