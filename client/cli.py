@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     sessions = sub.add_parser("sessions", help="list open sessions")
     sessions.add_argument("--json", action="store_true")
+    health = sub.add_parser("health", help="exit 0 only when the daemon answers and its engine is stepping")
+    health.add_argument("--max-engine-silence", type=float, default=10.0, help="seconds")
+    top = sub.add_parser("top", help="a live view of slots, tiers, pool use and per-task latency")
+    top.add_argument("--interval", type=float, default=1.0)
+    top.add_argument("--iterations", type=int, default=0, help="stop after N views (0: until Ctrl-C)")
+    top.add_argument("--max-sessions", type=int, default=20, help="session rows to show")
     gen = sub.add_parser("generate", help="stream a completion of PROMPT to stdout (in a new session)")
     gen.add_argument("prompt", help="prompt text; '-' reads it from stdin")
     gen.add_argument("--task", default="default")
@@ -60,6 +67,13 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The status as a person reads it: daemon, tiers and counters, then one latency row per task."""
+    out: list[str] = []
     model, slots, kv, sessions, c, pool = (status[k] for k in ("model", "slots", "kv", "sessions", "counters", "pool"))
     rows: list[tuple[str, Any]] = [
         ("daemon", f"kvpoold {status['daemon_version']} (pid {status['pid']}, up {status['uptime_s']:.0f} s)"),
@@ -79,11 +93,11 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
         ("errors", _counts(c["errors"] | c["frame_errors"])),
     ]
     for name, value in rows:
-        print(f"{name:>9}  {value}")
+        out.append(f"{name:>9}  {value}")
     scheduler = status["scheduler"]
     cap = scheduler["step_cap_ms"]
-    print(f"{'schedule':>9}  {scheduler['policy']}, step cap {f'{cap:.0f} ms' if cap else 'none'}")
-    print(
+    out.append(f"{'schedule':>9}  {scheduler['policy']}, step cap {f'{cap:.0f} ms' if cap else 'none'}")
+    out.append(
         f"\n{'task':<10} {'ttft p50/p95/p99 ms':>21} {'tpot p50 ms':>11} {'missed':>6} {'late tok':>8} "
         f"{'preempt':>7} {'queue':>5}  refusals"
     )
@@ -91,10 +105,49 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
         ttft, tpot = t["ttft_ms"], t["tpot_ms"]
         pct = f"{ttft['p50']:.0f}/{ttft['p95']:.0f}/{ttft['p99']:.0f}" if ttft["count"] else "-"
         per_token = f"{tpot['p50']:.0f}" if tpot["count"] else "-"
-        print(
+        out.append(
             f"{task:<10} {pct:>21} {per_token:>11} {t['deadline_misses']:>6} {t['late_tokens']:>8} "
             f"{t['preemptions']:>7} {t['queue_depth']:>5}  {_counts(t['refusals'])}"
         )
+    return "\n".join(out)
+
+
+def cmd_health(client: Client, args: argparse.Namespace) -> int:
+    """Exit 0 only when the daemon answers and its engine loop is stepping."""
+    status = client.status()
+    idle = status["engine_idle_s"]
+    healthy = idle < args.max_engine_silence
+    print(
+        f"kvpoold pid {status['pid']}: {'healthy' if healthy else 'UNHEALTHY'} (engine loop last passed "
+        f"{idle:.1f} s ago, {status['sessions']['open']} sessions, {status['sessions']['generating']} generating)"
+    )
+    return 0 if healthy else EXIT_REFUSED
+
+
+def cmd_top(client: Client, args: argparse.Namespace) -> int:
+    """A live view: the status redrawn in place every --interval seconds (Ctrl-C to leave)."""
+    shown = 0
+    while args.iterations == 0 or shown < args.iterations:
+        if shown:
+            time.sleep(args.interval)
+        view = format_status(client.status())
+        sessions = client.sessions()
+        lines = [
+            f"kvpool top - {time.strftime('%H:%M:%S')} - {client.address}",
+            "",
+            view,
+            "",
+            f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'busy':<5} {'idle s':>8}",
+        ]
+        lines += [
+            f"{x.session:<18} {x.task:<10} {x.tier:<5} {x.context_tokens:>7} {'yes' if x.busy else 'no':<5} "
+            f"{x.idle_s:>8.1f}"
+            for x in sessions[: args.max_sessions]
+        ]
+        clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+        sys.stdout.write(clear + "\n".join(lines) + "\n")
+        sys.stdout.flush()
+        shown += 1
     return 0
 
 
@@ -151,7 +204,13 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
 
 
-COMMANDS = {"status": cmd_status, "sessions": cmd_sessions, "generate": cmd_generate}
+COMMANDS = {
+    "status": cmd_status,
+    "sessions": cmd_sessions,
+    "generate": cmd_generate,
+    "health": cmd_health,
+    "top": cmd_top,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

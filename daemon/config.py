@@ -74,6 +74,16 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # "budgets": earliest deadline first, chunked prefill, admission control, preemption of best-effort work.
     # "fcfs": first come first served with whole-batch prefill chunks and no admission control (to compare).
     scheduling: Annotated[str, Meta(pattern=r"^(budgets|fcfs)$")] = "budgets"
+    # The memory plan (weights + hot KV + compute + pool + runtime) may not exceed this; 0 = no limit.
+    memory_limit: NonNegative = 0
+    # Above this resident memory (psutil), new sessions are refused with OVERLOADED; 0 = never.
+    memory_high_water: NonNegative = 0
+    # "127.0.0.1:PORT" serves /health and /metrics on the loopback; empty = no HTTP listener.
+    http: Annotated[str, Meta(pattern=r"^((127\.0\.0\.1|localhost|\[::1\]):\d{1,5})?$")] = ""
+    log_format: Annotated[str, Meta(pattern=r"^(text|json)$")] = "text"
+    # Also log to this file, rotated at log_max_bytes (3 old files kept); empty = stderr only.
+    log_file: str = ""
+    log_max_bytes: Annotated[int, Meta(ge=1 << 16)] = 10 << 20
     # The cold tier: snapshots evicted from the pool; empty means $STATE_DIRECTORY/spill (systemd), else
     # $XDG_STATE_HOME/kvpool/spill, else ~/.local/state/kvpool/spill, plus the pool's name.
     spill_dir: str = ""
@@ -90,8 +100,10 @@ class ConfigError(Exception):
     """A configuration the daemon refuses to start with; the message names the key, the value and why."""
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults, then the TOML file at ``path`` (if any), then ``overrides`` (from CLI flags)."""
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None
+) -> Config:
+    """Defaults < the TOML file at ``path`` < ``KVPOOL_*`` variables in ``environ`` < ``overrides`` (CLI flags)."""
     raw: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -102,6 +114,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"Config file {path} does not exist; pass an existing file to --config.") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from None
+    raw.update(_from_environment(environ or {}))
     flagged = {key: value for key, value in (overrides or {}).items() if value is not None}
     raw.update(flagged)
     try:
@@ -132,9 +145,26 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return msgspec.structs.replace(config, tasks=tasks)
 
 
-SIZE_KEYS = ("cache_pool_size", "spill_max_bytes")
+SIZE_KEYS = ("cache_pool_size", "spill_max_bytes", "memory_limit", "memory_high_water", "log_max_bytes")
+ENV_PREFIX = "KVPOOL_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _from_environment(environ: dict[str, str]) -> dict[str, Any]:
+    """KVPOOL_HOT_SLOTS=8 -> {"hot_slots": 8}: values are read as TOML values, else taken as strings."""
+    values: dict[str, Any] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == "KVPOOL_ADDRESS":  # KVPOOL_ADDRESS is the clients' too
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in Config.__struct_fields__ or key == "tasks":
+            continue
+        try:
+            values[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = text
+    return values
 
 
 def parse_size(text: str) -> int:

@@ -17,6 +17,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from kvpool.client import protocol as p
 from kvpool.client.protocol import ErrorCode, FinishReason
 
@@ -65,6 +67,9 @@ class Engine:
         self.counters = EngineCounters()
         self.cost = CostModel()
         self.last_step_seconds = 0.0
+        self.heartbeat = time.monotonic()
+        self.over_memory = False  # resident memory above memory_high_water: new sessions are refused
+        self._next_memory_check = 0.0
         self.task_stats: dict[str, TaskStats] = defaultdict(TaskStats)
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
         # (client, request, when the I/O thread received it): a request's clock starts at its arrival, not
@@ -103,8 +108,10 @@ class Engine:
             self._shut_down()
 
     def step(self) -> None:
+        self.heartbeat = time.monotonic()  # the watchdog pings systemd only while this keeps moving
         self._take_requests(block=not (self.running or self.waiting))
         self._expire_idle_sessions()
+        self._watch_memory()
         self._admit_waiting()
         if not self.running:
             return
@@ -408,6 +415,31 @@ class Engine:
                 client, request.id, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts."
             )
 
+    def summary(self) -> str:
+        """One line for systemd's STATUS= (read from the watchdog thread: plain counts only)."""
+        return (
+            f"{len(self.sessions.by_id)} sessions ({len(self.tiers.resident)} hot), "
+            f"{len(self.running)} generating, {len(self.waiting)} waiting, "
+            f"{self.counters.generated_tokens} tokens generated"
+        )
+
+    def _watch_memory(self) -> None:
+        limit = self.config.memory_high_water
+        now = time.monotonic()
+        if not limit or now < self._next_memory_check:
+            return
+        self._next_memory_check = now + 2.0
+        rss = psutil.Process().memory_info().rss
+        if (rss > limit) != self.over_memory:
+            self.over_memory = rss > limit
+            log.warning(
+                "resident memory %.0f MiB is %s memory_high_water (%.0f MiB): %s new sessions",
+                rss / 2**20,
+                "above" if self.over_memory else "back under",
+                limit / 2**20,
+                "refusing" if self.over_memory else "accepting",
+            )
+
     def _expire_idle_sessions(self) -> None:
         timeout = self.config.session_timeout
         now = time.monotonic()
@@ -447,6 +479,12 @@ class Engine:
             "protocol_version": p.PROTOCOL_VERSION,
             "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - self.started, 3),
+            "engine_idle_s": round(time.monotonic() - self.heartbeat, 3),
+            "memory": {
+                "rss_bytes": psutil.Process().memory_info().rss,
+                "high_water_bytes": self.config.memory_high_water,
+                "over_high_water": self.over_memory,
+            },
             "model": self.model.info(),
             "slots": {"total": self.model.hot_slots, "used": len(self.tiers.resident)},
             "kv": {

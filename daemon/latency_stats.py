@@ -25,6 +25,10 @@ class Series:
         self.total += ms
         self.buckets[int(np.searchsorted(BUCKETS_MS, ms))] += 1
 
+    def histogram(self) -> dict[str, object]:
+        """Counts per bucket of BUCKETS_MS (the last is beyond the largest bound), for Prometheus."""
+        return {"buckets": list(self.buckets), "sum_ms": round(self.total, 3), "count": self.count}
+
     def summary(self) -> dict[str, float]:
         if not self.recent:
             return {"count": 0}
@@ -52,6 +56,8 @@ class TaskStats:
         return {
             "ttft_ms": self.ttft_ms.summary(),
             "tpot_ms": self.tpot_ms.summary(),
+            "ttft_buckets": self.ttft_ms.histogram(),
+            "tpot_buckets": self.tpot_ms.histogram(),
             "deadline_misses": self.deadline_misses,
             "late_tokens": self.late_tokens,
             "lateness_ms": round(self.lateness_ms, 1),

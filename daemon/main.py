@@ -19,7 +19,12 @@ from kvpool.client.address import default_address
 from .config import Config, ConfigError, load_config
 from .default_model import ModelNotFound, resolve_model_path
 from .engine import Engine
+from .gguf_meta import GgufError
+from .http import HttpListener
+from .logs import setup_logging
+from .memory_plan import plan_memory
 from .model import Model, ModelLoadError
+from .notify import Notifier
 from .pool import Pool, PoolError
 from .server import AddressUnavailable, Server
 from .sessions import SessionTable
@@ -45,6 +50,10 @@ OVERRIDES = (
     "spill_dir",
     "spill_max_bytes",
     "scheduling",
+    "memory_limit",
+    "http",
+    "log_format",
+    "log_file",
 )
 
 
@@ -75,20 +84,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--spill-dir", help="directory for snapshots evicted from the pool")
     ap.add_argument("--scheduling", choices=["budgets", "fcfs"], help="latency budgets, or first come first served")
     ap.add_argument("--spill-max-bytes", help="cap of the spill directory, e.g. 1GiB (0 disables it)")
+    ap.add_argument("--memory-limit", help="refuse to start when the memory plan exceeds this, e.g. 1.5GiB")
+    ap.add_argument("--http", help="serve /health and /metrics on 127.0.0.1:PORT")
+    ap.add_argument("--log-format", choices=["text", "json"])
+    ap.add_argument("--log-file", help="also log to this file (size-rotated)")
+    ap.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the configuration, print the memory plan and exit (nothing is loaded)",
+    )
     ap.add_argument("--version", action="version", version=f"kvpoold {__version__}")
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
-        config = load_config(args.config, {k: getattr(args, k) for k in OVERRIDES})
-        logging.getLogger().setLevel(config.log_level.upper())
+        config = load_config(args.config, {k: getattr(args, k) for k in OVERRIDES}, dict(os.environ))
+        setup_logging(config.log_level, config.log_format, config.log_file, config.log_max_bytes)
         model_path = resolve_model_path(config.model)
-    except (ConfigError, ModelNotFound) as exc:
+        plan = plan_memory(model_path, config)
+    except (ConfigError, ModelNotFound, GgufError, OSError) as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
         return 2
+    if args.check_config or not plan.fits:
+        print(f"kvpoold: memory plan for {model_path.name}:\n{plan.table()}", file=sys.stderr)
+    if not plan.fits:
+        print(
+            f"kvpoold: the plan needs {plan.total / 2**20:.0f} MiB but memory_limit is "
+            f"{plan.limit / 2**20:.0f} MiB; lower cache_pool_size, context_size, hot_slots or batch_size, "
+            "or raise memory_limit.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.check_config:
+        print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)
+        return 0
+    log.info(
+        "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
+        plan.total / 2**20,
+        plan.weights / 2**20,
+        plan.hot_kv / 2**20,
+        plan.compute / 2**20,
+        plan.pool / 2**20,
+        plan.runtime / 2**20,
+    )
 
     address = config.address or default_address()
     server = Server(address, config.socket_dir_mode)
@@ -129,8 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.close_sender()
             engine_done.set()
 
+    notifier = Notifier()
+
     def request_stop(signum: int, _frame: object) -> None:
         log.info("received %s: finishing in-flight generations and stopping", signal.Signals(signum).name)
+        notifier.stopping()
         engine.stopping.set()
 
     signal.signal(signal.SIGTERM, request_stop)
@@ -140,6 +183,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     io_thread = threading.Thread(target=server.serve, args=(engine.submit, engine_done), name="io")
     engine_thread.start()
     io_thread.start()
+    http = None
+    if config.http:
+        try:
+            http = HttpListener(config.http, address)
+            http.start()
+            log.info("serving /health and /metrics on http://%s", config.http)
+        except (OSError, ValueError) as exc:
+            log.error("no HTTP listener on %s: %s", config.http, exc)
+    # Ready only now: the socket is bound, the model loaded, the sessions recovered, the engine running.
+    notifier.ready(engine.summary())
+    notifier.start_watchdog(lambda: engine.heartbeat, engine.summary)
     log.info(
         "kvpoold %s ready on %s: %s, %d hot slots, %d KV cells, %d threads",
         __version__,
@@ -152,7 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     while engine_thread.is_alive():
         engine_thread.join(0.5)  # a timed join keeps the main thread responsive to signals
     io_thread.join()
-    tiers.pool.close()
+    notifier.close()
+    if http is not None:
+        http.close()
+    tiers.close()
     model.close()
     server.close()
     log.info("kvpoold stopped")

@@ -77,6 +77,11 @@ class RequestHandlers:
         return p.SessionsReply(id=r.id, sessions=infos)
 
     def open(self, client: bytes, r: p.OpenSession) -> p.Reply:
+        if self.engine.over_memory:
+            raise RequestRefused(
+                ErrorCode.OVERLOADED,
+                "The daemon's memory is above its memory_high_water; close sessions or retry later.",
+            )
         self.sessions.check_can_open(r.task)
         session_id, token = secrets.token_hex(8), secrets.token_hex(16)
         entry = self.engine.pool.claim(session_id, token, r.task)

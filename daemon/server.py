@@ -66,6 +66,8 @@ class Server:
         except zmq.ZMQError as exc:
             router.close(0)
             raise AddressUnavailable(f"Cannot bind {self.address}: {exc}.") from None
+        # The socket file follows its directory: a group that may enter the directory may also connect.
+        os.chmod(path, 0o660 if self.socket_dir_mode & 0o050 else 0o600)
         outbox = self.context.socket(zmq.PULL)
         outbox.bind(OUTBOX)
         self._router, self._outbox_in = router, outbox

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -194,13 +195,28 @@ def test_bad_start_up_settings_give_one_clear_error(
     assert "Traceback" not in done.stderr
 
 
-def test_damaged_model_file_is_refused(short_tmp: Path) -> None:
-    bad = short_tmp / "bad.gguf"
-    bad.write_bytes(b"GGUF" + b"\0" * 64)
-    done = run_until_exit(
-        [sys.executable, "-m", "kvpool.daemon.main", "--model", str(bad), "--address", f"ipc://{short_tmp}/k.sock"]
-    )
-    assert done.returncode == 1 and "could not load" in done.stderr
+def test_damaged_model_file_is_refused(short_tmp: Path, tiny_model: Path) -> None:
+    def start(model: Path) -> subprocess.CompletedProcess[str]:
+        return run_until_exit(
+            [
+                sys.executable,
+                "-m",
+                "kvpool.daemon.main",
+                "--model",
+                str(model),
+                "--address",
+                f"ipc://{short_tmp}/k.sock",
+            ]
+        )
+
+    garbage = short_tmp / "bad.gguf"
+    garbage.write_bytes(b"GGUF" + b"\0" * 64)  # its header is already wrong: the memory plan cannot read it
+    done = start(garbage)
+    assert done.returncode == 2 and "bad.gguf is GGUF version 0" in done.stderr
+    cut = short_tmp / "cut.gguf"
+    cut.write_bytes(tiny_model.read_bytes()[:50_000])  # metadata intact, tensors cut off: llama.cpp refuses it
+    done = start(cut)
+    assert done.returncode == 1 and "could not load" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_daemon_down_gives_a_clear_error(short_tmp: Path) -> None:

@@ -1,0 +1,160 @@
+"""Memory of N tasks on one daemon vs N tasks each loading the model: total PSS (psutil), N = 1, 2, 4, 8.
+
+  kvpool   one kvpoold (8 hot slots, 4096 cells, 64 MiB pool) plus N task processes on the client library,
+           each holding a session with ~480 tokens of context
+  Llama    N processes, each running llama-cpp-python's `Llama` with a 512-token context on the same prompt
+Reports the marginal MiB per added task and the ratio at N = 4, then checks the start-up memory plan against
+the measured PSS of a daemon on configs/edge-2gb.toml whose hot slots are full (weights, KV and compute
+buffers all touched). PSS divides shared pages (the model file, libraries) among the processes mapping them.
+
+    python bench/memory.py [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import default_model, private_daemon  # noqa: E402
+
+from kvpool.client import Client  # noqa: E402
+from kvpool.daemon.config import load_config  # noqa: E402
+from kvpool.daemon.memory_plan import plan_memory  # noqa: E402
+
+PROMPT = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. " * 24
+COUNTS = [1, 2, 4, 8]
+MIB = 2**20
+
+
+def pss(pids: list[int]) -> int:
+    return sum(psutil.Process(pid).memory_full_info().pss for pid in pids)
+
+
+def role_task(address: str) -> None:
+    with Client(address, timeout=300) as client:
+        session = client.open_session()
+        session.complete(PROMPT, max_tokens=4, temperature=0.0)
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+
+def role_llama(model: str) -> None:
+    import llama_cpp  # the status quo: every task loads the model itself
+
+    llm = llama_cpp.Llama(model_path=model, n_ctx=512, n_threads=2, verbose=False)
+    llm.create_completion(PROMPT, max_tokens=4, temperature=0.0)
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
+def hold(cmds: list[list[str]], extra_pids: list[int]) -> int:
+    """Start the processes, wait until each is ready (holding its context), measure total PSS, release."""
+    procs = [
+        subprocess.Popen(c, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for c in cmds
+    ]
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("a task process failed to start")
+        time.sleep(1.0)  # let page accounting settle (measurement, not synchronisation)
+        return pss([p.pid for p in procs] + extra_pids)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                proc.wait(60)
+
+
+def me(role: str, arg: str) -> list[str]:
+    return [sys.executable, str(Path(__file__)), "--role", role, arg]
+
+
+def edge_plan_check(model: str) -> dict[str, float]:
+    edge = HERE.parent / "configs" / "edge-2gb.toml"
+    config = load_config(edge)
+    plan = plan_memory(Path(model), config)
+    with private_daemon(model, "--config", str(edge)) as daemon:
+        with Client(daemon.address, timeout=600) as client:
+            # fill both hot slots (1,000 tokens each) so the KV and the compute buffers are touched
+            sessions = [client.open_session("vision") for _ in range(config.hot_slots)]
+            for s in sessions:
+                s.complete(PROMPT * 2, max_tokens=4, temperature=0.0)
+        measured = pss([daemon.proc.pid])
+    return {
+        "plan_mib": plan.total / MIB,
+        "measured_pss_mib": measured / MIB,
+        "error": (plan.total - measured) / measured,
+        "plan_table": plan.table(),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
+    args = ap.parse_args()
+    if args.role:
+        {"task": role_task, "llama": role_llama}[args.role](args.args[0])
+        return 0
+    model = default_model(args.model)
+    rows = []
+    for n in COUNTS:
+        with private_daemon(
+            model, "--hot-slots", "8", "--context-size", "4096", "--cache-pool-size", "64MiB", "--threads", "2"
+        ) as daemon:
+            kvpool = hold([me("task", daemon.address) for _ in range(n)], [daemon.proc.pid])
+            with Client(daemon.address) as client:
+                status = client.status()
+        llama = hold([me("llama", model) for _ in range(n)], [])
+        kv_per_task = status["kv"]["cells_used"] / n * 18 * 1024  # Gemma 3 270M: 18 layers x 1 KiB per cell
+        rows.append(
+            {"n": n, "kvpool_mib": kvpool / MIB, "llama_mib": llama / MIB, "kv_per_task_mib": kv_per_task / MIB}
+        )
+        print(f"measured N={n}: {rows[-1]}", file=sys.stderr, flush=True)
+    marginal_kvpool = (rows[-1]["kvpool_mib"] - rows[0]["kvpool_mib"]) / (rows[-1]["n"] - rows[0]["n"])
+    marginal_llama = (rows[-1]["llama_mib"] - rows[0]["llama_mib"]) / (rows[-1]["n"] - rows[0]["n"])
+    at4 = next(r for r in rows if r["n"] == 4)
+    edge = edge_plan_check(model)
+
+    print("\nTotal PSS (MiB) of N tasks, each with ~480 tokens of context (Gemma 3 270M Q4_K_M)")
+    print(f"{'N':>2} | {'kvpool (daemon + tasks)':>23} | {'N x Llama':>9} | {'ratio':>5}")
+    for r in rows:
+        print(
+            f"{r['n']:>2} | {r['kvpool_mib']:>23.1f} | {r['llama_mib']:>9.1f} | "
+            f"{r['kvpool_mib'] / r['llama_mib']:>5.2f}"
+        )
+    kv = rows[-1]["kv_per_task_mib"]
+    print(
+        f"\nmarginal cost per added task: kvpool {marginal_kvpool:.1f} MiB (its KV {kv:.1f} MiB + "
+        f"{marginal_kvpool - kv:.1f} MiB for the task process), Llama {marginal_llama:.1f} MiB"
+    )
+    print(f"ratio at N=4: {at4['kvpool_mib'] / at4['llama_mib']:.2f}")
+    print(f"\nconfigs/edge-2gb.toml memory plan:\n{edge['plan_table']}")
+    print(
+        f"measured PSS with both hot slots full: {edge['measured_pss_mib']:.1f} MiB; plan {edge['plan_mib']:.1f} "
+        f"MiB ({edge['error']:+.1%})"
+    )
+    out = HERE / "out"
+    out.mkdir(exist_ok=True)
+    (out / "memory.json").write_text(
+        json.dumps(
+            {"rows": rows, "marginal_kvpool_mib": marginal_kvpool, "marginal_llama_mib": marginal_llama, "edge": edge},
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

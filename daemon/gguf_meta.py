@@ -1,0 +1,64 @@
+"""Read a GGUF file's metadata (not its tensors) in pure Python: what the memory plan needs before anything
+is loaded or allocated. Format: magic "GGUF", version, tensor count, metadata count, then typed key/values."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GgufError(Exception):
+    """Not a GGUF file this reader understands."""
+
+
+def _read(f: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise GgufError("the file ends inside its metadata")
+    return struct.unpack(fmt, data)[0]
+
+
+def _string(f: BinaryIO) -> str:
+    n = _read(f, "<Q")
+    if n > 1 << 24:
+        raise GgufError("implausible string length in the metadata")
+    return f.read(n).decode("utf-8", errors="replace")
+
+
+def _value(f: BinaryIO, kind: int) -> Any:
+    if kind in _SCALARS:
+        return _read(f, _SCALARS[kind])
+    if kind == _STRING:
+        return _string(f)
+    if kind == _ARRAY:
+        item_kind, count = _read(f, "<I"), _read(f, "<Q")
+        if item_kind in _SCALARS and count > 4096:  # long numeric arrays (token scores): skip, keep the length
+            f.seek(count * struct.calcsize(_SCALARS[item_kind]), 1)
+            return count
+        if item_kind == _STRING and count > 4096:  # the vocabulary: only its size matters here
+            for _ in range(count):
+                f.seek(_read(f, "<Q"), 1)
+            return count
+        return [_value(f, item_kind) for _ in range(count)]
+    raise GgufError(f"unknown metadata value type {kind}")
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """Every metadata key; arrays longer than 4096 items are given as their length."""
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GgufError(f"{path} is not a GGUF file")
+        version = _read(f, "<I")
+        if version < 2:
+            raise GgufError(f"{path} is GGUF version {version}; versions 2 and 3 are supported")
+        _tensors, count = _read(f, "<Q"), _read(f, "<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(count):
+            key = _string(f)
+            meta[key] = _value(f, _read(f, "<I"))
+        return meta

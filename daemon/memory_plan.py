@@ -1,0 +1,110 @@
+"""Memory is planned, not discovered: what the daemon will use, computed from the GGUF metadata and the
+config before anything is loaded, and refused at start when it exceeds `memory_limit`.
+
+    weights   the GGUF file (memory-mapped; every page is read while decoding)
+    hot KV    f16 K and V for the unified cells of every layer; sliding-window layers hold only
+              the window per slot plus one batch (llama.cpp's non-full SWA cache)
+    compute   llama.cpp's graph buffer for one batch, plus one logits row per slot
+    pool      the shared-memory segment (reserved in full at start)
+    runtime   the Python process itself: interpreter, numpy, pyzmq, llama.cpp's code (measured)
+The spill directory is on disk: it is shown, not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config
+from .gguf_meta import read_metadata
+
+F16 = 2
+F32 = 4
+RUNTIME_BYTES = 64 << 20  # measured: a kvpoold with the tiny test model, before its pool, is ~60 MiB PSS
+GLOBAL_LAYER_EVERY = {"gemma3": 6}  # sliding-window architectures: every Nth layer attends globally
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int
+    hot_kv: int
+    compute: int
+    pool: int
+    runtime: int
+    spill_cap: int
+    limit: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.hot_kv + self.compute + self.pool + self.runtime
+
+    @property
+    def fits(self) -> bool:
+        return not self.limit or self.total <= self.limit
+
+    def table(self) -> str:
+        def mib(n: int) -> str:
+            return f"{n / 2**20:9.1f} MiB"
+
+        rows = [
+            ("weights", self.weights),
+            ("hot KV", self.hot_kv),
+            ("compute", self.compute),
+            ("pool", self.pool),
+            ("runtime", self.runtime),
+        ]
+        lines = [f"  {name:<8} {mib(n)}" for name, n in rows]
+        lines.append(
+            f"  {'total':<8} {mib(self.total)}"
+            + (f"   (memory_limit {mib(self.limit).strip()})" if self.limit else "   (no memory_limit)")
+        )
+        lines.append(f"  {'spill':<8} {mib(self.spill_cap)}   (on disk, not counted)")
+        return "\n".join(lines)
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def plan_memory(model_path: Path, config: Config) -> MemoryPlan:
+    meta = read_metadata(model_path)
+    arch = meta.get("general.architecture", "llama")
+
+    def key(name: str, default: int = 0) -> int:
+        value = meta.get(f"{arch}.{name}", default)
+        return int(value[0] if isinstance(value, list) else value)
+
+    n_layer = key("block_count")
+    n_embd = key("embedding_length")
+    n_head = max(1, key("attention.head_count", 1))
+    n_head_kv = key("attention.head_count_kv", n_head) or n_head
+    head_k = key("attention.key_length", n_embd // n_head)
+    head_v = key("attention.value_length", n_embd // n_head)
+    n_ff = key("feed_forward_length", 4 * n_embd)
+    n_vocab = int(
+        meta.get("tokenizer.ggml.tokens", 32000)
+        if not isinstance(meta.get("tokenizer.ggml.tokens"), list)
+        else len(meta["tokenizer.ggml.tokens"])
+    )
+    window = key("attention.sliding_window")
+    cells = _round_up(config.context_size, 256)
+    per_cell_layer = n_head_kv * (head_k + head_v) * F16
+    if window and arch in GLOBAL_LAYER_EVERY:
+        n_global = n_layer // GLOBAL_LAYER_EVERY[arch]
+        swa_cells = min(cells, _round_up(window * config.hot_slots + config.batch_size, 256))
+        hot_kv = per_cell_layer * (n_global * cells + (n_layer - n_global) * swa_cells)
+    else:
+        hot_kv = per_cell_layer * n_layer * cells
+    # The graph buffer holds a batch's activations (the widest are the feed-forward and the attention rows)
+    # and the logits of the rows that are sampled.
+    batch = config.batch_size
+    compute = F32 * (batch * (8 * n_embd + 3 * n_ff + n_head * min(cells, 4096)) + config.hot_slots * n_vocab)
+    return MemoryPlan(
+        weights=model_path.stat().st_size,
+        hot_kv=hot_kv,
+        compute=compute,
+        pool=config.cache_pool_size,
+        runtime=RUNTIME_BYTES,
+        spill_cap=config.spill_max_bytes,
+        limit=config.memory_limit,
+    )
