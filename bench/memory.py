@@ -32,18 +32,11 @@ from kvpool.daemon.memory_plan import plan_memory  # noqa: E402
 PROMPT = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. " * 24
 COUNTS = [1, 2, 4, 8]
 MIB = 2**20
+POOL_MIB = 16
 
 
 def pss(pids: list[int]) -> int:
     return sum(psutil.Process(pid).memory_full_info().pss for pid in pids)
-
-
-def role_task(address: str) -> None:
-    with Client(address, timeout=300) as client:
-        session = client.open_session()
-        session.complete(PROMPT, max_tokens=4, temperature=0.0)
-        print("ready", flush=True)
-        sys.stdin.readline()
 
 
 def role_llama(model: str) -> None:
@@ -55,7 +48,7 @@ def role_llama(model: str) -> None:
     sys.stdin.readline()
 
 
-def hold(cmds: list[list[str]], extra_pids: list[int]) -> int:
+def hold(cmds: list[list[str]], extra_pids: list[int]) -> tuple[int, list[int]]:
     """Start the processes, wait until each is ready (holding its context), measure total PSS, release."""
     procs = [
         subprocess.Popen(c, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -66,7 +59,8 @@ def hold(cmds: list[list[str]], extra_pids: list[int]) -> int:
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError("a task process failed to start")
         time.sleep(1.0)  # let page accounting settle (measurement, not synchronisation)
-        return pss([p.pid for p in procs] + extra_pids)
+        parts = [pss([pid]) for pid in [p.pid for p in procs] + extra_pids]
+        return sum(parts), parts
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -105,39 +99,61 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     args = ap.parse_args()
     if args.role:
-        {"task": role_task, "llama": role_llama}[args.role](args.args[0])
+        {"llama": role_llama}[args.role](args.args[0])
         return 0
     model = default_model(args.model)
     rows = []
     for n in COUNTS:
+        # The same context per task as the Llama processes (512 cells each), and the smallest useful pool.
         with private_daemon(
-            model, "--hot-slots", "8", "--context-size", "4096", "--cache-pool-size", "64MiB", "--threads", "2"
+            model,
+            "--hot-slots",
+            str(n),
+            "--context-size",
+            str(512 * n),
+            "--cache-pool-size",
+            f"{POOL_MIB}MiB",
+            "--threads",
+            "2",
         ) as daemon:
-            kvpool = hold([me("task", daemon.address) for _ in range(n)], [daemon.proc.pid])
+            task = [sys.executable, str(HERE / "memory_task.py"), daemon.address]
+            kvpool, parts = hold([task] * n, [daemon.proc.pid])
             with Client(daemon.address) as client:
                 status = client.status()
-        llama = hold([me("llama", model) for _ in range(n)], [])
+        llama, _ = hold([me("llama", model) for _ in range(n)], [])
         kv_per_task = status["kv"]["cells_used"] / n * 18 * 1024  # Gemma 3 270M: 18 layers x 1 KiB per cell
         rows.append(
-            {"n": n, "kvpool_mib": kvpool / MIB, "llama_mib": llama / MIB, "kv_per_task_mib": kv_per_task / MIB}
+            {
+                "n": n,
+                "kvpool_mib": kvpool / MIB,
+                "llama_mib": llama / MIB,
+                "daemon_mib": parts[-1] / MIB,
+                "task_process_mib": sum(parts[:-1]) / n / MIB,
+                "kv_per_task_mib": kv_per_task / MIB,
+            }
         )
         print(f"measured N={n}: {rows[-1]}", file=sys.stderr, flush=True)
-    marginal_kvpool = (rows[-1]["kvpool_mib"] - rows[0]["kvpool_mib"]) / (rows[-1]["n"] - rows[0]["n"])
-    marginal_llama = (rows[-1]["llama_mib"] - rows[0]["llama_mib"]) / (rows[-1]["n"] - rows[0]["n"])
+
+    def marginal(key: str) -> float:
+        return (rows[-1][key] - rows[0][key]) / (rows[-1]["n"] - rows[0]["n"])
+
     at4 = next(r for r in rows if r["n"] == 4)
     edge = edge_plan_check(model)
-
     print("\nTotal PSS (MiB) of N tasks, each with ~480 tokens of context (Gemma 3 270M Q4_K_M)")
-    print(f"{'N':>2} | {'kvpool (daemon + tasks)':>23} | {'N x Llama':>9} | {'ratio':>5}")
+    print(
+        f"{'N':>2} | {'kvpool (daemon + tasks)':>23} | {'daemon':>7} | {'per task process':>16} | {'N x Llama':>9} | "
+        f"{'ratio':>5}"
+    )
     for r in rows:
         print(
-            f"{r['n']:>2} | {r['kvpool_mib']:>23.1f} | {r['llama_mib']:>9.1f} | "
-            f"{r['kvpool_mib'] / r['llama_mib']:>5.2f}"
+            f"{r['n']:>2} | {r['kvpool_mib']:>23.1f} | {r['daemon_mib']:>7.1f} | {r['task_process_mib']:>16.1f} | "
+            f"{r['llama_mib']:>9.1f} | {r['kvpool_mib'] / r['llama_mib']:>5.2f}"
         )
     kv = rows[-1]["kv_per_task_mib"]
     print(
-        f"\nmarginal cost per added task: kvpool {marginal_kvpool:.1f} MiB (its KV {kv:.1f} MiB + "
-        f"{marginal_kvpool - kv:.1f} MiB for the task process), Llama {marginal_llama:.1f} MiB"
+        f"\nmarginal cost per added task: kvpool {marginal('kvpool_mib'):.1f} MiB = daemon "
+        f"{marginal('daemon_mib'):.1f} MiB (its KV is {kv:.1f} MiB) + the task process "
+        f"{rows[-1]['task_process_mib']:.1f} MiB; Llama {marginal('llama_mib'):.1f} MiB"
     )
     print(f"ratio at N=4: {at4['kvpool_mib'] / at4['llama_mib']:.2f}")
     print(f"\nconfigs/edge-2gb.toml memory plan:\n{edge['plan_table']}")
@@ -145,6 +161,7 @@ def main() -> int:
         f"measured PSS with both hot slots full: {edge['measured_pss_mib']:.1f} MiB; plan {edge['plan_mib']:.1f} "
         f"MiB ({edge['error']:+.1%})"
     )
+    marginal_kvpool, marginal_llama = marginal("kvpool_mib"), marginal("llama_mib")
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     (out / "memory.json").write_text(

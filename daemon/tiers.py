@@ -15,7 +15,6 @@ import ctypes
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -45,7 +44,6 @@ class Tiers:
     def __init__(self, model: Model, pool: Pool, spill: SpillDir, sessions: SessionTable, config: Config):
         self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self.resident: dict[int, Session] = {}
         self.counts: dict[str, float] = {
             "hibernations": 0,
@@ -125,16 +123,12 @@ class Tiers:
             return True
         if snap.tier == TIER_POOL:
             started = time.perf_counter()
-            # The checksum is verified on a helper thread while llama.cpp copies the same bytes into the KV
-            # (both release the GIL): a bad snapshot is then forgotten before anything uses it.
-            verified = self._verifier.submit(self.pool.verify, snap)
+            if not self.pool.verify(snap):
+                self.counts["checksum_failures"] += 1
+                raise SessionCorrupt(s, "its pool snapshot fails its checksum")
             state = self.pool.address(snap.offset, snap.state_bytes)
             ok = self.model.load_state(slot, state)
             del state  # release the export of the mapping
-            if not verified.result():
-                self.model.forget_sequence(slot)
-                self.counts["checksum_failures"] += 1
-                raise SessionCorrupt(s, "its pool snapshot fails its checksum")
             self.counts["restores_pool"] += 1
             self.counts["restore_pool_seconds"] += time.perf_counter() - started
             self.counts["restore_pool_bytes"] += snap.state_bytes
@@ -347,7 +341,6 @@ class Tiers:
         return len(self.sessions.by_id)
 
     def close(self) -> None:
-        self._verifier.shutdown(wait=True)
         self.pool.close()
 
     def usage(self) -> dict[str, object]:
