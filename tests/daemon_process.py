@@ -106,6 +106,11 @@ class DaemonProcess:
                 os.unlink(leftover)
 
 
+def kvpoold_command(model: Path, address: str, *args: str) -> list[str]:
+    """The command line of a daemon started by hand (one that is expected to refuse, or to exit at once)."""
+    return [sys.executable, "-m", "kvpool.daemon.main", "--model", str(model), "--address", address, *args]
+
+
 def run_until_exit(cmd: list[str], timeout: float = START_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """Run a command that must end by itself (e.g. a daemon that refuses to start)."""
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ from kvpool.client import Client, DaemonUnavailable
 from kvpool.client import protocol as p
 from kvpool.client.errors import ContextOverflow, QuotaExceeded, UnknownSession
 
-from .daemon_process import DaemonProcess, run_until_exit
+from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit
 from .raw import RawConnection
 
 Start = Callable[..., DaemonProcess]
@@ -159,9 +158,7 @@ def test_sigterm_ends_generations_with_shutdown(start_daemon: Start) -> None:
 
 def test_second_daemon_on_the_same_address_is_refused(start_daemon: Start, tiny_model: Path) -> None:
     first = start_daemon()
-    second = run_until_exit(
-        [sys.executable, "-m", "kvpool.daemon.main", "--model", str(tiny_model), "--address", first.address]
-    )
+    second = run_until_exit(kvpoold_command(tiny_model, first.address))
     assert second.returncode == 1
     assert "already serving" in second.stderr and str(first.proc.pid) in second.stderr
     with first.client() as client:
@@ -179,17 +176,7 @@ def test_second_daemon_on_the_same_address_is_refused(start_daemon: Start, tiny_
 def test_bad_start_up_settings_give_one_clear_error(
     short_tmp: Path, tiny_model: Path, args: list[str], message: str
 ) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpool.daemon.main",
-        "--model",
-        str(tiny_model),
-        "--address",
-        f"ipc://{short_tmp}/k.sock",
-        *args,
-    ]
-    done = run_until_exit(cmd)
+    done = run_until_exit(kvpoold_command(tiny_model, f"ipc://{short_tmp}/k.sock", *args))
     assert done.returncode != 0
     assert message in done.stderr
     assert "Traceback" not in done.stderr
@@ -197,17 +184,7 @@ def test_bad_start_up_settings_give_one_clear_error(
 
 def test_damaged_model_file_is_refused(short_tmp: Path, tiny_model: Path) -> None:
     def start(model: Path) -> subprocess.CompletedProcess[str]:
-        return run_until_exit(
-            [
-                sys.executable,
-                "-m",
-                "kvpool.daemon.main",
-                "--model",
-                str(model),
-                "--address",
-                f"ipc://{short_tmp}/k.sock",
-            ]
-        )
+        return run_until_exit(kvpoold_command(model, f"ipc://{short_tmp}/k.sock"))
 
     garbage = short_tmp / "bad.gguf"
     garbage.write_bytes(b"GGUF" + b"\0" * 64)  # its header is already wrong: the memory plan cannot read it

@@ -20,9 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client.errors import Overloaded
 from kvpool.daemon.config import load_config
+from kvpool.daemon.main import default_pool_name
 from kvpool.daemon.notify import Notifier
 
-from .daemon_process import DaemonProcess, run_until_exit
+from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit
 
 Start = Callable[..., DaemonProcess]
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,41 +156,16 @@ def truncated_copy(model: Path, where: Path) -> Path:
 
 def test_over_budget_memory_plan_is_refused_before_the_model_loads(short_tmp: Path, tiny_model: Path) -> None:
     broken = truncated_copy(tiny_model, short_tmp / "cut.gguf")
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpool.daemon.main",
-        "--model",
-        str(broken),
-        "--address",
-        f"ipc://{short_tmp}/k.sock",
-        "--cache-pool-size",
-        "64MiB",
-        "--memory-limit",
-        "32MiB",
-    ]
-    refused = run_until_exit(cmd)
+    address = f"ipc://{short_tmp}/k.sock"
+    refused = run_until_exit(kvpoold_command(broken, address, "--cache-pool-size", "64MiB", "--memory-limit", "32MiB"))
     assert refused.returncode == 2
     assert "memory plan" in refused.stderr and "memory_limit is 32 MiB" in refused.stderr
     assert "could not load" not in refused.stderr  # the plan stopped it, not a failed load
     check = run_until_exit(
-        [
-            sys.executable,
-            "-m",
-            "kvpool.daemon.main",
-            "--model",
-            str(tiny_model),
-            "--address",
-            f"ipc://{short_tmp}/k.sock",
-            "--cache-pool-size",
-            "16MiB",
-            "--memory-limit",
-            "1GiB",
-            "--check-config",
-        ]
+        kvpoold_command(tiny_model, address, "--cache-pool-size", "16MiB", "--memory-limit", "1GiB", "--check-config")
     )
     assert check.returncode == 0 and "pool" in check.stderr and "fits its memory_limit" in check.stderr
-    assert not list(Path("/dev/shm").glob("kvpool-*" + str(short_tmp.name)))
+    assert not Path("/dev/shm", default_pool_name(address).lstrip("/")).exists()  # --check-config allocates nothing
 
 
 def test_configuration_precedence(tmp_path: Path) -> None:
@@ -207,40 +183,21 @@ def test_configuration_precedence(tmp_path: Path) -> None:
     )
 
 
+def run_example(script: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
 def test_example_tasks_run_end_to_end(start_daemon: Start) -> None:
     daemon = start_daemon("--config", str(ROOT / "configs" / "default.toml"))
     env = os.environ | {"KVPOOL_ADDRESS": daemon.address}
-    voice = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "voice_assistant.py"),
-            "--script",
-            str(ROOT / "examples" / "data" / "voice_turns.txt"),
-            "--max-tokens",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    data = ROOT / "examples" / "data"
+    voice = run_example("voice_assistant.py", "--script", str(data / "voice_turns.txt"), "--max-tokens", "8", env=env)
     assert voice.returncode == 0, voice.stderr
     assert voice.stdout.count("[voice] assistant:") == 5
     assert re.search(r"\[voice\] 5 requests, \d+ tokens", voice.stdout)
-    vision = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "vision_captioner.py"),
-            "--scenes",
-            str(ROOT / "examples" / "data" / "scenes.jsonl"),
-            "--max-tokens",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    vision = run_example("vision_captioner.py", "--scenes", str(data / "scenes.jsonl"), "--max-tokens", "8", env=env)
     assert vision.returncode == 0, vision.stderr
     assert re.search(r"\[vision\] 4 requests", vision.stdout)
 
