@@ -252,7 +252,9 @@ def decode_request(frame: bytes) -> AnyRequest:
                 ErrorCode.BAD_REQUEST, f"The frame is not valid msgpack ({exc}); send protocol messages."
             ) from None
         request_id = raw.get("id", 0) if isinstance(raw, dict) else 0
-        request_id = request_id if isinstance(request_id, int) and 0 <= request_id < 2**63 else 0
+        # bool is an int in Python, but not on the wire: echoing True back would make the reply undecodable.
+        valid_id = isinstance(request_id, int) and not isinstance(request_id, bool) and 0 <= request_id < 2**63
+        request_id = request_id if valid_id else 0
         op = raw.get("op") if isinstance(raw, dict) else None
         if not isinstance(raw, dict) or not isinstance(op, str):
             raise RequestDecodeError(

@@ -45,6 +45,14 @@ def test_decode_errors_are_classified() -> None:
     assert wrong.value.code == p.ErrorCode.BAD_REQUEST and "top_k" in wrong.value.message
 
 
+def test_a_bool_request_id_is_not_echoed() -> None:
+    # found by the fuzzer: True is an int to Python, but a reply carrying it could not be decoded
+    with pytest.raises(p.RequestDecodeError) as bad:
+        p.decode_request(msgspec.msgpack.encode({"op": "open", "id": True}))
+    assert bad.value.request_id == 0
+    p.decode_reply(p.encode(p.Error(id=bad.value.request_id, code=bad.value.code, message=bad.value.message)))
+
+
 def test_every_error_code_has_an_exception_class() -> None:
     for code in p.ErrorCode:
         exc = error_from_code(code, "why.")
