@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from . import protocol as p
 from .address import default_address, ipc_path
+from .client import HEARTBEAT_S
 from .errors import DaemonUnavailable, RequestTimeout
 from .results import Collector, Completion, expect, generate_request, raise_if_error
 
@@ -36,6 +37,7 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[p.AnyReply]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._beater: asyncio.Task[None] | None = None
         self.daemon_version = ""
         self.model = ""
 
@@ -55,7 +57,8 @@ class AsyncClient:
         client._reader = asyncio.get_running_loop().create_task(client._read())
         try:
             hello = expect(
-                await client._call(p.Hello(version=p.PROTOCOL_VERSION, client=name), connect_timeout), p.HelloReply
+                await client._call(p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True), connect_timeout),
+                p.HelloReply,
             )
         except RequestTimeout:
             await client.close()
@@ -66,6 +69,7 @@ class AsyncClient:
             await client.close()
             raise
         client.daemon_version, client.model = hello.daemon_version, hello.model
+        client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client
 
     async def status(self) -> dict[str, Any]:
@@ -83,11 +87,12 @@ class AsyncClient:
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-            self._reader = None
+        for task in (self._beater, self._reader):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reader = self._beater = None
         if not self._sock.closed:
             self._sock.close(0)
 
@@ -98,6 +103,14 @@ class AsyncClient:
         await self.close()
 
     # ------------------------------------------------------------------ plumbing
+
+    async def _beat(self) -> None:
+        """Heartbeats while replies are awaited (see the sync client)."""
+        ping = p.encode(p.Ping(id=0))
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if self._queues and not self._sock.closed:
+                await self._sock.send(ping)
 
     async def _read(self) -> None:
         while True:

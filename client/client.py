@@ -23,6 +23,7 @@ from .errors import DaemonUnavailable, RequestTimeout
 from .results import Collector, Completion, expect, generate_request, raise_if_error
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
+HEARTBEAT_S = 0.25  # the daemon stops the generations of a client it has not heard from for a second
 
 
 class Client:
@@ -46,7 +47,10 @@ class Client:
         self._ids = itertools.count(1)
         self._inboxes: dict[int, deque[p.AnyReply]] = {}
         try:
-            hello = expect(self._call(p.Hello(version=p.PROTOCOL_VERSION, client=name), connect_timeout), p.HelloReply)
+            hello = expect(
+                self._call(p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True), connect_timeout),
+                p.HelloReply,
+            )
         except RequestTimeout:
             self.close()
             raise DaemonUnavailable(
@@ -57,6 +61,9 @@ class Client:
             raise
         self.daemon_version = hello.daemon_version
         self.model = hello.model
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="kvpool-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     # ------------------------------------------------------------------ public API
 
@@ -76,8 +83,14 @@ class Client:
         return Session(self, opened.session, opened.token, opened.task, opened.context_size)
 
     def close(self) -> None:
-        if not self._sock.closed:
-            self._sock.close(0)
+        closed = getattr(self, "_closed", None)
+        if closed is not None:
+            closed.set()
+            if self._heartbeat is not threading.current_thread():
+                self._heartbeat.join(1.0)
+        with self._lock:
+            if not self._sock.closed:
+                self._sock.close(0)
 
     def __enter__(self) -> Client:
         return self
@@ -86,6 +99,15 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ plumbing
+
+    def _beat(self) -> None:
+        """While replies are awaited, tell the daemon this process is alive: if it dies mid-generation, the
+        daemon stops the generation within a second instead of finishing it for nobody."""
+        ping = p.encode(p.Ping(id=0))  # id 0: the pong is dropped, no request waits for it
+        while not self._closed.wait(HEARTBEAT_S):
+            with self._lock:
+                if self._inboxes and not self._sock.closed:
+                    self._sock.send(ping)
 
     def _send(self, message: p.Request) -> int:
         request_id = next(self._ids)

@@ -65,6 +65,8 @@ class Request(Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True):
 class Hello(Request, tag="hello"):
     version: int
     client: Annotated[str, Meta(max_length=128)] = ""
+    # The client pings while it waits for replies: when it falls silent its generations are stopped.
+    heartbeat: bool = False
 
 
 class Status(Request, tag="status"):
@@ -73,6 +75,11 @@ class Status(Request, tag="status"):
 
 class ListSessions(Request, tag="sessions"):
     pass
+
+
+class Ping(Request, tag="ping"):
+    """A client's heartbeat while it waits for replies: a client that stops sending them (its process died)
+    has its generations stopped. Answered by Pong."""
 
 
 class OpenSession(Request, tag="open"):
@@ -119,7 +126,7 @@ class Generate(SessionRequest, tag="generate"):
     deadline_ms: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
 
 
-AnyRequest = Hello | Status | ListSessions | OpenSession | ResumeSession | CloseSession | Cancel | Generate
+AnyRequest = Hello | Status | ListSessions | OpenSession | ResumeSession | CloseSession | Cancel | Generate | Ping
 
 
 # ---------------------------------------------------------------- replies (daemon -> client)
@@ -133,6 +140,10 @@ class HelloReply(Reply, tag="hello"):
     version: int
     daemon_version: str
     model: str
+
+
+class Pong(Reply, tag="pong"):
+    pass
 
 
 class StatusReply(Reply, tag="status"):
@@ -205,7 +216,7 @@ class Error(Reply, tag="error"):
     detail: dict[str, Any] | None = None
 
 
-AnyReply = HelloReply | StatusReply | SessionsReply | SessionOpened | Closed | Cancelled | Chunk | Final | Error
+AnyReply = HelloReply | StatusReply | SessionsReply | SessionOpened | Closed | Cancelled | Chunk | Final | Error | Pong
 
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 _reply_decoder = msgspec.msgpack.Decoder(AnyReply)

@@ -43,6 +43,7 @@ Send = Callable[[bytes, p.Reply], None]
 # voice p99 within its 300 ms budget while long prompts still move in large chunks).
 HEADROOM = 0.6
 IDLE_WAIT_S = 0.25  # how long an idle engine blocks for new work before checking timeouts and stop
+CLIENT_SILENCE_S = 1.0  # clients ping every 0.25 s while they wait; four missed pings mean the client is gone
 
 
 class Engine:
@@ -54,6 +55,7 @@ class Engine:
         send: Send,
         daemon_version: str,
         frame_errors: Counter[str] | None = None,
+        last_heard: dict[bytes, float] | None = None,
     ):
         self.model = model
         self.config = config
@@ -72,6 +74,8 @@ class Engine:
         self._next_memory_check = 0.0
         self.task_stats: dict[str, TaskStats] = defaultdict(TaskStats)
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
+        self.last_heard = last_heard if last_heard is not None else {}  # heartbeats, kept by the I/O thread
+        self._next_client_check = 0.0
         # (client, request, when the I/O thread received it): a request's clock starts at its arrival, not
         # when the engine gets to it after the step in flight.
         self.inbox: queue.Queue[tuple[bytes, p.AnyRequest, float]] = queue.Queue()
@@ -112,6 +116,7 @@ class Engine:
         self._take_requests(block=not (self.running or self.waiting))
         self._expire_idle_sessions()
         self._watch_memory()
+        self._stop_for_silent_clients()
         self._admit_waiting()
         if not self.running:
             return
@@ -422,6 +427,25 @@ class Engine:
             f"{len(self.running)} generating, {len(self.waiting)} waiting, "
             f"{self.counters.generated_tokens} tokens generated"
         )
+
+    def _stop_for_silent_clients(self) -> None:
+        """A client that sends heartbeats and then falls silent has died (or hung): its generations stop, so its
+        slot and cells go to the living. Its sessions stay until session_timeout: a restarted client resumes."""
+        now = time.monotonic()
+        if now < self._next_client_check:
+            return
+        self._next_client_check = now + 0.1
+        for g in [*self.running, *self.waiting]:
+            heard = self.last_heard.get(g.client)
+            if heard is not None and now - heard > CLIENT_SILENCE_S:
+                log.warning(
+                    "client of session %s is silent for %.1f s: stopping its generation", g.session.id, now - heard
+                )
+                self.counters.clients_lost += 1
+                self.finish(g, FinishReason.CANCELLED, now)
+        for client, heard in list(self.last_heard.items()):
+            if now - heard > 300.0:  # forget long-gone clients
+                self.last_heard.pop(client, None)
 
     def _watch_memory(self) -> None:
         limit = self.config.memory_high_water

@@ -159,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.close()
         server.close()
         return 1
-    engine = Engine(model, config, tiers, server.send, __version__, frame_errors=server.frame_errors)
+    engine = Engine(
+        model, config, tiers, server.send, __version__, frame_errors=server.frame_errors, last_heard=server.last_heard
+    )
     engine_done = threading.Event()
 
     def run_engine() -> None:

@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,8 @@ class Server:
         self.socket_dir_mode = socket_dir_mode
         self.context = zmq.Context()
         self.frame_errors: Counter[str] = Counter()  # frames refused before they reached the engine
+        # When each heartbeating client was last heard from (written here, read by the engine thread).
+        self.last_heard: dict[bytes, float] = {}
         self._router: zmq.Socket | None = None
         self._outbox_in: zmq.Socket | None = None
         self._sender_local = threading.local()
@@ -156,6 +159,8 @@ class Server:
                     f"Expected one frame per message, got {len(payload)}; send one msgpack frame.",
                 )
                 continue
+            if client in self.last_heard:
+                self.last_heard[client] = time.monotonic()
             try:
                 request = p.decode_request(payload[0])
             except p.RequestDecodeError as exc:
@@ -166,6 +171,12 @@ class Server:
                 self._refuse(
                     client, 0, ErrorCode.BAD_REQUEST, "The daemon could not read this frame; send a protocol message."
                 )
+                continue
+            if isinstance(request, p.Hello) and request.heartbeat:
+                self.last_heard[client] = time.monotonic()  # from now on its silence means it is gone
+            if isinstance(request, p.Ping):  # heartbeats never wait behind an engine step
+                self.last_heard[client] = time.monotonic()
+                self._router.send_multipart([client, p.encode(p.Pong(id=request.id))])
                 continue
             if not submit(client, request):
                 self._refuse(

@@ -1,0 +1,94 @@
+"""Client faults: a client that dies mid-generation, clients that are not the owner, a restarting daemon."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvpool.client import Session
+from kvpool.client.errors import NotOwner
+
+from .daemon_process import DaemonProcess
+
+Start = Callable[..., DaemonProcess]
+WAIT_S = 60.0
+
+DYING_CLIENT = """
+import json, sys
+from kvpool.client import Client
+client = Client(sys.argv[1], timeout=120)
+session = client.open_session()
+print(json.dumps({"id": session.id, "token": session.token}), flush=True)
+for chunk in session.generate("tell me everything", max_tokens=1_000_000, temperature=0.0):
+    print("streaming", flush=True)
+    sys.stdin.readline()  # stop reading here; the test kills this process
+"""
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling interval of a bounded wait
+
+
+def test_a_dead_clients_generation_stops_and_its_session_stays(start_daemon: Start) -> None:
+    daemon = start_daemon("--context-size", "32768", "--session-timeout", "600")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DYING_CLIENT, daemon.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ids = json.loads(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "streaming"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+    with daemon.client() as client:
+        wait_until(lambda: client.status()["sessions"]["generating"] == 0, "the generation to stop")
+        status = client.status()
+        # it stopped because its client fell silent, long before its 1,000,000 tokens or its 32,768-token context
+        assert status["counters"]["clients_lost"] == 1 and status["counters"]["finished"] == {"cancelled": 1}
+        session = client.resume_session(ids["id"], ids["token"])  # the session survived its client
+        listed = {s.session: s for s in client.sessions()}
+        assert listed[session.id].context_tokens < 32768
+        assert session.complete(" and then?", max_tokens=3, temperature=0.0).usage.completion_tokens == 3
+
+
+def test_a_slow_reader_that_is_alive_is_not_cut_off(daemon: DaemonProcess) -> None:
+    with daemon.client() as client, client.open_session() as s:
+        stream = s.generate("slow", max_tokens=30, temperature=0.0)
+        received = 0
+        for chunk in stream:
+            received += len(chunk.tokens)
+            if received == 1:
+                time.sleep(1.5)  # the reader pauses longer than the silence limit; its heartbeats keep going
+        assert stream.final is not None and stream.final.finish_reason == "length" and received == 30
+        assert client.status()["counters"]["clients_lost"] == 0
+
+
+def test_another_client_cannot_touch_a_session(daemon: DaemonProcess) -> None:
+    with daemon.client() as owner, daemon.client() as other:
+        mine = owner.open_session()
+        first = mine.complete("mine", max_tokens=2, temperature=0.0)
+        forged = Session(other, mine.id, "0" * 32, mine.task, mine.context_size)  # the id, not the token
+        for attempt in (
+            lambda: other.resume_session(mine.id, "0" * 32),
+            lambda: forged.complete("x", max_tokens=2),
+            forged.cancel,
+            forged.close,
+        ):
+            with pytest.raises(NotOwner) as refused:
+                attempt()
+            assert mine.token not in str(refused.value)
+        # the owner's session is untouched: same context, still answering
+        assert mine.complete("again", max_tokens=2).usage.context_tokens > first.usage.context_tokens
