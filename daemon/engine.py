@@ -56,6 +56,7 @@ class Engine:
         daemon_version: str,
         frame_errors: Counter[str] | None = None,
         last_heard: dict[bytes, float] | None = None,
+        lagging: set[bytes] | None = None,
     ):
         self.model = model
         self.config = config
@@ -76,6 +77,7 @@ class Engine:
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
         self.last_heard = last_heard if last_heard is not None else {}  # heartbeats, kept by the I/O thread
         self._next_client_check = 0.0
+        self.lagging = lagging if lagging is not None else set()  # clients that stopped reading (I/O thread)
         # (client, request, when the I/O thread received it): a request's clock starts at its arrival, not
         # when the engine gets to it after the step in flight.
         self.inbox: queue.Queue[tuple[bytes, p.AnyRequest, float]] = queue.Queue()
@@ -436,6 +438,11 @@ class Engine:
             return
         self._next_client_check = now + 0.1
         for g in [*self.running, *self.waiting]:
+            if g.client in self.lagging:
+                log.warning("the client of session %s stopped reading: stopping its generation", g.session.id)
+                self.counters.clients_not_reading += 1
+                self.finish(g, FinishReason.CANCELLED, now)
+                continue
             heard = self.last_heard.get(g.client)
             if heard is not None and now - heard > CLIENT_SILENCE_S:
                 log.warning(

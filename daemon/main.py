@@ -160,7 +160,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.close()
         return 1
     engine = Engine(
-        model, config, tiers, server.send, __version__, frame_errors=server.frame_errors, last_heard=server.last_heard
+        model,
+        config,
+        tiers,
+        server.send,
+        __version__,
+        frame_errors=server.frame_errors,
+        last_heard=server.last_heard,
+        lagging=server.lagging,
     )
     engine_done = threading.Event()
 

@@ -15,6 +15,7 @@ class EngineCounters:
     busy_seconds: float = 0.0  # wall time spent inside engine steps that decoded something
     kv_full_events: int = 0  # llama_decode found no room in the unified KV
     clients_lost: int = 0  # generations stopped because their client stopped sending heartbeats
+    clients_not_reading: int = 0  # generations stopped because their client's send queue was full
     requests: Counter[str] = field(default_factory=Counter)  # by op
     errors: Counter[str] = field(default_factory=Counter)  # by error code
     finished: Counter[str] = field(default_factory=Counter)  # generations by finish reason
@@ -28,6 +29,7 @@ class EngineCounters:
             "busy_seconds": round(self.busy_seconds, 6),
             "kv_full_events": self.kv_full_events,
             "clients_lost": self.clients_lost,
+            "clients_not_reading": self.clients_not_reading,
             "requests": dict(self.requests),
             "errors": dict(self.errors),
             "finished": dict(self.finished),

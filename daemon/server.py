@@ -28,6 +28,8 @@ log = logging.getLogger("kvpool.server")
 OUTBOX = "inproc://kvpool-outbox"
 MAX_MESSAGE_BYTES = 4 << 20  # a larger frame is dropped by ZeroMQ (prompts are capped at 1 MiB of text)
 POLL_MS = 100
+SEND_QUEUE = 1024  # messages queued for one client before it counts as not reading (a healthy reader is never
+# that far behind: each message is one token)
 
 
 class AddressUnavailable(Exception):
@@ -42,6 +44,8 @@ class Server:
         self.frame_errors: Counter[str] = Counter()  # frames refused before they reached the engine
         # When each heartbeating client was last heard from (written here, read by the engine thread).
         self.last_heard: dict[bytes, float] = {}
+        self.lagging: set[bytes] = set()  # clients whose send queue is full (read by the engine thread)
+        self.dropped_replies = 0
         self._router: zmq.Socket | None = None
         self._outbox_in: zmq.Socket | None = None
         self._sender_local = threading.local()
@@ -59,10 +63,11 @@ class Server:
         self._lock(path)
         router = self.context.socket(zmq.ROUTER)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        # No send limit: at the default (1000 messages) ZeroMQ silently drops what a slow reader has not taken,
-        # possibly a final message. Streams are bounded by max_tokens; a slow-reader policy comes with the
-        # reliability work.
-        router.setsockopt(zmq.SNDHWM, 0)
+        # Slow readers: each client may have SEND_QUEUE messages waiting; beyond that the send fails at once
+        # (ROUTER_MANDATORY) instead of blocking every other client or growing the daemon's memory, and the
+        # engine stops that client's generations. Sends to clients that are gone fail the same way.
+        router.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 1000)
         try:
             router.bind(self.address)
@@ -136,13 +141,28 @@ class Server:
             self._receive(lambda client, request: False)
 
     def _forward_replies(self) -> None:
-        outbox, router = self._outbox_in, self._router
+        outbox = self._outbox_in
         for _ in range(10_000):  # bounded so inbound frames are not starved by a burst of chunks
             try:
                 frames = outbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            router.send_multipart(frames)
+            self._deliver(frames)
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        """Send one reply without ever blocking: a client whose queue is full, or that is gone, loses it."""
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK)
+            self.lagging.discard(frames[0])
+        except zmq.Again:  # its queue is full: it stopped reading
+            if frames[0] not in self.lagging:
+                log.warning("a client stopped reading (%d messages queued): dropping its replies", SEND_QUEUE)
+            self.lagging.add(frames[0])
+            self.dropped_replies += 1
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:  # a client that has gone away: nobody left to tell
+                raise
+            self.dropped_replies += 1
 
     def _receive(self, submit: Callable[[bytes, p.AnyRequest], bool]) -> None:
         for _ in range(1_000):
@@ -176,7 +196,7 @@ class Server:
                 self.last_heard[client] = time.monotonic()  # from now on its silence means it is gone
             if isinstance(request, p.Ping):  # heartbeats never wait behind an engine step
                 self.last_heard[client] = time.monotonic()
-                self._router.send_multipart([client, p.encode(p.Pong(id=request.id))])
+                self._deliver([client, p.encode(p.Pong(id=request.id))])
                 continue
             if not submit(client, request):
                 self._refuse(
@@ -185,7 +205,7 @@ class Server:
 
     def _refuse(self, client: bytes, request_id: int, code: ErrorCode, message: str) -> None:
         self.frame_errors[code.value] += 1
-        self._router.send_multipart([client, p.encode(p.Error(id=request_id, code=code, message=message))])
+        self._deliver([client, p.encode(p.Error(id=request_id, code=code, message=message))])
 
     # ------------------------------------------------------------------ teardown
 

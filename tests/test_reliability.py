@@ -92,3 +92,41 @@ def test_another_client_cannot_touch_a_session(daemon: DaemonProcess) -> None:
             assert mine.token not in str(refused.value)
         # the owner's session is untouched: same context, still answering
         assert mine.complete("again", max_tokens=2).usage.context_tokens > first.usage.context_tokens
+
+
+def test_a_client_that_stops_reading_stalls_nobody(start_daemon: Start) -> None:
+    daemon = start_daemon("--context-size", "16384")
+    import zmq
+
+    from kvpool.client import protocol as p
+
+    # A raw client with a tiny receive queue starts a long generation and never reads a reply.
+    stuck = zmq.Context.instance().socket(zmq.DEALER)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.connect(daemon.address)
+    try:
+        with daemon.client() as client:
+            s = client.open_session()
+            stuck_session = client.open_session()
+            stuck.send(
+                p.encode(
+                    p.Generate(
+                        id=1,
+                        session=stuck_session.id,
+                        token=stuck_session.token,
+                        prompt="flood",
+                        max_tokens=1_000_000,
+                        temperature=0.0,
+                    )
+                )
+            )
+            # Meanwhile the others are served normally, and the flood is cut off once its queue is full.
+            for _ in range(3):
+                assert s.complete("still here", max_tokens=8, temperature=0.0).usage.completion_tokens == 8
+            wait_until(lambda: client.status()["counters"]["clients_not_reading"] == 1, "the flood to be cut")
+            status = client.status()
+            assert status["sessions"]["generating"] == 0
+            assert status["memory"]["rss_bytes"] < 1 << 30
+    finally:
+        stuck.close(0)
