@@ -56,6 +56,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     address: str = ""
     # Mode of the socket's directory when the daemon creates it.
     socket_dir_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o700
+    # A group whose members may connect: the socket directory becomes 0750 and the socket 0660 in that group
+    # (and the pool segment 0640). Empty: only the daemon's own user.
+    client_group: Annotated[str, Meta(max_length=64)] = ""
+    # Limits: the largest frame a client may send, the longest prompt, generations in flight per connection.
+    max_message_bytes: Annotated[int, Meta(ge=1 << 12, le=1 << 30)] = 4 << 20
+    max_prompt_tokens: NonNegative = 0  # 0 = the session's context limit
+    max_inflight_per_client: Annotated[int, Meta(ge=1, le=1 << 16)] = 16
     # Hot slots: llama.cpp sequences decoded together (n_seq_max); each open session holds one.
     hot_slots: Annotated[int, Meta(ge=1, le=256)] = 4
     # KV cells shared by all hot slots (unified KV); also the most context one session can hold.
@@ -145,7 +152,14 @@ def load_config(
     return msgspec.structs.replace(config, tasks=tasks)
 
 
-SIZE_KEYS = ("cache_pool_size", "spill_max_bytes", "memory_limit", "memory_high_water", "log_max_bytes")
+SIZE_KEYS = (
+    "cache_pool_size",
+    "spill_max_bytes",
+    "memory_limit",
+    "memory_high_water",
+    "log_max_bytes",
+    "max_message_bytes",
+)
 ENV_PREFIX = "KVPOOL_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import grp
 import hashlib
 import logging
 import os
@@ -131,7 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     address = config.address or default_address()
-    server = Server(address, config.socket_dir_mode)
+    try:
+        client_gid = group_id(config.client_group)
+    except KeyError:
+        print(
+            f"kvpoold: client_group {config.client_group!r} does not exist; create it or fix the setting.",
+            file=sys.stderr,
+        )
+        return 2
+    server = Server(address, config.socket_dir_mode, client_gid, config.max_message_bytes)
     try:
         server.bind()  # before loading the model, so a second daemon fails at once
     except AddressUnavailable as exc:
@@ -225,6 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def group_id(group: str) -> int | None:
+    """The gid of ``group`` (a name or a number); None for no group."""
+    if not group:
+        return None
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
 def default_pool_name(address: str) -> str:
     return "/kvpool-" + hashlib.sha256(address.encode()).hexdigest()[:16]
 
@@ -250,8 +266,9 @@ def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers
         config.max_sessions,
         model.fingerprint,
         model.kv_layout,
-        mode=config.pool_mode,
+        mode=0o640 if config.client_group else config.pool_mode,
         reset=reset,
+        gid=group_id(config.client_group),
     )
     try:
         spill = SpillDir(spill_dir_for(config.spill_dir, name), config.spill_max_bytes)

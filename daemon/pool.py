@@ -148,6 +148,7 @@ class Pool:
         *,
         mode: int = 0o600,
         reset: bool = False,
+        gid: int | None = None,
     ) -> Pool:
         """Attach to the segment ``name`` if it exists and matches, else create it (O_EXCL, fallocate).
         The daemon holds an flock on the segment while it runs, so two daemons never share one."""
@@ -165,6 +166,9 @@ class Pool:
         except posix_ipc.ExistentialError:
             return cls._attach(name, size, entries, fingerprint, kv_layout)
         _lock(shm)
+        if gid is not None:
+            os.fchown(shm.fd, -1, gid)
+            os.fchmod(shm.fd, mode)  # the creation mode went through the umask
         try:
             # posix_fallocate reserves every page now: a full /dev/shm fails here, not later with SIGBUS.
             os.posix_fallocate(shm.fd, 0, size)

@@ -136,7 +136,22 @@ class RequestHandlers:
                 ErrorCode.SESSION_BUSY, f"Session {s.id} is still generating; wait for its final message or cancel it."
             )
         self._check_quota(s)
+        in_flight = sum(1 for g in (*self.engine.running, *self.engine.waiting) if g.client == client)
+        limit = self.engine.config.max_inflight_per_client
+        if in_flight >= limit:
+            raise RequestRefused(
+                ErrorCode.OVERLOADED,
+                f"This connection already has {in_flight} generations in flight (max_inflight_per_client={limit}); "
+                "wait for one to finish.",
+            )
         new = self._prompt_tokens(r, s)
+        most = self.engine.config.max_prompt_tokens
+        if most and len(new) > most:
+            raise RequestRefused(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"The prompt is {len(new)} tokens; this daemon accepts at most max_prompt_tokens={most} per request.",
+                {"prompt_tokens": len(new), "max_prompt_tokens": most},
+            )
         if not new and s.pending_tokens == 0:
             raise RequestRefused(
                 ErrorCode.BAD_REQUEST,

@@ -37,9 +37,18 @@ class AddressUnavailable(Exception):
 
 
 class Server:
-    def __init__(self, address: str, socket_dir_mode: int = 0o700):
+    def __init__(
+        self,
+        address: str,
+        socket_dir_mode: int = 0o700,
+        client_gid: int | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
         self.address = address
-        self.socket_dir_mode = socket_dir_mode
+        # With a client group, members may enter the directory and connect; nobody else may.
+        self.socket_dir_mode = 0o750 if client_gid is not None else socket_dir_mode
+        self.client_gid = client_gid
+        self.max_message_bytes = max_message_bytes
         self.context = zmq.Context()
         self.frame_errors: Counter[str] = Counter()  # frames refused before they reached the engine
         # When each heartbeating client was last heard from (written here, read by the engine thread).
@@ -62,7 +71,7 @@ class Server:
             )
         self._lock(path)
         router = self.context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         # Slow readers: each client may have SEND_QUEUE messages waiting; beyond that the send fails at once
         # (ROUTER_MANDATORY) instead of blocking every other client or growing the daemon's memory, and the
         # engine stops that client's generations. Sends to clients that are gone fail the same way.
@@ -75,6 +84,8 @@ class Server:
             router.close(0)
             raise AddressUnavailable(f"Cannot bind {self.address}: {exc}.") from None
         # The socket file follows its directory: a group that may enter the directory may also connect.
+        if self.client_gid is not None:
+            os.chown(path, -1, self.client_gid)
         os.chmod(path, 0o660 if self.socket_dir_mode & 0o050 else 0o600)
         outbox = self.context.socket(zmq.PULL)
         outbox.bind(OUTBOX)
@@ -86,6 +97,9 @@ class Server:
         if not path.parent.exists():
             path.parent.mkdir(parents=True, mode=self.socket_dir_mode)
             os.chmod(path.parent, self.socket_dir_mode)  # mkdir's mode is filtered by the umask
+        if self.client_gid is not None:
+            os.chown(path.parent, -1, self.client_gid)
+            os.chmod(path.parent, self.socket_dir_mode)
         lock_path = path.with_name(path.name + ".lock")
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

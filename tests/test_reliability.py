@@ -8,13 +8,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from kvpool.client import Session
 from kvpool.client.errors import NotOwner
 
-from .daemon_process import DaemonProcess
+from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit
 
 Start = Callable[..., DaemonProcess]
 WAIT_S = 60.0
@@ -130,3 +131,53 @@ def test_a_client_that_stops_reading_stalls_nobody(start_daemon: Start) -> None:
             assert status["memory"]["rss_bytes"] < 1 << 30
     finally:
         stuck.close(0)
+
+
+def test_client_group_opens_socket_and_pool_to_one_group(start_daemon: Start, short_tmp: Path) -> None:
+    import grp
+    import os
+    import stat
+
+    gid = grp.getgrnam("daemon").gr_gid
+    daemon = start_daemon(config='client_group = "daemon"\n[tasks.default]\n')
+    sock = daemon.workdir / "kvpoold.sock"
+    for path, mode in ((sock.parent, 0o750), (sock, 0o660), (Path("/dev/shm") / daemon.pool_name.lstrip("/"), 0o640)):
+        info = os.stat(path)
+        assert info.st_gid == gid and stat.S_IMODE(info.st_mode) == mode, (path, oct(info.st_mode), info.st_gid)
+    refused = run_until_exit(
+        kvpoold_command(
+            daemon.model,
+            f"ipc://{short_tmp}/x.sock",
+            "--config",
+            str(write(short_tmp / "bad.toml", 'client_group = "no-such-group"\n')),
+        )
+    )
+    assert refused.returncode == 2 and "no-such-group" in refused.stderr
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_limits_on_prompts_connections_and_frames(start_daemon: Start) -> None:
+    from kvpool.client import protocol as p
+
+    from .raw import RawConnection
+
+    config = "max_prompt_tokens = 20\nmax_inflight_per_client = 1\nmax_message_bytes = '8KiB'\n[tasks.default]\n"
+    daemon = start_daemon(config=config)
+    raw = RawConnection(daemon.address)
+    try:
+        a, b = raw.open(), raw.open()
+        reply = raw.call(p.Generate(id=2, session=a.session, token=a.token, prompt="x" * 100))
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.CONTEXT_OVERFLOW
+        assert "max_prompt_tokens=20" in reply.message
+        raw.send(p.Generate(id=3, session=a.session, token=a.token, prompt="long", max_tokens=1500, temperature=0.0))
+        reply = raw.call(p.Generate(id=4, session=b.session, token=b.token, prompt="more", max_tokens=2))
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.OVERLOADED and "max_inflight" in reply.message
+        raw.send_frames(b"\x81" + b"x" * 20_000)  # larger than max_message_bytes: ZeroMQ drops the connection
+    finally:
+        raw.close()
+    with daemon.client() as client:  # everyone else is still served
+        assert client.open_session().complete("ok", max_tokens=2).usage.completion_tokens == 2
