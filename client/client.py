@@ -24,6 +24,8 @@ from .results import Collector, Completion, expect, generate_request, raise_if_e
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
 HEARTBEAT_S = 0.25  # the daemon stops the generations of a client it has not heard from for a second
+DAEMON_SILENCE_S = 3.0  # no reply, not even to heartbeats, for this long: the daemon died or is restarting
+RETRIES = 3  # resends of a request that is safe to repeat, after the daemon fell silent
 
 
 class Client:
@@ -46,6 +48,10 @@ class Client:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._inboxes: dict[int, deque[p.AnyReply]] = {}
+        self._last_heard = time.monotonic()  # when anything last came from the daemon
+        self._instance = ""  # the daemon process answering (from hello, then from heartbeats)
+        self._restarted_at = 0.0  # when a heartbeat showed a new daemon process
+        self._heartbeat_on = False  # silence means death only once pings are flowing
         try:
             hello = expect(
                 self._call(p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True), connect_timeout),
@@ -61,7 +67,9 @@ class Client:
             raise
         self.daemon_version = hello.daemon_version
         self.model = hello.model
+        self._instance = hello.instance
         self._closed = threading.Event()
+        self._heartbeat_on = True
         self._heartbeat = threading.Thread(target=self._beat, name="kvpool-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -119,13 +127,25 @@ class Client:
 
     def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
         """The next reply to ``request_id``, receiving (and sorting) whatever arrives meanwhile."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        started = time.monotonic()
+        deadline = started + (self.timeout if timeout is None else timeout)
         while True:
             with self._lock:
                 inbox = self._inboxes[request_id]
                 if inbox:
                     return inbox.popleft()
-                remaining_ms = (deadline - time.monotonic()) * 1000
+                now = time.monotonic()
+                if self._restarted_at > started:
+                    raise DaemonUnavailable(
+                        f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
+                        "and send the turn again (Session.history() tells whether it was kept)."
+                    )
+                if self._heartbeat_on and now - max(self._last_heard, started) > DAEMON_SILENCE_S:
+                    raise DaemonUnavailable(
+                        f"kvpoold at {self.address} stopped answering heartbeats (it died or is restarting); "
+                        "resume the session and send the turn again (Session.history() tells whether it was kept)."
+                    )
+                remaining_ms = (deadline - now) * 1000
                 if remaining_ms <= 0:
                     raise RequestTimeout(
                         f"kvpoold at {self.address} did not answer within the timeout; it may "
@@ -141,7 +161,11 @@ class Client:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._last_heard = time.monotonic()
             reply = p.decode_reply(frame)
+            if isinstance(reply, p.Pong) and reply.instance and reply.instance != self._instance:
+                self._instance = reply.instance  # a new daemon: requests the old one had are lost
+                self._restarted_at = self._last_heard
             inbox = self._inboxes.get(reply.id)
             if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
                 inbox.append(reply)
@@ -151,11 +175,19 @@ class Client:
             self._inboxes.pop(request_id, None)
 
     def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
-        request_id = self._send(message)
-        try:
-            return self._next(request_id, timeout)
-        finally:
-            self._done(request_id)
+        """One request, one reply. When the daemon stops answering (a restart), requests that can safely be
+        sent twice are sent again, a bounded number of times, while ZeroMQ reconnects underneath."""
+        attempts = 1 if isinstance(message, p.Hello | p.OpenSession) else RETRIES + 1
+        for attempt in range(attempts):
+            request_id = self._send(message)
+            try:
+                return self._next(request_id, timeout)
+            except DaemonUnavailable:
+                if attempt + 1 == attempts:
+                    raise
+            finally:
+                self._done(request_id)
+        raise AssertionError("unreachable")
 
 
 class Stream:
@@ -217,6 +249,12 @@ class Session:
     def cancel(self) -> bool:
         """Stop this session's running generation (safe from any thread); False if none was running."""
         return expect(self.client._call(p.Cancel(session=self.id, token=self.token)), p.Cancelled).cancelled
+
+    def history(self, start: int = 0) -> list[int]:
+        """The session's tokens from ``start`` on, as the daemon holds them."""
+        return expect(
+            self.client._call(p.History(session=self.id, token=self.token, start=start)), p.HistoryReply
+        ).tokens
 
     def close(self) -> None:
         expect(self.client._call(p.CloseSession(session=self.id, token=self.token)), p.Closed)

@@ -39,6 +39,7 @@ class ErrorCode(StrEnum):
     SESSION_BUSY = "SESSION_BUSY"
     SESSION_EVICTED = "SESSION_EVICTED"  # dropped because the pool and the spill directory were full
     SESSION_CORRUPT = "SESSION_CORRUPT"  # its saved state failed its checksum; the session was closed
+    CONFLICT = "CONFLICT"  # the session does not hold the context the request expected (`after`)
     POOL_FULL = "POOL_FULL"
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
     CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"
@@ -97,6 +98,12 @@ class CloseSession(SessionRequest, tag="close"):
     pass
 
 
+class History(SessionRequest, tag="history"):
+    """The session's tokens from ``start`` on (e.g. to learn whether a turn interrupted by a crash was kept)."""
+
+    start: NonNegInt = 0
+
+
 class ResumeSession(SessionRequest, tag="resume"):
     """Take a session back (e.g. from a new process, or after a daemon restart) with its id and token."""
 
@@ -122,11 +129,16 @@ class Generate(SessionRequest, tag="generate"):
     repeat_last_n: Annotated[int, Meta(ge=0, le=1 << 16)] = 64
     seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] | None = None
     stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
+    # Only if the session holds exactly this many tokens (else CONFLICT): makes a resent turn safe, since a
+    # turn that was already applied (its answer lost in a crash) cannot be applied twice.
+    after: NonNegInt | None = None
     # Tighten the task's time-to-first-token budget for this request (milliseconds); it cannot loosen it.
     deadline_ms: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
 
 
-AnyRequest = Hello | Status | ListSessions | OpenSession | ResumeSession | CloseSession | Cancel | Generate | Ping
+AnyRequest = (
+    Hello | Status | ListSessions | OpenSession | ResumeSession | CloseSession | Cancel | Generate | Ping | History
+)
 
 
 # ---------------------------------------------------------------- replies (daemon -> client)
@@ -140,10 +152,16 @@ class HelloReply(Reply, tag="hello"):
     version: int
     daemon_version: str
     model: str
+    instance: str = ""
 
 
 class Pong(Reply, tag="pong"):
-    pass
+    instance: str = ""  # changes when the daemon restarts: requests sent to the old one are gone
+
+
+class HistoryReply(Reply, tag="history"):
+    tokens: list[int]
+    context_tokens: int
 
 
 class StatusReply(Reply, tag="status"):
@@ -216,7 +234,19 @@ class Error(Reply, tag="error"):
     detail: dict[str, Any] | None = None
 
 
-AnyReply = HelloReply | StatusReply | SessionsReply | SessionOpened | Closed | Cancelled | Chunk | Final | Error | Pong
+AnyReply = (
+    HelloReply
+    | StatusReply
+    | SessionsReply
+    | SessionOpened
+    | Closed
+    | Cancelled
+    | Chunk
+    | Final
+    | Error
+    | Pong
+    | HistoryReply
+)
 
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 _reply_decoder = msgspec.msgpack.Decoder(AnyReply)

@@ -323,10 +323,10 @@ class Engine:
     def finish(
         self, g: Generation, reason: FinishReason, now: float, flushed: bool = False, checkpoint: bool = True
     ) -> None:
-        """End a generation: flush its text, send its final message, checkpoint its session (by policy)."""
+        """End a generation: flush its text, checkpoint its session (by policy), then send its final message.
+        The final message comes after the checkpoint, so a turn the client saw finish is never lost to a crash."""
         if not flushed and (rest := g.text.flush()):
             self.send(g.client, p.Chunk(id=g.request.id, text=rest, tokens=[]))
-        self.send(g.client, g.final(reason, now))
         self._release(g)
         g.session.last_used = now
         self.counters.finished[reason.value] += 1
@@ -337,8 +337,9 @@ class Engine:
         if checkpoint and self.config.checkpoint == "after_generate" and g.session.slot is not None:
             try:
                 self.tiers.checkpoint(g.session)
-            except (RequestRefused, OSError) as exc:  # the answer is out; the session stays resident and usable
+            except (RequestRefused, OSError) as exc:  # the session stays resident and usable, just not durable
                 log.warning("checkpoint of session %s failed: %s", g.session.id, exc)
+        self.send(g.client, g.final(reason, now))
 
     def _record_first_token(self, g: Generation, now: float) -> None:
         stats = self.task_stats[g.session.task]

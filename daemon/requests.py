@@ -18,6 +18,7 @@ from .config import TaskProfile
 from .errors import RequestRefused
 from .generation import Generation
 from .model import SamplingParams
+from .server import INSTANCE
 from .sessions import Session
 from .stream_text import StreamText
 
@@ -41,6 +42,7 @@ class RequestHandlers:
             p.ResumeSession: self.resume,
             p.CloseSession: self.close,
             p.Cancel: self.cancel,
+            p.History: self.history,
             p.Generate: self.generate,
         }
 
@@ -52,7 +54,11 @@ class RequestHandlers:
                 "install matching kvpool versions.",
             )
         return p.HelloReply(
-            id=r.id, version=p.PROTOCOL_VERSION, daemon_version=self.engine.daemon_version, model=self.model.description
+            id=r.id,
+            version=p.PROTOCOL_VERSION,
+            daemon_version=self.engine.daemon_version,
+            model=self.model.description,
+            instance=INSTANCE,
         )
 
     def status(self, client: bytes, r: p.Status) -> p.Reply:
@@ -103,6 +109,10 @@ class RequestHandlers:
         s.last_used = time.monotonic()
         return self._opened(r.id, s)
 
+    def history(self, client: bytes, r: p.History) -> p.Reply:
+        s = self.sessions.get(r.session, r.token)
+        return p.HistoryReply(id=r.id, tokens=s.tokens[r.start :], context_tokens=len(s.tokens))
+
     @staticmethod
     def _opened(request_id: int, s: Session) -> p.SessionOpened:
         return p.SessionOpened(
@@ -134,6 +144,13 @@ class RequestHandlers:
         if s.generation is not None:
             raise RequestRefused(
                 ErrorCode.SESSION_BUSY, f"Session {s.id} is still generating; wait for its final message or cancel it."
+            )
+        if r.after is not None and r.after != len(s.tokens):
+            raise RequestRefused(
+                ErrorCode.CONFLICT,
+                f"Session {s.id} holds {len(s.tokens)} tokens, the request expected {r.after}: another request "
+                "changed it (was this turn already applied?); read Session.history() and decide.",
+                {"context_tokens": len(s.tokens), "after": r.after},
             )
         self._check_quota(s)
         in_flight = sum(1 for g in (*self.engine.running, *self.engine.waiting) if g.client == client)

@@ -28,6 +28,7 @@ log = logging.getLogger("kvpool.server")
 OUTBOX = "inproc://kvpool-outbox"
 MAX_MESSAGE_BYTES = 4 << 20  # a larger frame is dropped by ZeroMQ (prompts are capped at 1 MiB of text)
 POLL_MS = 100
+INSTANCE = f"{os.getpid()}-{time.time_ns()}"  # this daemon process, as clients see it
 SEND_QUEUE = 1024  # messages queued for one client before it counts as not reading (a healthy reader is never
 # that far behind: each message is one token)
 
@@ -210,7 +211,7 @@ class Server:
                 self.last_heard[client] = time.monotonic()  # from now on its silence means it is gone
             if isinstance(request, p.Ping):  # heartbeats never wait behind an engine step
                 self.last_heard[client] = time.monotonic()
-                self._deliver([client, p.encode(p.Pong(id=request.id))])
+                self._deliver([client, p.encode(p.Pong(id=request.id, instance=INSTANCE))])
                 continue
             if not submit(client, request):
                 self._refuse(
