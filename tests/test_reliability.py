@@ -181,3 +181,28 @@ def test_limits_on_prompts_connections_and_frames(start_daemon: Start) -> None:
         raw.close()
     with daemon.client() as client:  # everyone else is still served
         assert client.open_session().complete("ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unwritable_spill_dir_is_one_clear_start_up_error(short_tmp: Path, tiny_model: Path) -> None:
+    from kvpool.daemon.pool import Pool
+
+    blocker = short_tmp / "a-file"
+    blocker.write_text("not a directory")
+    pool = "/kvpool-test-spill-refused"
+    try:
+        done = run_until_exit(
+            kvpoold_command(
+                tiny_model,
+                f"ipc://{short_tmp}/k.sock",
+                "--spill-dir",
+                str(blocker),
+                "--pool-name",
+                pool,
+                "--cache-pool-size",
+                "8MiB",
+            )
+        )
+        assert done.returncode == 1 and "Spill directory" in done.stderr and "not writable" in done.stderr
+        assert "Traceback" not in done.stderr
+    finally:
+        Pool.unlink(pool)  # the pool reserved before the spill dir was tried (the next start would reuse it)
