@@ -66,6 +66,9 @@ def run(kind: str, address: str, end: float, tally: Tally, seed: int) -> None:
                     with client.open_session("vision") as s:
                         s.complete(SCENE + "\nCaption:", max_tokens=24, stop=["\n"])
                 elif kind == "cancel":
+                    if len(session.history()) > 1500:  # start over before the session's context is full
+                        session.close()
+                        session = client.open_session()
                     stream = session.generate("Tell a very long story.", max_tokens=500)
                     for i, _chunk in enumerate(stream):
                         if i == 5:

@@ -97,12 +97,15 @@ class CostModel:
 
 
 # Shapes measured at start: (tokens already in the sequence, tokens fed).
+WARM_UP = [(0, 8), (0, 64)]
 CALIBRATION = [(0, 1), (0, 16), (128, 1), (128, 32), (0, 4), (0, 64), (0, 256), (128, 128), (256, 64)]
 
 
 def calibrate(model: CostModel, run: Callable[[int, int], float], repeat: int = 1) -> None:
     """Fit the model to a few measured shapes. ``run(start, n)`` builds ``start`` tokens of context (untimed),
     returns the seconds a step feeding ``n`` more tokens and sampling once takes, and leaves the KV empty."""
+    for start, n in WARM_UP:  # the first decodes pay one-time costs (buffers, threads): not the machine's speed
+        run(start, n)
     for _ in range(repeat):
         for start, n in CALIBRATION:
             seconds = run(start, n)

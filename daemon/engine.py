@@ -128,6 +128,8 @@ class Engine:
             plan = plan_fcfs(self.running, capacity)
         else:
             plan = plan_budgeted(self.running, capacity, self.cost, self.step_time_cap())
+        if not plan:
+            return
         batch = self.model.batch
         batch.clear()
         rows = []

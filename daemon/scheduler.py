@@ -103,6 +103,9 @@ def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap
                 break
             n = min(g.pending_tokens, room, MIN_CHUNK)  # progress for the most urgent prompt
         add(g, n)
+    if not plan and running:  # nothing fitted the cap: the most urgent work still moves, by the least amount
+        g = min(running, key=urgency)
+        add(g, min(g.pending_tokens, MIN_CHUNK))
     return plan
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from latency import summary
 
 from kvpool.client import Client, KvpoolError
+from kvpool.client.errors import BudgetUnmeetable
 
 PREAMBLE = "A friendly voice assistant on a home robot answers each question in one short sentence.\n"
 
@@ -30,6 +31,7 @@ def main() -> int:
     lines = Path(args.script).read_text(encoding="utf-8").splitlines() if args.script else sys.stdin
     ttfts: list[float] = []
     tokens = 0
+    refused = 0
     started = time.monotonic()
     try:
         with Client(args.address, name="voice-assistant") as client, client.open_session(args.task) as session:
@@ -39,10 +41,22 @@ def main() -> int:
                 if not question:
                     continue
                 print(f"[voice] user: {question}", flush=True)
-                stream = session.generate(
-                    f"{prompt}User: {question}\nAssistant:", max_tokens=args.max_tokens, temperature=0.0, stop=["\n"]
-                )
-                answer = "".join(chunk.text for chunk in stream)
+                text = f"{prompt}User: {question}\nAssistant:"
+                for attempt in range(3):
+                    try:
+                        stream = session.generate(text, max_tokens=args.max_tokens, temperature=0.0, stop=["\n"])
+                        answer = "".join(chunk.text for chunk in stream)
+                        break
+                    except BudgetUnmeetable as exc:  # told at once that it would be late: say so, try again
+                        print(
+                            f"[voice] (one moment: {exc.detail.get('estimate_ms', 0):.0f} ms is over budget)",
+                            flush=True,
+                        )
+                        time.sleep(0.2 * (attempt + 1))
+                else:
+                    print("[voice] assistant: (too busy right now)", flush=True)
+                    refused += 1
+                    continue
                 print(f"[voice] assistant:{answer}", flush=True)
                 assert stream.final is not None
                 ttfts.append(stream.final.timings.ttft_ms)
@@ -51,9 +65,13 @@ def main() -> int:
                 # answer (the token that completes a stop string stays in the context).
                 prompt = "" if stream.final.finish_reason == "stop" else "\n"
     except KvpoolError as exc:
-        print(f"[voice] error: {exc}", file=sys.stderr)
+        print(f"[voice] error: {exc} {exc.detail or ''}", file=sys.stderr)
         return 1
-    print(summary("voice", ttfts, tokens, time.monotonic() - started), flush=True)
+    print(
+        summary("voice", ttfts, tokens, time.monotonic() - started)
+        + (f", {refused} turns refused for their budget" if refused else ""),
+        flush=True,
+    )
     return 0
 
 

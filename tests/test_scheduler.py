@@ -94,6 +94,12 @@ def test_best_effort_prompts_stay_out_of_a_step_that_starts_a_deadline_bound_ans
     assert summary(plan_budgeted([vision], 512, fixed_cost(), time_cap=0.150)) == [(vision, 140, False)]
 
 
+def test_best_effort_work_alone_still_moves_when_nothing_fits_the_cap() -> None:
+    background = Item(1, 0.0, best_effort=True)  # a decode token predicted above the cap
+    plan = plan_budgeted([background], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)
+    assert summary(plan) == [(background, 1, True)]
+
+
 def test_the_most_urgent_prompt_always_moves() -> None:
     prompt = Item(100, 0.0, deadline=3.0)
     plan = plan_budgeted([prompt], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)  # nothing fits the cap
