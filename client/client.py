@@ -30,9 +30,16 @@ RETRIES = 3  # resends of a request that is safe to repeat, after the daemon fel
 
 class Client:
     def __init__(
-        self, address: str | None = None, *, timeout: float = 30.0, connect_timeout: float = 5.0, name: str = ""
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        name: str = "",
+        curve: tuple[bytes, bytes, bytes] | None = None,
     ):
-        """Connect to kvpoold at ``address`` (None: $KVPOOL_ADDRESS, else the daemon's default address)."""
+        """Connect to kvpoold at ``address`` (None: $KVPOOL_ADDRESS, else the daemon's default address).
+        ``curve``: (daemon public key, client public key, client secret key) for a tcp:// daemon."""
         self.address = address or default_address()
         self.timeout = timeout
         path = ipc_path(self.address)
@@ -44,6 +51,8 @@ class Client:
         self._context = zmq.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = curve
         self._sock.connect(self.address)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

@@ -59,6 +59,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # A group whose members may connect: the socket directory becomes 0750 and the socket 0660 in that group
     # (and the pool segment 0640). Empty: only the daemon's own user.
     client_group: Annotated[str, Meta(max_length=64)] = ""
+    # tcp:// is served only with CURVE: the daemon's key file (from zmq.auth.create_certificates) and a
+    # directory holding the public key files of the clients allowed in.
+    curve_secret_file: str = ""
+    curve_clients_dir: str = ""
     # Limits: the largest frame a client may send, the longest prompt, generations in flight per connection.
     max_message_bytes: Annotated[int, Meta(ge=1 << 12, le=1 << 30)] = 4 << 20
     max_prompt_tokens: NonNegative = 0  # 0 = the session's context limit

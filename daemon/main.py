@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     server = Server(address, config.socket_dir_mode, client_gid, config.max_message_bytes)
     try:
-        server.bind()  # before loading the model, so a second daemon fails at once
+        server.bind(config.curve_secret_file, config.curve_clients_dir)  # before the model: a clash fails at once
     except AddressUnavailable as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
         server.close()

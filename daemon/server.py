@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from kvpool.client import protocol as p
 from kvpool.client.address import ipc_path
@@ -59,19 +61,26 @@ class Server:
         self._router: zmq.Socket | None = None
         self._outbox_in: zmq.Socket | None = None
         self._sender_local = threading.local()
+        self._auth: ThreadAuthenticator | None = None
         self._lock_file: int | None = None
 
     # ------------------------------------------------------------------ setup
 
-    def bind(self) -> None:
-        """Take the address: lock it against a second daemon, then bind the ROUTER (on the main thread)."""
+    def bind(self, curve_secret_file: str = "", curve_clients_dir: str = "") -> None:
+        """Take the address: lock it against a second daemon, then bind the ROUTER (on the main thread).
+        ``tcp://`` is served only with CURVE: the daemon's secret key and a directory of allowed client keys."""
         path = ipc_path(self.address)
-        if path is None:
-            raise AddressUnavailable(
-                f"{self.address} is not an ipc:// address; kvpoold serves local processes over ipc:// only."
-            )
-        self._lock(path)
+        if path is not None:
+            self._lock(path)  # first: an open socket would keep close() from terminating the context
         router = self.context.socket(zmq.ROUTER)
+        if path is None:
+            if not (self.address.startswith("tcp://") and curve_secret_file and curve_clients_dir):
+                router.close(0)
+                raise AddressUnavailable(
+                    f"{self.address}: kvpoold serves ipc:// addresses, and tcp:// only with CURVE keys "
+                    "(set curve_secret_file and curve_clients_dir)."
+                )
+            self._enable_curve(router, curve_secret_file, curve_clients_dir)
         router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         # Slow readers: each client may have SEND_QUEUE messages waiting; beyond that the send fails at once
         # (ROUTER_MANDATORY) instead of blocking every other client or growing the daemon's memory, and the
@@ -85,12 +94,29 @@ class Server:
             router.close(0)
             raise AddressUnavailable(f"Cannot bind {self.address}: {exc}.") from None
         # The socket file follows its directory: a group that may enter the directory may also connect.
-        if self.client_gid is not None:
-            os.chown(path, -1, self.client_gid)
-        os.chmod(path, 0o660 if self.socket_dir_mode & 0o050 else 0o600)
+        if path is not None:
+            if self.client_gid is not None:
+                os.chown(path, -1, self.client_gid)
+            os.chmod(path, 0o660 if self.socket_dir_mode & 0o050 else 0o600)
         outbox = self.context.socket(zmq.PULL)
         outbox.bind(OUTBOX)
         self._router, self._outbox_in = router, outbox
+
+    def _enable_curve(self, router: zmq.Socket, secret_file: str, clients_dir: str) -> None:
+        """CURVE encryption, and a ZAP authenticator that lets in only the public keys in ``clients_dir``."""
+        try:
+            public, secret = zmq.auth.load_certificate(secret_file)
+        except (OSError, ValueError) as exc:
+            router.close(0)
+            raise AddressUnavailable(f"Cannot read the CURVE key {secret_file}: {exc}.") from None
+        if secret is None or not Path(clients_dir).is_dir():
+            router.close(0)
+            raise AddressUnavailable(f"{secret_file} holds no secret key, or {clients_dir} is not a directory.")
+        self._auth = ThreadAuthenticator(self.context)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=clients_dir)
+        router.curve_server = True
+        router.curve_publickey, router.curve_secretkey = public, secret
 
     def _lock(self, path: Path) -> None:
         # ZeroMQ silently replaces an existing ipc socket file, so a second daemon would steal the address;
@@ -225,6 +251,8 @@ class Server:
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
         for sock in (self._outbox_in, self._router):
             if sock is not None:
                 sock.close()

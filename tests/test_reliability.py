@@ -12,9 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.client import Session
-from kvpool.client.errors import NotOwner
-
 from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit
 
 Start = Callable[..., DaemonProcess]
@@ -77,21 +74,39 @@ def test_a_slow_reader_that_is_alive_is_not_cut_off(daemon: DaemonProcess) -> No
         assert client.status()["counters"]["clients_lost"] == 0
 
 
-def test_another_client_cannot_touch_a_session(daemon: DaemonProcess) -> None:
-    with daemon.client() as owner, daemon.client() as other:
+INTRUDER = """
+import json, sys
+from kvpool.client import Client, Session
+from kvpool.client.errors import KvpoolError
+address, session_id = sys.argv[1], sys.argv[2]
+results = {}
+with Client(address) as client:
+    forged = Session(client, session_id, "0" * 32, "default", 0)  # the id, but not the token
+    for name, attempt in [("resume", lambda: client.resume_session(session_id, "0" * 32)),
+                          ("history", forged.history), ("generate", lambda: forged.complete("x", max_tokens=2)),
+                          ("cancel", forged.cancel), ("close", forged.close)]:
+        try:
+            attempt()
+            results[name] = "ALLOWED"
+        except KvpoolError as exc:
+            results[name] = exc.code
+print(json.dumps(results))
+"""
+
+
+def test_another_client_process_cannot_touch_a_session(daemon: DaemonProcess) -> None:
+    with daemon.client() as owner:
         mine = owner.open_session()
         first = mine.complete("mine", max_tokens=2, temperature=0.0)
-        forged = Session(other, mine.id, "0" * 32, mine.task, mine.context_size)  # the id, not the token
-        for attempt in (
-            lambda: other.resume_session(mine.id, "0" * 32),
-            lambda: forged.complete("x", max_tokens=2),
-            forged.cancel,
-            forged.close,
-        ):
-            with pytest.raises(NotOwner) as refused:
-                attempt()
-            assert mine.token not in str(refused.value)
-        # the owner's session is untouched: same context, still answering
+        intruder = subprocess.run(
+            [sys.executable, "-c", INTRUDER, daemon.address, mine.id], capture_output=True, text=True, timeout=WAIT_S
+        )
+        assert intruder.returncode == 0, intruder.stderr
+        results = json.loads(intruder.stdout)
+        assert results == dict.fromkeys(("resume", "history", "generate", "cancel", "close"), "NOT_OWNER")
+        assert mine.token not in intruder.stdout + intruder.stderr
+        # the owner's session is untouched: the same context as before the intruder, still answering
+        assert len(mine.history()) == first.usage.context_tokens
         assert mine.complete("again", max_tokens=2).usage.context_tokens > first.usage.context_tokens
 
 
@@ -206,3 +221,43 @@ def test_unwritable_spill_dir_is_one_clear_start_up_error(short_tmp: Path, tiny_
         assert "Traceback" not in done.stderr
     finally:
         Pool.unlink(pool)  # the pool reserved before the spill dir was tried (the next start would reuse it)
+
+
+def test_tcp_needs_curve_and_lets_in_only_listed_keys(start_daemon: Start, short_tmp: Path, tiny_model: Path) -> None:
+    import socket as stdsocket
+
+    import zmq.auth
+
+    from kvpool.client import Client, DaemonUnavailable
+
+    keys, allowed = short_tmp / "keys", short_tmp / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    server_public_file, server_secret_file = zmq.auth.create_certificates(keys, "server")
+    client_public_file, client_secret_file = zmq.auth.create_certificates(keys, "client")
+    _stranger_public, stranger_secret = zmq.auth.create_certificates(keys, "stranger")
+    (allowed / "client.key").write_bytes(Path(client_public_file).read_bytes())
+    with stdsocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+
+    refused = run_until_exit(kvpoold_command(tiny_model, address))  # tcp:// without keys: refused at start
+    assert refused.returncode == 1 and "CURVE" in refused.stderr
+
+    config = f'curve_secret_file = "{server_secret_file}"\ncurve_clients_dir = "{allowed}"\n[tasks.default]\n'
+    daemon = start_daemon("--address", address, config=config, wait=False)
+    server_public, _ = zmq.auth.load_certificate(server_public_file)
+    client_public, client_secret = zmq.auth.load_certificate(client_secret_file)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            client = Client(address, connect_timeout=1.0, curve=(server_public, client_public, client_secret))
+            break
+        except DaemonUnavailable:
+            assert time.monotonic() < deadline, daemon.log()
+    with client, client.open_session() as session:
+        assert session.complete("over tcp", max_tokens=3).usage.completion_tokens == 3
+    other_public, other_secret = zmq.auth.load_certificate(stranger_secret)
+    with pytest.raises(DaemonUnavailable):  # a key that is not listed never gets an answer
+        Client(address, connect_timeout=1.0, curve=(server_public, other_public, other_secret))
