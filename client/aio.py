@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,7 +23,7 @@ import zmq.asyncio
 
 from . import protocol as p
 from .address import default_address, ipc_path
-from .client import HEARTBEAT_S
+from .client import HEARTBEAT_S, RETRIES
 from .errors import DaemonUnavailable, RequestTimeout
 from .results import Collector, Completion, expect, generate_request, raise_if_error
 
@@ -38,6 +39,8 @@ class AsyncClient:
         self._queues: dict[int, asyncio.Queue[p.AnyReply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
+        self._instance = ""  # the daemon process answering (from hello, then from heartbeats)
+        self._restarted_at = 0.0
         self.daemon_version = ""
         self.model = ""
 
@@ -69,6 +72,7 @@ class AsyncClient:
             await client.close()
             raise
         client.daemon_version, client.model = hello.daemon_version, hello.model
+        client._instance = hello.instance
         client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client
 
@@ -119,6 +123,8 @@ class AsyncClient:
                 reply = p.decode_reply(frame)
             except Exception:  # one unreadable frame must not silence every later reply
                 continue
+            if isinstance(reply, p.Pong) and reply.instance and reply.instance != self._instance:
+                self._instance, self._restarted_at = reply.instance, time.monotonic()
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
@@ -131,19 +137,40 @@ class AsyncClient:
         return request_id
 
     async def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
-        try:
-            return await asyncio.wait_for(self._queues[request_id].get(), self.timeout if timeout is None else timeout)
-        except TimeoutError:
-            raise RequestTimeout(
-                f"kvpoold at {self.address} did not answer within the timeout; it may be overloaded or hung."
-            ) from None
+        started = time.monotonic()
+        deadline = started + (self.timeout if timeout is None else timeout)
+        queue = self._queues[request_id]
+        while True:
+            if self._restarted_at > started:  # a new daemon process answers the heartbeats: this request is gone
+                raise DaemonUnavailable(
+                    f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
+                    "and send the turn again."
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(
+                    f"kvpoold at {self.address} did not answer within the timeout; it may be overloaded or hung."
+                )
+            try:
+                return await asyncio.wait_for(queue.get(), min(remaining, HEARTBEAT_S))
+            except TimeoutError:
+                continue
 
     async def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
-        request_id = await self._send(message)
-        try:
-            return await self._next(request_id, timeout)
-        finally:
-            self._queues.pop(request_id, None)
+        """As the sync client: requests that are safe to repeat are resent (a bounded number of times) when the
+        daemon restarted under them."""
+        attempts = 1 if isinstance(message, p.Hello | p.OpenSession) else RETRIES + 1
+        for attempt in range(attempts):
+            request_id = await self._send(message)
+            try:
+                return await self._next(request_id, timeout)
+            except DaemonUnavailable:
+                if attempt + 1 == attempts:
+                    raise
+                await asyncio.sleep(HEARTBEAT_S)  # let ZeroMQ reconnect
+            finally:
+                self._queues.pop(request_id, None)
+        raise AssertionError("unreachable")
 
 
 class AsyncSession:
@@ -179,6 +206,10 @@ class AsyncSession:
             collector.add(chunk)
         assert self.final is not None
         return collector.result(self.final)
+
+    async def history(self, start: int = 0) -> list[int]:
+        reply = await self.client._call(p.History(session=self.id, token=self.token, start=start))
+        return expect(reply, p.HistoryReply).tokens
 
     async def cancel(self) -> bool:
         reply = await self.client._call(p.Cancel(session=self.id, token=self.token))

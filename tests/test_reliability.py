@@ -261,3 +261,33 @@ def test_tcp_needs_curve_and_lets_in_only_listed_keys(start_daemon: Start, short
     other_public, other_secret = zmq.auth.load_certificate(stranger_secret)
     with pytest.raises(DaemonUnavailable):  # a key that is not listed never gets an answer
         Client(address, connect_timeout=1.0, curve=(server_public, other_public, other_secret))
+
+
+def test_asyncio_client_learns_of_a_restart_at_once(start_daemon: Start) -> None:
+    import asyncio
+
+    from kvpool.client import DaemonUnavailable
+    from kvpool.client.aio import AsyncClient
+
+    daemon = start_daemon("--context-size", "32768")
+
+    async def scenario() -> tuple[str, int]:
+        async with await AsyncClient.connect(daemon.address, timeout=120.0) as client:
+            session = await client.open_session()
+            await session.complete("before", max_tokens=2, temperature=0.0)
+            context = len(await session.history())
+            stream = session.generate("long", max_tokens=1_000_000, temperature=0.0)
+            await stream.__anext__()  # it is generating
+            daemon.stop(signal.SIGKILL)
+            daemon.start()
+            try:
+                async for _chunk in stream:
+                    pass
+                outcome = "finished"
+            except DaemonUnavailable:
+                outcome = "unavailable"
+            resumed = await client.resume_session(session.id, session.token)  # resent until the new daemon answers
+            return outcome, len(await resumed.history()) - context
+
+    outcome, grown = asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
+    assert outcome == "unavailable" and grown == 0  # told at once, and the interrupted turn was not kept
