@@ -40,10 +40,6 @@ class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
     # Most bytes of snapshots (pool and spill) the task's sessions may hold; sizes accept "64MiB" etc.
     pool_quota: NonNegative = 0
 
-    @property
-    def deadline_bound(self) -> bool:
-        return not self.best_effort and (self.ttft_ms > 0 or self.tpot_ms > 0)
-
 
 def _default_tasks() -> dict[str, TaskProfile]:
     return {"default": TaskProfile()}

@@ -246,10 +246,6 @@ class Model:
             return False
         return True
 
-    def sequence_end(self, seq_id: int) -> int:
-        """One past the last position the KV holds for the sequence (0 when it is empty)."""
-        return lc.llama_memory_seq_pos_max(self.memory, seq_id) + 1
-
     # ------------------------------------------------------------------ identity
 
     def _desc(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,8 @@ class SessionTable:
         self._config = config
         self._context_size = context_size
         self.by_id: dict[str, Session] = {}
+        # Open sessions per task, kept by add/remove: the engine asks every step (step_time_cap).
+        self._per_task: Counter[str] = Counter()
         # Sessions dropped when both tiers were full, id -> token: their owners (only) get SESSION_EVICTED.
         self.evicted: dict[str, str] = {}
 
@@ -94,6 +97,7 @@ class SessionTable:
 
     def add(self, session: Session) -> None:
         self.by_id[session.id] = session
+        self._per_task[session.task] += 1
         self.evicted.pop(session.id, None)
 
     def get(self, session_id: str, token: str) -> Session:
@@ -122,13 +126,14 @@ class SessionTable:
 
     def remove(self, session: Session, evicted: bool = False) -> None:
         del self.by_id[session.id]
+        self._per_task[session.task] -= 1
         if evicted:
             self.evicted[session.id] = session.token
             if len(self.evicted) > MAX_EVICTED_REMEMBERED:  # oldest first (dicts keep insertion order)
                 del self.evicted[next(iter(self.evicted))]
 
     def count(self, task: str) -> int:
-        return sum(1 for s in self.by_id.values() if s.task == task)
+        return self._per_task[task]
 
     def idle_longer_than(self, seconds: float, now: float) -> list[Session]:
         return [s for s in self.by_id.values() if s.generation is None and now - s.last_used > seconds]
