@@ -41,6 +41,9 @@ class AsyncClient:
         self._beater: asyncio.Task[None] | None = None
         self._instance = ""  # the daemon process answering (from hello, then from heartbeats)
         self._restarted_at = 0.0
+        self._heard_before_restart = 0.0
+        self._last_heard = time.monotonic()
+        self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self.daemon_version = ""
         self.model = ""
 
@@ -123,8 +126,11 @@ class AsyncClient:
                 reply = p.decode_reply(frame)
             except Exception:  # one unreadable frame must not silence every later reply
                 continue
+            now = time.monotonic()
             if isinstance(reply, p.Pong) and reply.instance and reply.instance != self._instance:
-                self._instance, self._restarted_at = reply.instance, time.monotonic()
+                # as in the sync client: lost only if the old daemon spoke after the request was sent
+                self._instance, self._restarted_at, self._heard_before_restart = reply.instance, now, self._last_heard
+            self._last_heard = now
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
@@ -133,6 +139,7 @@ class AsyncClient:
         request_id = next(self._ids)
         message.id = request_id
         self._queues[request_id] = asyncio.Queue()
+        self._sent_at[request_id] = time.monotonic()
         await self._sock.send(p.encode(message))
         return request_id
 
@@ -141,7 +148,8 @@ class AsyncClient:
         deadline = started + (self.timeout if timeout is None else timeout)
         queue = self._queues[request_id]
         while True:
-            if self._restarted_at > started:  # a new daemon process answers the heartbeats: this request is gone
+            sent = self._sent_at.get(request_id, started)
+            if self._restarted_at > sent and self._heard_before_restart >= sent:  # it went down with the old
                 raise DaemonUnavailable(
                     f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
                     "and send the turn again."
@@ -170,6 +178,7 @@ class AsyncClient:
                 await asyncio.sleep(HEARTBEAT_S)  # let ZeroMQ reconnect
             finally:
                 self._queues.pop(request_id, None)
+                self._sent_at.pop(request_id, None)
         raise AssertionError("unreachable")
 
 
@@ -196,6 +205,7 @@ class AsyncSession:
                     yield reply
         finally:
             self.client._queues.pop(request_id, None)
+            self.client._sent_at.pop(request_id, None)
             if final is None:  # the caller stopped early (use contextlib.aclosing to make that prompt)
                 with contextlib.suppress(Exception):
                     await self.cancel()

@@ -60,6 +60,8 @@ class Client:
         self._last_heard = time.monotonic()  # when anything last came from the daemon
         self._instance = ""  # the daemon process answering (from hello, then from heartbeats)
         self._restarted_at = 0.0  # when a heartbeat showed a new daemon process
+        self._heard_before_restart = 0.0  # the old daemon's last reply before that
+        self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self._heartbeat_on = False  # silence means death only once pings are flowing
         try:
             hello = expect(
@@ -131,6 +133,7 @@ class Client:
         message.id = request_id
         with self._lock:
             self._inboxes[request_id] = deque()
+            self._sent_at[request_id] = time.monotonic()
             self._sock.send(p.encode(message))
         return request_id
 
@@ -144,7 +147,8 @@ class Client:
                 if inbox:
                     return inbox.popleft()
                 now = time.monotonic()
-                if self._restarted_at > started:
+                sent = self._sent_at.get(request_id, started)
+                if self._restarted_at > sent and self._heard_before_restart >= sent:
                     raise DaemonUnavailable(
                         f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
                         "and send the turn again (Session.history() tells whether it was kept)."
@@ -170,11 +174,13 @@ class Client:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._last_heard = time.monotonic()
+            now = time.monotonic()
             reply = p.decode_reply(frame)
             if isinstance(reply, p.Pong) and reply.instance and reply.instance != self._instance:
-                self._instance = reply.instance  # a new daemon: requests the old one had are lost
-                self._restarted_at = self._last_heard
+                # A new daemon. Requests the old one answered anything after are lost with it; one sent after
+                # the old one last spoke went to the new one.
+                self._instance, self._restarted_at, self._heard_before_restart = reply.instance, now, self._last_heard
+            self._last_heard = now
             inbox = self._inboxes.get(reply.id)
             if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
                 inbox.append(reply)
@@ -182,6 +188,7 @@ class Client:
     def _done(self, request_id: int) -> None:
         with self._lock:
             self._inboxes.pop(request_id, None)
+            self._sent_at.pop(request_id, None)
 
     def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
         """One request, one reply. When the daemon stops answering (a restart), requests that can safely be
