@@ -25,7 +25,7 @@ from . import protocol as p
 from .address import default_address, ipc_path
 from .client import HEARTBEAT_S, RETRIES
 from .errors import DaemonUnavailable, RequestTimeout
-from .results import Collector, Completion, expect, generate_request, raise_if_error
+from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
 
 class AsyncClient:
@@ -85,8 +85,8 @@ class AsyncClient:
     async def sessions(self) -> list[p.SessionInfo]:
         return expect(await self._call(p.ListSessions()), p.SessionsReply).sessions
 
-    async def open_session(self, task: str = "default") -> AsyncSession:
-        opened = expect(await self._call(p.OpenSession(task=task)), p.SessionOpened)
+    async def open_session(self, task: str = "default", system_prompt: str | list[int] | None = None) -> AsyncSession:
+        opened = expect(await self._call(open_request(task, system_prompt)), p.SessionOpened)
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
     async def resume_session(self, session_id: str, token: str) -> AsyncSession:

@@ -20,7 +20,7 @@ import zmq
 from . import protocol as p
 from .address import default_address, ipc_path
 from .errors import DaemonUnavailable, RequestTimeout
-from .results import Collector, Completion, expect, generate_request, raise_if_error
+from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
 HEARTBEAT_S = 0.25  # the daemon stops the generations of a client it has not heard from for a second
@@ -92,8 +92,10 @@ class Client:
     def sessions(self) -> list[p.SessionInfo]:
         return expect(self._call(p.ListSessions()), p.SessionsReply).sessions
 
-    def open_session(self, task: str = "default") -> Session:
-        opened = expect(self._call(p.OpenSession(task=task)), p.SessionOpened)
+    def open_session(self, task: str = "default", system_prompt: str | list[int] | None = None) -> Session:
+        """A new session for ``task``, starting with ``system_prompt`` (text or token ids; None: the task's
+        configured one, "" for none). Sessions starting alike share that part's KV in the daemon."""
+        opened = expect(self._call(open_request(task, system_prompt)), p.SessionOpened)
         return Session(self, opened.session, opened.token, opened.task, opened.context_size)
 
     def resume_session(self, session_id: str, token: str) -> Session:

@@ -84,7 +84,12 @@ class Ping(Request, tag="ping"):
 
 
 class OpenSession(Request, tag="open"):
+    """Open a session for ``task``. It starts with ``system_prompt`` (text, or ``system_prompt_tokens``), else
+    with its task's configured one; sessions that start alike share those tokens' KV (computed once)."""
+
     task: TaskName = "default"
+    system_prompt: Annotated[str, Meta(max_length=1 << 20)] | None = None
+    system_prompt_tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)] | None = None
 
 
 class SessionRequest(Request):
@@ -178,6 +183,7 @@ class SessionInfo(Struct, kw_only=True):
     busy: bool
     idle_s: float
     age_s: float
+    shared_tokens: int = 0  # leading tokens whose KV it shares with other sessions (a shared prefix)
 
 
 class SessionsReply(Reply, tag="sessions"):

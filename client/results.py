@@ -57,6 +57,19 @@ def generate_request(session: str, token: str, prompt: str | list[int], params: 
         raise BadRequest(f"Invalid generate parameters: {exc}.") from None
 
 
+def open_request(task: str, system_prompt: str | list[int] | None) -> p.OpenSession:
+    """Build an OpenSession message: a system prompt is text or token ids; None leaves the task's own."""
+    fields: dict[str, Any] = {"task": task}
+    if isinstance(system_prompt, str):
+        fields["system_prompt"] = system_prompt
+    elif system_prompt is not None:
+        fields["system_prompt_tokens"] = list(system_prompt)
+    try:
+        return msgspec.convert(fields, p.OpenSession)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid open_session parameters: {exc}.") from None
+
+
 def raise_if_error(reply: p.AnyReply) -> p.AnyReply:
     if isinstance(reply, p.Error):
         raise error_from_code(reply.code, reply.message, reply.detail)

@@ -39,6 +39,9 @@ class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
     max_context_tokens: NonNegative = 0
     # Most bytes of snapshots (pool and spill) the task's sessions may hold; sizes accept "64MiB" etc.
     pool_quota: NonNegative = 0
+    # Text every session of this task starts with unless it is opened with its own: computed once and shared
+    # by all of them (prefix sharing). Empty: none.
+    system_prompt: Annotated[str, Meta(max_length=1 << 20)] = ""
 
 
 def _default_tasks() -> dict[str, TaskProfile]:
@@ -70,6 +73,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # Most tokens one engine step decodes (prefill chunks + one token per generating session).
     batch_size: Annotated[int, Meta(ge=8, le=1 << 16)] = 512
     max_sessions: Annotated[int, Meta(ge=1, le=1 << 16)] = 64
+    # Prefix sharing: llama.cpp sequences kept for shared prefixes (system prompts) in the unified KV, whose
+    # cells sessions share through llama_memory_seq_cp; 0 turns sharing off. Prefix snapshots in the pool (so
+    # sharing survives restarts) are capped at max_prefixes; the prefix index hashes blocks of this many tokens.
+    prefix_slots: Annotated[int, Meta(ge=0, le=64)] = 2
+    max_prefixes: Annotated[int, Meta(ge=0, le=1024)] = 8
+    prefix_block_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
     # The warm tier: a POSIX shared-memory segment of this many bytes ("512MiB", "2GiB" or a number).
     cache_pool_size: Annotated[int, Meta(ge=1 << 20)] = 256 << 20
     # Its name in /dev/shm; empty means one derived from the address, so daemons never share by accident.

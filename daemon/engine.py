@@ -151,7 +151,10 @@ class Engine:
         # The KV now holds every fed token: record that for the whole step before anything can fail.
         for work in plan:
             work.item.note_step(started)
-            work.item.session.n_kv += work.n_tokens
+            session = work.item.session
+            session.n_kv += work.n_tokens
+            if session.boundary and session.n_kv >= session.boundary:
+                self.tiers.make_prefix(session)  # its system prompt is in the KV now: share it from here on
         tokens = [w.item.sampler.sample(row) if w.completes else None for w, row in zip(plan, rows, strict=True)]
         self.cost.update(shape, time.perf_counter() - timed)  # the model predicts decode + sampling
         for work, token in zip(plan, tokens, strict=True):
@@ -283,6 +286,9 @@ class Engine:
             g.session.tokens.extend(g.new_tokens)
             self.counters.prompt_tokens += len(g.new_tokens)
             g.new_tokens = []
+        s = g.session
+        if s.n_kv == 0 and s.slot is not None and s.prefix is None and self.tiers.prefixes.enabled:
+            self.tiers.share_prefix(s)  # its first prompt: compute only what no shared prefix already holds
         self.running.append(g)
 
     def _preempt_for(self, g: Generation) -> bool:
@@ -369,6 +375,8 @@ class Engine:
         room and retry next step; if none is idle, the session with the most context ends with `length`."""
         self.counters.kv_full_events += 1
         try:
+            if self.tiers.prefixes.evict_hot():  # a shared prefix nobody uses goes before any session
+                return
             if self.tiers.hibernate_idle(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
                 return
         except RequestRefused as refused:
@@ -523,7 +531,9 @@ class Engine:
             "slots": {"total": self.model.hot_slots, "used": len(self.tiers.resident)},
             "kv": {
                 "cells_total": self.model.context_size,
-                "cells_used": sum(s.n_kv for s in self.tiers.resident.values()),
+                # shared prefix cells count once, however many sessions share them
+                "cells_used": sum(s.n_kv - s.prefix_len * s.shares_hot for s in self.tiers.resident.values())
+                + self.tiers.prefixes.hot_cells(),
             },
             "sessions": {
                 "open": len(self.sessions.by_id),

@@ -39,6 +39,10 @@ class Generation:
         return self.session.pending_tokens
 
     @property
+    def feedable_tokens(self) -> int:
+        return self.session.feedable_tokens
+
+    @property
     def position(self) -> int:
         return self.session.n_kv
 

@@ -155,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hot_slots=config.hot_slots,
             batch_size=config.batch_size,
             threads=threads,
+            prefix_slots=config.prefix_slots,
         )
     except ModelLoadError as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
@@ -263,7 +264,7 @@ def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers
     pool = Pool.open(
         name,
         config.cache_pool_size,
-        config.max_sessions,
+        config.max_sessions + config.max_prefixes,
         model.fingerprint,
         model.kv_layout,
         mode=0o640 if config.client_group else config.pool_mode,

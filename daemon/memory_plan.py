@@ -91,7 +91,9 @@ def plan_memory(model_path: Path, config: Config) -> MemoryPlan:
     per_cell_layer = n_head_kv * (head_k + head_v) * F16
     if window and arch in GLOBAL_LAYER_EVERY:
         n_global = n_layer // GLOBAL_LAYER_EVERY[arch]
-        swa_cells = min(cells, _round_up(window * config.hot_slots + config.batch_size, 256))
+        # llama.cpp keeps a window of cells per sequence id: hot slots, shared prefixes and the scratch sequence
+        sequences = config.hot_slots + config.prefix_slots + (1 if config.prefix_slots else 0)
+        swa_cells = min(cells, _round_up(window * sequences + config.batch_size, 256))
         hot_kv = per_cell_layer * (n_global * cells + (n_layer - n_global) * swa_cells)
     else:
         hot_kv = per_cell_layer * n_layer * cells

@@ -146,7 +146,9 @@ class Batch:
 
 
 class Model:
-    def __init__(self, path: Path, *, context_size: int, hot_slots: int, batch_size: int, threads: int):
+    def __init__(
+        self, path: Path, *, context_size: int, hot_slots: int, batch_size: int, threads: int, prefix_slots: int = 0
+    ):
         _init_backend()
         self.path = Path(path)
         mparams = lc.llama_model_default_params()
@@ -161,10 +163,14 @@ class Model:
         cparams.n_ctx = context_size
         cparams.n_batch = batch_size
         cparams.n_ubatch = batch_size
-        cparams.n_seq_max = hot_slots
+        # Sequence ids: the hot slots, then one per shared prefix, then one scratch sequence that a suffix-only
+        # snapshot is cut out through (only when sharing is on: every sequence id widens the sliding-window cache).
+        self.prefix_seqs = list(range(hot_slots, hot_slots + prefix_slots))
+        self.scratch_seq = hot_slots + prefix_slots if prefix_slots else -1
+        cparams.n_seq_max = hot_slots + prefix_slots + (1 if prefix_slots else 0)
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
-        cparams.n_outputs_max = hot_slots
+        cparams.n_outputs_max = cparams.n_seq_max  # llama.cpp reserves its graph for one output per sequence
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on
@@ -181,6 +187,7 @@ class Model:
         self.hot_slots = hot_slots
         self.batch = Batch(batch_size)
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self.n_swa = lc.llama_model_n_swa(self._model)  # 0: every layer attends to the whole context
         self._piece_buf = ctypes.create_string_buffer(256)
         self.description = self._desc()
         self.fingerprint = self._fingerprint()
@@ -230,6 +237,16 @@ class Model:
         """Free every KV cell of a sequence (the slot becomes empty)."""
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
+        """Give ``dst`` the cells of ``src`` for positions [first, end) (end -1: all): the cells are shared in the
+        unified KV (one more sequence id on each), not copied."""
+        lc.llama_memory_seq_cp(self.memory, src, dst, first, end)
+
+    def lowest_position(self, seq_id: int) -> int:
+        """The lowest position whose cells the sequence holds (-1 when empty). Above 0 after a sliding-window
+        model has moved past its window, or after a restore: positions below it cannot be shared."""
+        return lc.llama_memory_seq_pos_min(self.memory, seq_id)
+
     def state_size(self, seq_id: int) -> int:
         """Bytes llama_state_seq_get_data needs for the sequence's KV cells."""
         return lc.llama_state_seq_get_size(self.ctx, seq_id)
@@ -237,6 +254,22 @@ class Model:
     def save_state(self, seq_id: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
         """Copy the sequence's KV state into ``dest`` (e.g. a view of the shared-memory pool); bytes written."""
         return lc.llama_state_seq_get_data(self.ctx, dest, len(dest), seq_id)
+
+    def save_cells_from(self, seq_id: int, first: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
+        """Save only the sequence's cells at positions >= ``first`` (a suffix past a shared prefix): they are
+        shared into the scratch sequence, which is saved and emptied. Bytes written."""
+        self.share_cells(seq_id, self.scratch_seq, first, -1)
+        try:
+            return lc.llama_state_seq_get_data(self.ctx, dest, len(dest), self.scratch_seq)
+        finally:
+            self.forget_sequence(self.scratch_seq)
+
+    def suffix_state_size(self, seq_id: int, first: int) -> int:
+        self.share_cells(seq_id, self.scratch_seq, first, -1)
+        try:
+            return lc.llama_state_seq_get_size(self.ctx, self.scratch_seq)
+        finally:
+            self.forget_sequence(self.scratch_seq)
 
     def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8]) -> bool:
         """Restore a saved state into an empty sequence; False when llama.cpp rejects it (no room, mismatch)."""

@@ -28,11 +28,13 @@ from .allocator import Extent, ExtentAllocator
 from .checksum import checksum
 
 MAGIC = b"KVPOOL\x00\x01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: prefix entries, and snapshot records that name the prefix they build on
 HEADER_BYTES = 4096
 ALIGN = 64
 
 FREE, LIVE, EVICTED = 0, 1, 2  # entry states; EVICTED keeps the id so its owner learns SESSION_EVICTED
+SESSION, PREFIX = 0, 1  # entry kinds: a session, or a prefix shared by sessions (its snapshot is whole)
+NO_PREFIX = -1
 TIER_POOL, TIER_DISK = 1, 2
 
 HEADER = np.dtype(
@@ -56,17 +58,30 @@ HEADER = np.dtype(
 )
 RECORD = np.dtype(
     {
-        "names": ["version", "tier", "offset", "length", "state_bytes", "n_tokens", "n_kv", "checksum"],
-        "formats": ["<u8", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4", "<u8"],
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48],
+        # prefix_entry/prefix_len: the snapshot holds only the cells past the first prefix_len positions; the
+        # rest are the prefix snapshot in table entry prefix_entry (NO_PREFIX: the snapshot is whole).
+        "names": [
+            "version",
+            "tier",
+            "offset",
+            "length",
+            "state_bytes",
+            "n_tokens",
+            "n_kv",
+            "checksum",
+            "prefix_len",
+            "prefix_entry",
+        ],
+        "formats": ["<u8", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4", "<u8", "<u4", "<i4"],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 56, 60],
         "itemsize": 64,
     }
 )
 ENTRY = np.dtype(
     {
-        "names": ["state", "session", "token", "task", "created", "last_used", "records"],
-        "formats": ["<u4", "S16", "S32", "S64", "<f8", "<f8", (RECORD, (2,))],
-        "offsets": [0, 8, 24, 56, 120, 128, 192],
+        "names": ["state", "kind", "session", "token", "task", "created", "last_used", "records"],
+        "formats": ["<u4", "<u4", "S16", "S32", "S64", "<f8", "<f8", (RECORD, (2,))],
+        "offsets": [0, 4, 8, 24, 56, 120, 128, 192],
         "itemsize": 320,
     }
 )
@@ -104,6 +119,8 @@ class Snapshot:
     n_tokens: int
     n_kv: int
     checksum: int
+    prefix_len: int = 0
+    prefix_entry: int = NO_PREFIX
 
     @property
     def extent(self) -> Extent:
@@ -114,6 +131,7 @@ class Snapshot:
 class EntryInfo:
     index: int
     state: int
+    kind: int
     session: str
     token: str
     task: str
@@ -235,7 +253,7 @@ class Pool:
         elif size != want_size:
             problem = f"is {size} bytes but cache_pool_size is {want_size}"
         elif int(h["entries"]) != want_entries:
-            problem = f"has {int(h['entries'])} session entries but max_sessions is {want_entries}"
+            problem = f"has {int(h['entries'])} table entries but max_sessions + max_prefixes is {want_entries}"
         if problem:
             del h
             mapping.close()
@@ -278,6 +296,7 @@ class Pool:
         return EntryInfo(
             int(index),
             int(e["state"]),
+            int(e["kind"]),
             e["session"].decode(),
             e["token"].decode(),
             e["task"].decode(),
@@ -301,10 +320,12 @@ class Pool:
             int(r["n_tokens"]),
             int(r["n_kv"]),
             int(r["checksum"]),
+            int(r["prefix_len"]),
+            int(r["prefix_entry"]),
         )
 
-    def claim(self, session: str, token: str, task: str) -> int | None:
-        """Write a new live entry; None when the table is full (an evicted tombstone is reused first)."""
+    def claim(self, session: str, token: str, task: str, kind: int = SESSION) -> int | None:
+        """Write a new live entry; None when the table is full (an evicted tombstone is reused then)."""
         states = self.table["state"]
         free = np.nonzero(states == FREE)[0]
         if len(free) == 0:
@@ -316,6 +337,7 @@ class Pool:
         e = self.table[index]
         e["state"] = FREE
         now = time.time()
+        e["kind"] = kind
         e["session"], e["token"], e["task"] = session.encode(), token.encode(), task.encode()
         e["created"] = e["last_used"] = now
         e["records"]["version"] = 0
@@ -369,6 +391,8 @@ class Pool:
         n_kv: int,
         digest: int,
         payload_bytes: int,
+        prefix_entry: int = NO_PREFIX,
+        prefix_len: int = 0,
     ) -> Snapshot:
         """Switch the entry to a new snapshot already written and checksummed; free the previous extent."""
         previous = self.committed(index)
@@ -379,6 +403,7 @@ class Pool:
         r["offset"] = extent.offset if extent else 0
         r["length"] = extent.length if extent else payload_bytes
         r["state_bytes"], r["n_tokens"], r["n_kv"], r["checksum"] = state_bytes, n_tokens, n_kv, digest
+        r["prefix_entry"], r["prefix_len"] = prefix_entry, prefix_len
         version = 1 if previous is None else previous.version + 1
         records["version"][k] = version  # the commit: one aligned 8-byte store
         if previous is not None and previous.tier == TIER_POOL:
@@ -418,4 +443,5 @@ class Pool:
             "largest_free_extent_bytes": a.largest_free,
             "entries": len(self.table),
             "entries_used": int(np.count_nonzero(self.table["state"] == LIVE)),
+            "prefix_entries": int(np.count_nonzero((self.table["state"] == LIVE) & (self.table["kind"] == PREFIX))),
         }

@@ -77,6 +77,7 @@ class RequestHandlers:
                 busy=s.generation is not None,
                 idle_s=round(now - s.last_used, 3),
                 age_s=round(now - s.created, 3),
+                shared_tokens=s.prefix_len if s.prefix is not None else 0,
             )
             for s in self.sessions.by_id.values()
         ]
@@ -89,6 +90,7 @@ class RequestHandlers:
                 "The daemon's memory is above its memory_high_water; close sessions or retry later.",
             )
         self.sessions.check_can_open(r.task)
+        system = self._system_prompt(r)
         session_id, token = secrets.token_hex(8), secrets.token_hex(16)
         entry = self.engine.pool.claim(session_id, token, r.task)
         if entry is None:
@@ -98,11 +100,40 @@ class RequestHandlers:
                 "raise max_sessions (and restart with --reset-pool).",
             )
         s = Session(
-            id=session_id, token=token, task=r.task, entry=entry, context_limit=self.sessions.context_limit(r.task)
+            id=session_id,
+            token=token,
+            task=r.task,
+            entry=entry,
+            context_limit=self.sessions.context_limit(r.task),
+            tokens=system,
+            boundary=len(system),
         )
         self.sessions.add(s)
         log.info("session %s opened for task %s", s.id, s.task)
         return self._opened(r.id, s)
+
+    def _system_prompt(self, r: p.OpenSession) -> list[int]:
+        """The tokens a new session starts with: the request's system prompt, else its task's configured one."""
+        if r.system_prompt is not None and r.system_prompt_tokens is not None:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST, "Send either `system_prompt` or `system_prompt_tokens`, not both."
+            )
+        if r.system_prompt_tokens is not None:
+            tokens = self._checked_tokens(r.system_prompt_tokens)
+        else:
+            text = r.system_prompt
+            if text is None:
+                text = self.engine.config.tasks[r.task].system_prompt
+            tokens = self.model.tokenize(text, add_bos=True) if text else []
+        limit = self.sessions.context_limit(r.task)
+        if len(tokens) >= limit:
+            raise RequestRefused(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"The system prompt is {len(tokens)} tokens; task {r.task!r} sessions hold at most {limit - 1} "
+                "before their first answer. Shorten it.",
+                {"prompt_tokens": len(tokens), "context_limit": limit},
+            )
+        return tokens
 
     def resume(self, client: bytes, r: p.ResumeSession) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
@@ -182,7 +213,11 @@ class RequestHandlers:
                 f"(context limit {s.context_limit}); shorten the prompt or open a new session.",
                 {"prompt_tokens": len(new), "room": max(room, 0), "context_limit": s.context_limit},
             )
-        g_budget = self._budget(r, s, len(new) + s.pending_tokens)
+        to_compute = len(new) + s.pending_tokens
+        if s.n_kv == 0 and s.prefix is None:  # the part a shared prefix holds will not be computed
+            match = self.tiers.prefixes.match(s.tokens + new, most=len(s.tokens) + len(new) - 1)
+            to_compute -= match[1] if match else 0
+        g_budget = self._budget(r, s, to_compute)
         params = SamplingParams(
             temperature=r.temperature,
             top_k=r.top_k,
@@ -266,12 +301,15 @@ class RequestHandlers:
         if r.prompt_tokens is not None:
             if r.prompt:
                 raise RequestRefused(ErrorCode.BAD_REQUEST, "Send either `prompt` or `prompt_tokens`, not both.")
-            bad = [t for t in r.prompt_tokens if not self.model.valid_token(t)]
-            if bad:
-                raise RequestRefused(
-                    ErrorCode.BAD_REQUEST,
-                    f"Token ids {bad[:5]} are outside this model's vocabulary of "
-                    f"{self.model.n_vocab}; tokenize with the daemon's model.",
-                )
-            return list(r.prompt_tokens)
+            return self._checked_tokens(r.prompt_tokens)
         return self.model.tokenize(r.prompt, add_bos=not s.tokens)
+
+    def _checked_tokens(self, tokens: list[int]) -> list[int]:
+        bad = [t for t in tokens if not self.model.valid_token(t)]
+        if bad:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                f"Token ids {bad[:5]} are outside this model's vocabulary of "
+                f"{self.model.n_vocab}; tokenize with the daemon's model.",
+            )
+        return list(tokens)

@@ -27,6 +27,9 @@ class Schedulable(Protocol):
     def pending_tokens(self) -> int: ...
 
     @property
+    def feedable_tokens(self) -> int: ...  # how many pending tokens one step may feed (a chunk may end early)
+
+    @property
     def position(self) -> int: ...  # where its next tokens go (tokens already in the KV)
 
     @property
@@ -65,7 +68,7 @@ def plan_fcfs(running: list[T], token_budget: int) -> list[Work[T]]:
     for g in prefilling:
         if budget <= 0:
             break
-        n = min(g.pending_tokens, budget)
+        n = min(g.feedable_tokens, budget)
         plan.append(Work(g, n, n == g.pending_tokens))
         budget -= n
     return plan
@@ -96,16 +99,16 @@ def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap
             break
         if g.best_effort and any(not w.item.best_effort and w.item.pending_tokens > 1 for w in plan):
             break  # a deadline-bound prompt is in this step: keep the step short so its first token comes soon
-        n = _largest_chunk(g, min(g.pending_tokens, room), fits)
+        n = _largest_chunk(g, min(g.feedable_tokens, room), fits)
         if n == 0:
             prompt_moving = any(w.item.pending_tokens > 1 for w in plan)
             if prompt_moving or (g.best_effort and plan):
                 break
-            n = min(g.pending_tokens, room, MIN_CHUNK)  # progress for the most urgent prompt
+            n = min(g.feedable_tokens, room, MIN_CHUNK)  # progress for the most urgent prompt
         add(g, n)
     if not plan and running:  # nothing fitted the cap: the most urgent work still moves, by the least amount
         g = min(running, key=urgency)
-        add(g, min(g.pending_tokens, MIN_CHUNK))
+        add(g, min(g.feedable_tokens, MIN_CHUNK))
     return plan
 
 

@@ -16,6 +16,7 @@ from .pool import TIER_POOL, Snapshot
 
 if TYPE_CHECKING:
     from .generation import Generation
+    from .prefixes import Prefix
 
 
 MAX_EVICTED_REMEMBERED = 4096
@@ -37,6 +38,23 @@ class Session:
     slot: int | None = None  # the llama.cpp sequence holding the KV while the session is hot
     snapshot: Snapshot | None = None  # the last committed snapshot (warm or cold tier)
     generation: Generation | None = None
+    # Prefix sharing: the prefix its hot cells or its snapshot build on, how many positions come from it, and
+    # whether its hot cells for them are the prefix's own (shared) cells.
+    prefix: Prefix | None = None
+    prefix_len: int = 0
+    shares_hot: bool = False
+    # The end of its system prompt: once its KV reaches it, those cells become a shared prefix (0: none). Its
+    # prompt is fed in chunks that stop there, shared or not, so sharing does not change the steps' shapes.
+    boundary: int = 0
+    saved_bytes: int = 0  # what its last snapshot did not store again because it builds on a prefix
+
+    @property
+    def feedable_tokens(self) -> int:
+        """Pending tokens the next step may feed: all of them, or up to the end of the system prompt."""
+        pending = len(self.tokens) - self.n_kv
+        if self.n_kv < self.boundary < len(self.tokens):
+            return min(pending, self.boundary - self.n_kv)
+        return pending
 
     @property
     def pending_tokens(self) -> int:

@@ -25,7 +25,9 @@ from .checksum import checksum
 from .config import Config
 from .errors import RequestRefused
 from .model import Model
-from .pool import LIVE, TIER_DISK, TIER_POOL, Pool
+from .pool import LIVE, NO_PREFIX, SESSION, TIER_DISK, TIER_POOL, Pool
+from .prefix_cache import PrefixCache, PrefixCorrupt
+from .prefixes import shareable_length
 from .sessions import Session, SessionTable
 from .spill import SnapshotCorrupt, SpillDir
 
@@ -45,6 +47,7 @@ class Tiers:
         self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.resident: dict[int, Session] = {}
+        self.prefixes = PrefixCache(model, pool, config)
         self.counts: dict[str, float] = {
             "hibernations": 0,
             "restores_pool": 0,
@@ -77,7 +80,7 @@ class Tiers:
             # llama.cpp refuses a state it has no free cells for: hibernate idle sessions until it fits.
             while not self._restore(s, slot):
                 self.counts["restores_without_room"] += 1
-                if self.hibernate_idle(exclude=[s], count=1):
+                if self.free_cells(exclude=[s]):
                     continue
                 if any(r.generation is not None for r in self.resident.values()):
                     self.free_slots.append(slot)
@@ -101,7 +104,13 @@ class Tiers:
         del self.resident[s.slot]
         self.free_slots.append(s.slot)
         s.slot = None
+        self._unshare_hot(s)
         self.counts["hibernations"] += 1
+
+    def free_cells(self, exclude: Iterable[Session]) -> bool:
+        """Make room in the unified KV: first a shared prefix nobody uses, then the least recently used idle
+        session. False when nothing could go."""
+        return self.prefixes.evict_hot() or self.hibernate_idle(exclude=exclude, count=1) > 0
 
     def hibernate_idle(self, exclude: Iterable[Session], count: int = 1) -> int:
         """Hibernate up to ``count`` idle resident sessions (LRU first), to free KV cells; how many moved."""
@@ -121,6 +130,31 @@ class Tiers:
             self.model.forget_sequence(slot)
             s.n_kv = 0
             return True
+        prefix = None
+        if snap.prefix_entry != NO_PREFIX:
+            prefix = s.prefix
+            if prefix is None or prefix.entry != snap.prefix_entry:
+                raise SessionCorrupt(s, "the shared prefix its snapshot builds on is gone")
+            try:
+                if not self.prefixes.make_hot(prefix):
+                    return False
+            except PrefixCorrupt as exc:
+                self.counts["checksum_failures"] += 1
+                raise SessionCorrupt(s, str(exc)) from None
+            prefix.hot_users += 1  # pinned while the suffix loads: making room must not take it out
+        ok = self._load_own_cells(s, slot)
+        if prefix is not None:
+            prefix.hot_users -= 1
+            if ok:
+                self.prefixes.share_into(prefix, slot, snap.prefix_len)
+                s.shares_hot = True
+        if ok:
+            s.n_kv = snap.n_kv
+        return ok
+
+    def _load_own_cells(self, s: Session, slot: int) -> bool:
+        snap = s.snapshot
+        assert snap is not None
         if snap.tier == TIER_POOL:
             started = time.perf_counter()
             if not self.pool.verify(snap):
@@ -141,25 +175,78 @@ class Tiers:
             state = (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0)
             ok = self.model.load_state(slot, state)
             self.counts["restores_disk"] += 1
-        if ok:
-            s.n_kv = snap.n_kv
         return ok
+
+    # ------------------------------------------------------------------ shared prefixes
+
+    def share_prefix(self, s: Session) -> None:
+        """A resident session about to compute its first prompt: take the longest shared prefix it begins with
+        (its cells, not a copy) and compute only the rest."""
+        assert s.slot is not None and s.n_kv == 0 and s.prefix is None
+        match = self.prefixes.match(s.tokens, most=len(s.tokens) - 1)  # its last token must give logits
+        if match is None:
+            return
+        prefix, length = match
+        try:
+            if not self.prefixes.make_hot(prefix):
+                return
+        except PrefixCorrupt as exc:
+            log.warning("%s; computing session %s's prompt in full", exc, s.id)
+            return
+        length = shareable_length(prefix, length, self.model.n_swa)
+        if length < self.prefixes.block:
+            return
+        self.prefixes.share_into(prefix, s.slot, length)
+        self.prefixes.note_hit(prefix, length)
+        prefix.users += 1
+        s.prefix, s.prefix_len, s.shares_hot, s.n_kv = prefix, length, True, length
+        if s.boundary <= length:
+            s.boundary = 0
+
+    def make_prefix(self, s: Session) -> None:
+        """The session's KV reached the end of its system prompt: those cells become a shared prefix."""
+        end, s.boundary = s.boundary, 0
+        assert s.slot is not None and s.n_kv >= end
+        prefix = self.prefixes.make(s.slot, s.tokens[:end], s.task)
+        if prefix is not None and s.prefix is None:
+            prefix.users += 1
+            prefix.hot_users += 1
+            s.prefix, s.prefix_len, s.shares_hot = prefix, end, True
+
+    def _unshare_hot(self, s: Session) -> None:
+        """The session left its slot: it no longer shares the prefix's cells; it still builds on the prefix only
+        if its snapshot holds just its own cells."""
+        if s.prefix is None:
+            return
+        if s.shares_hot:
+            s.prefix.hot_users -= 1
+            s.shares_hot = False
+        self._settle_prefix(s)
+
+    def _settle_prefix(self, s: Session) -> None:
+        if s.prefix is None or s.shares_hot:
+            return
+        snap = s.snapshot
+        if snap is None or snap.prefix_entry == NO_PREFIX:
+            s.prefix.users -= 1
+            s.prefix, s.prefix_len = None, 0
 
     # ------------------------------------------------------------------ warm tier
 
     def checkpoint(self, s: Session) -> None:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
         assert s.slot is not None
-        state_bytes = self.model.state_size(s.slot)
+        first = self._suffix_start(s)
+        state_bytes = self.model.suffix_state_size(s.slot, first) if first else self.model.state_size(s.slot)
         payload = state_bytes + 4 * len(s.tokens)
         extent = self._allocate(payload, pinned=s)
         if extent is None:
-            self._checkpoint_to_disk(s, state_bytes)
+            self._checkpoint_to_disk(s, state_bytes, first)
             return
         started = time.perf_counter()
         state = self.pool.address(extent.offset, state_bytes)
         try:
-            written = self.model.save_state(s.slot, state)
+            written = self._save_cells(s, first, state)
         except BaseException:
             self.pool.allocator.free(extent)
             raise
@@ -171,23 +258,51 @@ class Tiers:
         self.pool.write_tokens(extent.offset + state_bytes, s.tokens)
         digest = checksum(self.pool.view(extent.offset, payload))
         previous = s.snapshot
-        s.snapshot = self.pool.commit(s.entry, TIER_POOL, extent, state_bytes, len(s.tokens), s.n_kv, digest, payload)
+        s.snapshot = self.pool.commit(
+            s.entry, TIER_POOL, extent, state_bytes, len(s.tokens), s.n_kv, digest, payload, *self._prefix_ref(s, first)
+        )
+        self._note_saved(s, first, state_bytes)
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)
         self.counts["checkpoints"] += 1
         self.counts["checkpoint_seconds"] += time.perf_counter() - started
         self.counts["checkpoint_bytes"] += state_bytes
 
-    def _checkpoint_to_disk(self, s: Session, state_bytes: int) -> None:
+    def _suffix_start(self, s: Session) -> int:
+        """Where the session's own cells begin, when its snapshot can leave out a shared prefix (0: whole).
+        Only a prefix with a pool snapshot can be left out: the snapshot must be restorable on its own."""
+        p = s.prefix
+        if p is None or not s.shares_hot or p.entry is None or s.n_kv <= s.prefix_len:
+            return 0
+        return s.prefix_len
+
+    def _save_cells(self, s: Session, first: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
+        assert s.slot is not None
+        return self.model.save_cells_from(s.slot, first, dest) if first else self.model.save_state(s.slot, dest)
+
+    def _prefix_ref(self, s: Session, first: int) -> tuple[int, int]:
+        if not first:
+            return NO_PREFIX, 0
+        assert s.prefix is not None and s.prefix.entry is not None
+        return s.prefix.entry, first
+
+    def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
+        """Bytes the new snapshot did not store again because it builds on a prefix (for status)."""
+        assert s.slot is not None
+        s.saved_bytes = self.model.state_size(s.slot) - state_bytes if first else 0
+        self._settle_prefix(s)
+
+    def _checkpoint_to_disk(self, s: Session, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
         assert s.slot is not None
         buffer = (ctypes.c_uint8 * (state_bytes + 4 * len(s.tokens)))()
-        written = self.model.save_state(s.slot, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
+        written = self._save_cells(s, first, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
         if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         view = memoryview(buffer).cast("B")
         np.frombuffer(buffer, dtype="<i4", offset=state_bytes)[:] = s.tokens
-        self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv)
+        self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv, prefix_ref=self._prefix_ref(s, first))
+        self._note_saved(s, first, state_bytes)
         self.counts["checkpoints"] += 1
 
     def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
@@ -195,6 +310,8 @@ class Tiers:
         if nbytes > self.pool.allocator.size:
             return None
         while (extent := self.pool.allocator.allocate(nbytes)) is None:
+            if self.prefixes.drop_unused_snapshot():  # a prefix nobody uses goes before any session's snapshot
+                continue
             victims = [
                 v
                 for v in self.sessions.by_id.values()
@@ -217,6 +334,7 @@ class Tiers:
         if victim.slot is not None:
             self.pool.discard(victim.entry)
             victim.snapshot = None
+            self._settle_prefix(victim)
         else:
             self.evict(victim)
 
@@ -226,7 +344,9 @@ class Tiers:
         assert snap is not None and snap.tier == TIER_POOL
         view = self.pool.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)
         try:
-            self._write_disk(s, view, snap.state_bytes, snap.n_tokens, snap.n_kv, snap.checksum)
+            self._write_disk(
+                s, view, snap.state_bytes, snap.n_tokens, snap.n_kv, snap.checksum, (snap.prefix_entry, snap.prefix_len)
+            )
         finally:
             view.release()
         self.counts["spills"] += 1
@@ -234,7 +354,14 @@ class Tiers:
     # ------------------------------------------------------------------ cold tier
 
     def _write_disk(
-        self, s: Session, payload: memoryview, state_bytes: int, n_tokens: int, n_kv: int, digest: int | None = None
+        self,
+        s: Session,
+        payload: memoryview,
+        state_bytes: int,
+        n_tokens: int,
+        n_kv: int,
+        digest: int | None = None,
+        prefix_ref: tuple[int, int] = (NO_PREFIX, 0),
     ) -> None:
         self._make_disk_room(len(payload), keep=s)
         digest = checksum(payload) if digest is None else digest
@@ -248,7 +375,9 @@ class Tiers:
                 f"Writing a snapshot to the spill directory {self.spill.path} failed ({exc.strerror}); free space "
                 "there or raise cache_pool_size.",
             ) from None
-        s.snapshot = self.pool.commit(s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload))
+        s.snapshot = self.pool.commit(
+            s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload), *prefix_ref
+        )
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)
 
@@ -292,6 +421,10 @@ class Tiers:
             del self.resident[s.slot]
             self.free_slots.append(s.slot)
             s.slot = None
+        if s.prefix is not None:
+            s.prefix.hot_users -= int(s.shares_hot)
+            s.prefix.users -= 1
+            s.prefix, s.shares_hot = None, False
         if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
             self.spill.remove(s.id, s.snapshot.version)
         if evicted:
@@ -304,7 +437,11 @@ class Tiers:
         """Rebuild the session table from the pool (after a restart); returns how many sessions came back."""
         now_wall, now = time.time(), time.monotonic()
         live_files: set[str] = set()
-        for e in self.pool.entries():
+        entries = self.pool.entries()
+        prefixes = self.prefixes.recover(entries)
+        for e in entries:
+            if e.kind != SESSION:
+                continue
             if e.state != LIVE:
                 self.sessions.evicted[e.session] = e.token
                 continue
@@ -334,7 +471,12 @@ class Tiers:
                 n_kv=snap.n_kv if snap else 0,
                 snapshot=snap,
             )
+            prefix = prefixes.get(snap.prefix_entry) if snap is not None else None
+            if prefix is not None:  # without it, its restore reports SESSION_CORRUPT
+                prefix.users += 1
+                s.prefix, s.prefix_len = prefix, snap.prefix_len if snap else 0
             self.sessions.add(s)
+        self.prefixes.forget_unused_after_recovery()
         stale = self.spill.keep_only(live_files)
         if stale:
             log.info("removed %d spill files left by an interrupted write", stale)
@@ -356,4 +498,6 @@ class Tiers:
             },
             "sessions_by_tier": by_tier,
             "moves": dict(self.counts),
+            "prefixes": self.prefixes.usage()
+            | {"pool_bytes_saved": sum(s.saved_bytes for s in self.sessions.by_id.values() if s.snapshot)},
         }

@@ -20,6 +20,11 @@ class Item:
     best_effort: bool = False
     priority: int = 0
     position: int = 0
+    feedable: int | None = None  # None: every pending token
+
+    @property
+    def feedable_tokens(self) -> int:
+        return self.pending_tokens if self.feedable is None else self.feedable
 
 
 def fixed_cost(fixed_ms: float = 10.0, per_token_ms: float = 1.0) -> CostModel:
