@@ -87,6 +87,7 @@ def format_status(status: dict[str, Any]) -> str:
         ),
         ("spill", f"{_bytes(status['spill']['used_bytes'])} of {_bytes(status['spill']['max_bytes'])}"),
         ("tiers", _counts(status["sessions_by_tier"])),
+        ("prefixes", _prefixes(status["prefixes"])),
         ("sessions", f"{sessions['open']} open (max {sessions['max']}), {sessions['generating']} generating"),
         ("tokens", f"{c['generated_tokens']} generated, {c['prompt_tokens']} prompt, {c['decode_calls']} decodes"),
         ("requests", _counts(c["requests"])),
@@ -110,6 +111,15 @@ def format_status(status: dict[str, Any]) -> str:
             f"{t['preemptions']:>7} {t['queue_depth']:>5}  {_counts(t['refusals'])}"
         )
     return "\n".join(out)
+
+
+def _prefixes(info: dict[str, Any]) -> str:
+    if not info["enabled"]:
+        return "sharing off"
+    return (
+        f"{info['count']} shared ({info['hot']} hot, {info['users']} sessions on them), {info['hits']} hits, "
+        f"{info['tokens_saved']} prompt tokens not computed, {_bytes(info['pool_bytes_saved'])} of snapshots saved"
+    )
 
 
 def cmd_health(client: Client, args: argparse.Namespace) -> int:
@@ -156,11 +166,14 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{f: getattr(s, f) for f in s.__struct_fields__} for s in sessions], indent=2))
         return 0
-    print(f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'busy':<5} {'idle s':>8} {'age s':>8}")
+    print(
+        f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'shared':>7} {'snapshot':>9} {'busy':<5} "
+        f"{'idle s':>8} {'age s':>8}"
+    )
     for s in sessions:
         print(
-            f"{s.session:<18} {s.task:<10} {s.tier:<5} {s.context_tokens:>7} {'yes' if s.busy else 'no':<5} "
-            f"{s.idle_s:>8.1f} {s.age_s:>8.1f}"
+            f"{s.session:<18} {s.task:<10} {s.tier:<5} {s.context_tokens:>7} {s.shared_tokens:>7} "
+            f"{_bytes(s.snapshot_bytes):>9} {'yes' if s.busy else 'no':<5} {s.idle_s:>8.1f} {s.age_s:>8.1f}"
         )
     return 0
 

@@ -117,6 +117,23 @@ def render(status: dict[str, Any], memory: dict[str, int]) -> str:
         "Spill directory bytes.",
         [({"state": "used"}, status["spill"]["used_bytes"]), ({"state": "max"}, status["spill"]["max_bytes"])],
     )
+    prefixes = status["prefixes"]
+    t.metric(
+        "kvpool_prefix_hits_total", "counter", "Sessions that started from a shared prefix.", [({}, prefixes["hits"])]
+    )
+    t.metric(
+        "kvpool_prefix_tokens_saved_total",
+        "counter",
+        "Prompt tokens not computed because a shared prefix held them.",
+        [({}, prefixes["tokens_saved"])],
+    )
+    t.metric("kvpool_prefixes", "gauge", "Shared prefixes kept (hot or in the pool).", [({}, prefixes["count"])])
+    t.metric(
+        "kvpool_prefix_bytes",
+        "gauge",
+        "Pool bytes of prefix snapshots (stored once), and snapshot bytes sessions did not store again.",
+        [({"kind": "stored"}, prefixes["pool_bytes"]), ({"kind": "saved"}, prefixes["pool_bytes_saved"])],
+    )
     t.metric(
         "kvpool_tier_moves_total",
         "counter",

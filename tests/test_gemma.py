@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kvpool.client import Client
+
 from .daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.gemma
@@ -61,4 +63,44 @@ def test_hibernate_and_restore_are_exact_past_the_sliding_window(start_daemon: C
             s = client.open_session()
             resident = [s.complete(turn, max_tokens=8, temperature=0.0).tokens for turn in turns]
             assert resident == hibernated[s_id]
+        assert client.status()["moves"]["hibernations"] == 0
+
+
+@pytest.mark.parametrize("repeat", [5, 12], ids=["prefix-inside-window", "prefix-longer-than-window"])
+def test_prefix_sharing_is_exact_through_hibernation_past_the_sliding_window(
+    start_daemon: Callable[..., DaemonProcess], repeat: int
+) -> None:
+    """Three sessions share a system prompt (~330 or ~800 tokens); with one hot slot each turn hibernates the
+    others (their snapshots hold only their own cells) and restores them onto the shared prefix. Their contexts
+    grow past the 512-token window. Every token must equal that of sessions that share nothing and never leave
+    their slot."""
+    system = (
+        "You are the on-board assistant of a delivery robot. You answer questions from people in the street "
+        "about where the robot is going, what it carries and when it will arrive. Keep every answer short, "
+        "friendly and factual, and never invent a delivery address. "
+    ) * repeat
+    notes = "The robot reported: battery at seventy percent, two parcels on board, next stop the bakery. " * 6
+
+    def turns(client: Client) -> list[list[int]]:
+        sessions = [client.open_session(system_prompt=system) for _ in range(3)]
+        out: list[list[int]] = [[] for _ in sessions]
+        for turn in range(3):
+            for i, s in enumerate(sessions):
+                prompt = f"\n{notes}\nPerson {i}: question {turn}, where are you going?\nAssistant:"
+                out[i] += s.complete(prompt, max_tokens=8, temperature=0.0).tokens
+        contexts = [s.complete(" ok", max_tokens=1).usage.context_tokens for s in sessions]
+        assert min(contexts) > 600  # past the sliding window
+        return out
+
+    common = ("--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB")
+    shared = start_daemon("--hot-slots", "1", *common, model=None, name="shared")
+    with shared.client(timeout=300.0) as client:
+        result = turns(client)
+        status = client.status()
+        assert status["prefixes"]["hits"] == 2 and status["moves"]["restores_pool"] >= 6
+        assert status["prefixes"]["pool_bytes_saved"] > 0
+    shared.stop()
+    alone = start_daemon("--hot-slots", "3", *common, model=None, config="prefix_slots = 0\n", name="alone")
+    with alone.client(timeout=300.0) as client:
+        assert turns(client) == result
         assert client.status()["moves"]["hibernations"] == 0
