@@ -27,6 +27,7 @@ from .memory_plan import plan_memory
 from .model import Model, ModelLoadError
 from .notify import Notifier
 from .pool import Pool, PoolError
+from .recovery import recover
 from .server import AddressUnavailable, Server
 from .sessions import SessionTable
 from .spill import SpillDir, SpillError
@@ -277,7 +278,11 @@ def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers
         pool.close()
         raise
     tiers = Tiers(model, pool, spill, SessionTable(config, model.context_size), config)
-    recovered = tiers.recover()
+    try:
+        recovered = recover(tiers)
+    except PoolError:
+        tiers.close()
+        raise
     usage = pool.usage()
     log.info(
         "pool %s %s: %d bytes, %d sessions recovered, %d bytes in use; spill dir %s",

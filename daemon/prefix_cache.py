@@ -93,10 +93,9 @@ class PrefixCache:
         return True
 
     def share_into(self, prefix: Prefix, slot: int, length: int) -> None:
-        """Give the session in ``slot`` the prefix's cells for positions [0, length)."""
+        """Give the session in ``slot`` the prefix's cells for positions [0, length) (prefix_links counts it)."""
         assert prefix.seq is not None
         self.model.share_cells(prefix.seq, slot, 0, length)
-        prefix.hot_users += 1
         prefix.last_used = time.monotonic()
 
     def note_hit(self, prefix: Prefix, length: int) -> None:

@@ -109,6 +109,8 @@ class RequestHandlers:
             boundary=len(system),
         )
         self.sessions.add(s)
+        if system:
+            self.tiers.record_tokens(s)
         log.info("session %s opened for task %s", s.id, s.task)
         return self._opened(r.id, s)
 

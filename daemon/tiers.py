@@ -20,12 +20,13 @@ import numpy as np
 
 from kvpool.client.protocol import ErrorCode
 
+from . import prefix_links
 from .allocator import Extent
 from .checksum import checksum
 from .config import Config
 from .errors import RequestRefused
 from .model import Model
-from .pool import LIVE, NO_PREFIX, SESSION, TIER_DISK, TIER_POOL, Pool
+from .pool import NO_PREFIX, TIER_DISK, TIER_POOL, Pool
 from .prefix_cache import PrefixCache, PrefixCorrupt
 from .prefixes import shareable_length
 from .sessions import Session, SessionTable
@@ -104,7 +105,7 @@ class Tiers:
         del self.resident[s.slot]
         self.free_slots.append(s.slot)
         s.slot = None
-        self._unshare_hot(s)
+        prefix_links.leave_hot(s)
         self.counts["hibernations"] += 1
 
     def free_cells(self, exclude: Iterable[Session]) -> bool:
@@ -147,7 +148,7 @@ class Tiers:
             prefix.hot_users -= 1
             if ok:
                 self.prefixes.share_into(prefix, slot, snap.prefix_len)
-                s.shares_hot = True
+                prefix_links.rejoin_hot(s)
         if ok:
             s.n_kv = snap.n_kv
         return ok
@@ -198,8 +199,8 @@ class Tiers:
             return
         self.prefixes.share_into(prefix, s.slot, length)
         self.prefixes.note_hit(prefix, length)
-        prefix.users += 1
-        s.prefix, s.prefix_len, s.shares_hot, s.n_kv = prefix, length, True, length
+        prefix_links.attach(s, prefix, length, hot=True)
+        s.n_kv = length
         if s.boundary <= length:
             s.boundary = 0
 
@@ -209,34 +210,14 @@ class Tiers:
         assert s.slot is not None and s.n_kv >= end
         prefix = self.prefixes.make(s.slot, s.tokens[:end], s.task)
         if prefix is not None and s.prefix is None:
-            prefix.users += 1
-            prefix.hot_users += 1
-            s.prefix, s.prefix_len, s.shares_hot = prefix, end, True
-
-    def _unshare_hot(self, s: Session) -> None:
-        """The session left its slot: it no longer shares the prefix's cells; it still builds on the prefix only
-        if its snapshot holds just its own cells."""
-        if s.prefix is None:
-            return
-        if s.shares_hot:
-            s.prefix.hot_users -= 1
-            s.shares_hot = False
-        self._settle_prefix(s)
-
-    def _settle_prefix(self, s: Session) -> None:
-        if s.prefix is None or s.shares_hot:
-            return
-        snap = s.snapshot
-        if snap is None or snap.prefix_entry == NO_PREFIX:
-            s.prefix.users -= 1
-            s.prefix, s.prefix_len = None, 0
+            prefix_links.attach(s, prefix, end, hot=True)
 
     # ------------------------------------------------------------------ warm tier
 
     def checkpoint(self, s: Session) -> None:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
         assert s.slot is not None
-        first = self._suffix_start(s)
+        first = prefix_links.suffix_start(s)
         state_bytes = self.model.suffix_state_size(s.slot, first) if first else self.model.state_size(s.slot)
         payload = state_bytes + 4 * len(s.tokens)
         extent = self._allocate(payload, pinned=s)
@@ -257,9 +238,10 @@ class Tiers:
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         self.pool.write_tokens(extent.offset + state_bytes, s.tokens)
         digest = checksum(self.pool.view(extent.offset, payload))
+        prefix_ref = prefix_links.snapshot_ref(s, first)
         previous = s.snapshot
         s.snapshot = self.pool.commit(
-            s.entry, TIER_POOL, extent, state_bytes, len(s.tokens), s.n_kv, digest, payload, *self._prefix_ref(s, first)
+            s.entry, TIER_POOL, extent, state_bytes, len(s.tokens), s.n_kv, digest, payload, *prefix_ref
         )
         self._note_saved(s, first, state_bytes)
         if previous is not None and previous.tier == TIER_DISK:
@@ -268,29 +250,30 @@ class Tiers:
         self.counts["checkpoint_seconds"] += time.perf_counter() - started
         self.counts["checkpoint_bytes"] += state_bytes
 
-    def _suffix_start(self, s: Session) -> int:
-        """Where the session's own cells begin, when its snapshot can leave out a shared prefix (0: whole).
-        Only a prefix with a pool snapshot can be left out: the snapshot must be restorable on its own."""
-        p = s.prefix
-        if p is None or not s.shares_hot or p.entry is None or s.n_kv <= s.prefix_len:
-            return 0
-        return s.prefix_len
-
     def _save_cells(self, s: Session, first: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
         assert s.slot is not None
         return self.model.save_cells_from(s.slot, first, dest) if first else self.model.save_state(s.slot, dest)
-
-    def _prefix_ref(self, s: Session, first: int) -> tuple[int, int]:
-        if not first:
-            return NO_PREFIX, 0
-        assert s.prefix is not None and s.prefix.entry is not None
-        return s.prefix.entry, first
 
     def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
         """Bytes the new snapshot did not store again because it builds on a prefix (for status)."""
         assert s.slot is not None
         s.saved_bytes = self.model.state_size(s.slot) - state_bytes if first else 0
-        self._settle_prefix(s)
+        prefix_links.settle(s)
+
+    def record_tokens(self, s: Session) -> None:
+        """Commit a snapshot of a session's tokens alone (no KV yet: a session opened with a system prompt), so
+        that a restart before its first turn does not lose them."""
+        payload = 4 * len(s.tokens)
+        try:
+            extent = self._allocate(payload, pinned=s)
+        except RequestRefused as refused:
+            extent = None
+            log.warning("no pool room for session %s's tokens: %s", s.id, refused.message)
+        if extent is None:
+            return
+        self.pool.write_tokens(extent.offset, s.tokens)
+        digest = checksum(self.pool.view(extent.offset, payload))
+        s.snapshot = self.pool.commit(s.entry, TIER_POOL, extent, 0, len(s.tokens), 0, digest, payload)
 
     def _checkpoint_to_disk(self, s: Session, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
@@ -301,7 +284,7 @@ class Tiers:
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         view = memoryview(buffer).cast("B")
         np.frombuffer(buffer, dtype="<i4", offset=state_bytes)[:] = s.tokens
-        self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv, prefix_ref=self._prefix_ref(s, first))
+        self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv, prefix_ref=prefix_links.snapshot_ref(s, first))
         self._note_saved(s, first, state_bytes)
         self.counts["checkpoints"] += 1
 
@@ -334,7 +317,7 @@ class Tiers:
         if victim.slot is not None:
             self.pool.discard(victim.entry)
             victim.snapshot = None
-            self._settle_prefix(victim)
+            prefix_links.settle(victim)
         else:
             self.evict(victim)
 
@@ -421,10 +404,7 @@ class Tiers:
             del self.resident[s.slot]
             self.free_slots.append(s.slot)
             s.slot = None
-        if s.prefix is not None:
-            s.prefix.hot_users -= int(s.shares_hot)
-            s.prefix.users -= 1
-            s.prefix, s.shares_hot = None, False
+        prefix_links.detach(s)
         if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
             self.spill.remove(s.id, s.snapshot.version)
         if evicted:
@@ -432,55 +412,6 @@ class Tiers:
         else:
             self.pool.release(s.entry)
         self.sessions.remove(s, evicted=evicted)
-
-    def recover(self) -> int:
-        """Rebuild the session table from the pool (after a restart); returns how many sessions came back."""
-        now_wall, now = time.time(), time.monotonic()
-        live_files: set[str] = set()
-        entries = self.pool.entries()
-        prefixes = self.prefixes.recover(entries)
-        for e in entries:
-            if e.kind != SESSION:
-                continue
-            if e.state != LIVE:
-                self.sessions.evicted[e.session] = e.token
-                continue
-            snap = e.snapshot
-            tokens: list[int] = []
-            # A damaged record or file must not stop the start: the session comes back with placeholder tokens
-            # and its restore reports SESSION_CORRUPT (the checksum cannot match).
-            placeholder = [0] * min(snap.n_tokens if snap else 0, self.model.context_size)
-            if snap is not None and snap.tier == TIER_POOL:
-                tokens = self.pool.tokens(snap) if self.pool.in_bounds(snap) else placeholder
-            elif snap is not None:
-                live_files.add(self.spill.name(e.session, snap.version))
-                try:
-                    tokens = self.spill.read_tokens(e.session, snap.version)
-                except SnapshotCorrupt:
-                    tokens = placeholder
-            age = max(0.0, now_wall - e.last_used)
-            s = Session(
-                id=e.session,
-                token=e.token,
-                task=e.task,
-                entry=e.index,
-                context_limit=self.sessions.context_limit(e.task),
-                created=now - (now_wall - e.created),
-                last_used=now - age,
-                tokens=tokens,
-                n_kv=snap.n_kv if snap else 0,
-                snapshot=snap,
-            )
-            prefix = prefixes.get(snap.prefix_entry) if snap is not None else None
-            if prefix is not None:  # without it, its restore reports SESSION_CORRUPT
-                prefix.users += 1
-                s.prefix, s.prefix_len = prefix, snap.prefix_len if snap else 0
-            self.sessions.add(s)
-        self.prefixes.forget_unused_after_recovery()
-        stale = self.spill.keep_only(live_files)
-        if stale:
-            log.info("removed %d spill files left by an interrupted write", stale)
-        return len(self.sessions.by_id)
 
     def close(self) -> None:
         self.pool.close()

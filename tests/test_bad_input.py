@@ -133,3 +133,15 @@ def test_busy_session_unknown_task_and_version(raw: RawConnection, daemon: Daemo
     assert_error(raw.call(p.OpenSession(id=33, task="nosuchtask")), p.ErrorCode.UNKNOWN_TASK, 33)
     assert_error(raw.call(p.Hello(id=34, version=999)), p.ErrorCode.VERSION_MISMATCH, 34)
     assert_still_serving(daemon)
+
+
+def test_bad_system_prompts(raw: RawConnection, daemon: DaemonProcess) -> None:
+    both = p.OpenSession(id=41, system_prompt="You are kind.", system_prompt_tokens=[1, 72])
+    assert_error(raw.call(both), p.ErrorCode.BAD_REQUEST, 41)
+    assert_error(raw.call(p.OpenSession(id=42, system_prompt_tokens=[1, 10**7])), p.ErrorCode.BAD_REQUEST, 42)
+    too_long = assert_error(raw.call(p.OpenSession(id=43, system_prompt="x" * 5000)), p.ErrorCode.CONTEXT_OVERFLOW)
+    assert too_long.detail is not None and too_long.detail["prompt_tokens"] >= too_long.detail["context_limit"]
+    assert_error(raw.call({"op": "open", "id": 44, "system_prompt": 7}), p.ErrorCode.BAD_REQUEST, 44)
+    with daemon.client() as client:
+        assert client.sessions() == []  # nothing was opened by the refused requests
+    assert_still_serving(daemon)

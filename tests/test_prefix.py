@@ -8,7 +8,7 @@ from typing import Any
 
 from kvpool.client import Client
 
-from .daemon_process import DaemonProcess
+from .daemon_process import DaemonProcess, run_until_exit
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
@@ -88,11 +88,14 @@ def test_sharing_survives_a_crash_and_stays_exact(start_daemon: Start) -> None:
         for i, s in enumerate(sessions):
             s.complete(f"first {i}", max_tokens=5, **GREEDY)
         ids = [(s.id, s.token) for s in sessions]
+        untouched = client.open_session(system_prompt=SYSTEM)  # opened, no turn yet: only tokens to keep
+        system_tokens = untouched.history()
     daemon.stop(signal.SIGKILL)
     daemon.start()
     with daemon.client() as client:
         info = prefixes(client)
         assert info["count"] == 1 and info["users"] == 3  # the prefix came back with its sessions
+        assert client.resume_session(untouched.id, untouched.token).history() == system_tokens
         after = [
             client.resume_session(*ident).complete(f"second {i}", max_tokens=6, **GREEDY).tokens
             for i, ident in enumerate(ids)
@@ -152,3 +155,19 @@ def test_pool_pressure_drops_an_unused_prefix_before_any_session_snapshot(start_
         info = prefixes(client)
         assert [x["users"] for x in info["list"]] == [1]  # the prefix in use is still there
         assert user.complete("still exact?", max_tokens=3, **GREEDY).finish_reason == "length"
+
+
+def test_turning_sharing_off_over_a_pool_that_needs_it_is_refused(start_daemon: Start) -> None:
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "4096")
+    with daemon.client() as client:
+        client.open_session(system_prompt=SYSTEM).complete("one", max_tokens=2, **GREEDY)
+        client.open_session(system_prompt=SYSTEM).complete("two", max_tokens=2, **GREEDY)  # a suffix-only snapshot
+    daemon.stop()
+    daemon.config = NO_SHARING
+    result = run_until_exit(daemon.command())
+    assert result.returncode == 1
+    assert "build on shared prefixes" in result.stderr and "--reset-pool" in result.stderr
+    daemon.config = None
+    daemon.start()  # with sharing on again, everything is still there
+    with daemon.client() as client:
+        assert len(client.sessions()) == 2 and prefixes(client)["users"] == 2

@@ -1,0 +1,73 @@
+"""Rebuilding the sessions and shared prefixes from the pool after a restart (or a crash).
+
+A damaged record or spill file must not stop the start: its session comes back with placeholder tokens and its
+restore reports SESSION_CORRUPT (the checksum cannot match). Runs once, before the engine starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import prefix_links
+from .pool import LIVE, NO_PREFIX, SESSION, TIER_POOL, PoolError
+from .sessions import Session
+from .spill import SnapshotCorrupt
+from .tiers import Tiers
+
+log = logging.getLogger("kvpool.tiers")
+
+
+def recover(tiers: Tiers) -> int:
+    """Rebuild the session table from the pool (after a restart); returns how many sessions came back."""
+    now_wall, now = time.time(), time.monotonic()
+    live_files: set[str] = set()
+    entries = tiers.pool.entries()
+    if not tiers.prefixes.enabled and any(
+        e.kind == SESSION and e.state == LIVE and e.snapshot is not None and e.snapshot.prefix_entry != NO_PREFIX
+        for e in entries
+    ):
+        raise PoolError(
+            f"Pool segment {tiers.pool.name} holds sessions whose snapshots build on shared prefixes, but "
+            "prefix_slots = 0 turns sharing off; start with prefix_slots >= 1, or with --reset-pool to discard them."
+        )
+    prefixes = tiers.prefixes.recover(entries)
+    for e in entries:
+        if e.kind != SESSION:
+            continue
+        if e.state != LIVE:
+            tiers.sessions.evicted[e.session] = e.token
+            continue
+        snap = e.snapshot
+        tokens: list[int] = []
+        placeholder = [0] * min(snap.n_tokens if snap else 0, tiers.model.context_size)
+        if snap is not None and snap.tier == TIER_POOL:
+            tokens = tiers.pool.tokens(snap) if tiers.pool.in_bounds(snap) else placeholder
+        elif snap is not None:
+            live_files.add(tiers.spill.name(e.session, snap.version))
+            try:
+                tokens = tiers.spill.read_tokens(e.session, snap.version)
+            except SnapshotCorrupt:
+                tokens = placeholder
+        age = max(0.0, now_wall - e.last_used)
+        s = Session(
+            id=e.session,
+            token=e.token,
+            task=e.task,
+            entry=e.index,
+            context_limit=tiers.sessions.context_limit(e.task),
+            created=now - (now_wall - e.created),
+            last_used=now - age,
+            tokens=tokens,
+            n_kv=snap.n_kv if snap else 0,
+            snapshot=snap,
+        )
+        prefix = prefixes.get(snap.prefix_entry) if snap is not None else None
+        if prefix is not None and snap is not None:  # without it, its restore reports SESSION_CORRUPT
+            prefix_links.attach(s, prefix, snap.prefix_len, hot=False)
+        tiers.sessions.add(s)
+    tiers.prefixes.forget_unused_after_recovery()
+    stale = tiers.spill.keep_only(live_files)
+    if stale:
+        log.info("removed %d spill files left by an interrupted write", stale)
+    return len(tiers.sessions.by_id)
