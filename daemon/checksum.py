@@ -6,9 +6,14 @@ is a 64-bit position-weighted sum over 32 KiB blocks, computed by numpy in one p
 byte changes the plain sum, and blocks that move or swap change the weighted one. It detects damage (stray
 writes, bit rot, truncation); it is not a defence against deliberate tampering, which the pool's file mode
 handles.
+
+A large buffer is summed in two halves at once when a helper thread is given (numpy releases the GIL while it
+sums): the value is the same, the time about half on two cores.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Executor
 
 import numpy as np
 
@@ -17,16 +22,31 @@ _MASK = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads the weighted sum over all bits
 
 
-def checksum(data: bytes | bytearray | memoryview) -> int:
+PARALLEL_MIN_BYTES = 4 << 20  # below this, handing half to another thread costs more than it saves
+
+
+def checksum(data: bytes | bytearray | memoryview, helper: Executor | None = None) -> int:
     raw = np.frombuffer(data, dtype=np.uint8)
     n_words = len(raw) // 8
     words = raw[: n_words * 8].view(np.uint64)
     n_blocks = n_words // WORDS_PER_BLOCK
-    blocks = words[: n_blocks * WORDS_PER_BLOCK].reshape(n_blocks, WORDS_PER_BLOCK).sum(axis=1, dtype=np.uint64)
-    tail = words[n_blocks * WORDS_PER_BLOCK :].sum(dtype=np.uint64)
-    plain = (
-        int(blocks.sum(dtype=np.uint64)) + int(tail) + sum((i + 1) * int(b) for i, b in enumerate(raw[n_words * 8 :]))
-    )
-    weighted = int((blocks * np.arange(1, n_blocks + 1, dtype=np.uint64)).sum(dtype=np.uint64))
-    weighted += (n_blocks + 1) * int(tail) + len(raw)  # the length counts too: truncation is damage
-    return (plain ^ (weighted * _MIX)) & _MASK
+    if helper is not None and len(raw) >= PARALLEL_MIN_BYTES:
+        half = n_blocks // 2
+        first = helper.submit(_block_sums, words, 0, half)
+        plain, weighted = _block_sums(words, half, n_blocks)
+        plain_first, weighted_first = first.result()
+        plain, weighted = plain + plain_first, weighted + weighted_first
+    else:
+        plain, weighted = _block_sums(words, 0, n_blocks)
+    tail = int(words[n_blocks * WORDS_PER_BLOCK :].sum(dtype=np.uint64))
+    plain += tail + sum((i + 1) * int(b) for i, b in enumerate(raw[n_words * 8 :]))
+    weighted += (n_blocks + 1) * tail + len(raw)  # the length counts too: truncation is damage
+    return (plain ^ ((weighted & _MASK) * _MIX)) & _MASK
+
+
+def _block_sums(words: np.ndarray, start: int, end: int) -> tuple[int, int]:
+    """The plain and the position-weighted sums (mod 2**64) of blocks [start, end)."""
+    blocks = words[start * WORDS_PER_BLOCK : end * WORDS_PER_BLOCK].reshape(end - start, WORDS_PER_BLOCK)
+    sums = blocks.sum(axis=1, dtype=np.uint64)
+    weights = np.arange(start + 1, end + 1, dtype=np.uint64)
+    return int(sums.sum(dtype=np.uint64)), int((sums * weights).sum(dtype=np.uint64))

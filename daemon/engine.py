@@ -32,7 +32,7 @@ from .model import Model
 from .pool import Pool
 from .requests import RequestHandlers
 from .scheduler import Work, plan_budgeted, plan_fcfs, steps_for, urgency
-from .sessions import SessionTable
+from .sessions import Session, SessionTable
 from .tiers import Tiers
 
 log = logging.getLogger("kvpool.engine")
@@ -151,10 +151,11 @@ class Engine:
         # The KV now holds every fed token: record that for the whole step before anything can fail.
         for work in plan:
             work.item.note_step(started)
+            work.item.session.n_kv += work.n_tokens
+        for work in plan:
             session = work.item.session
-            session.n_kv += work.n_tokens
             if session.boundary and session.n_kv >= session.boundary:
-                self.tiers.make_prefix(session)  # its system prompt is in the KV now: share it from here on
+                self._make_prefix(session)
         tokens = [w.item.sampler.sample(row) if w.completes else None for w, row in zip(plan, rows, strict=True)]
         self.cost.update(shape, time.perf_counter() - timed)  # the model predicts decode + sampling
         for work, token in zip(plan, tokens, strict=True):
@@ -162,6 +163,14 @@ class Engine:
                 self._accept(work.item, token, now)
         self.last_step_seconds = time.monotonic() - started
         self.counters.busy_seconds += self.last_step_seconds
+
+    def _make_prefix(self, session: Session) -> None:
+        """Its system prompt is in the KV now: share it from here on. Sharing is an optimisation: a failure
+        costs the sharing, not the session."""
+        try:
+            self.tiers.make_prefix(session)
+        except Exception:
+            log.exception("could not make a shared prefix from session %s", session.id)
 
     def step_time_cap(self) -> float | None:
         """The longest a step may take: the tightest per-token budget in flight, and half of the tightest

@@ -19,6 +19,7 @@ import fcntl
 import mmap
 import os
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -354,9 +355,9 @@ class Pool:
 
     def mark_evicted(self, index: int) -> None:
         """Keep only the session's id, so its owner gets SESSION_EVICTED instead of UNKNOWN_SESSION."""
+        self.table[index]["state"] = EVICTED  # first: a crash from here on leaves a tombstone, never a record
         self._free_committed(index)
         self.table[index]["records"]["version"] = 0
-        self.table[index]["state"] = EVICTED
 
     def discard(self, index: int) -> None:
         """Drop a resident session's checkpoint to make room (its KV is still hot). The older record is
@@ -412,8 +413,8 @@ class Pool:
         assert snap is not None and snap.version == version
         return snap
 
-    def verify(self, snap: Snapshot) -> bool:
-        return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)) == snap.checksum
+    def verify(self, snap: Snapshot, helper: Executor | None = None) -> bool:
+        return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens), helper) == snap.checksum
 
     def in_bounds(self, snap: Snapshot) -> bool:
         """The record describes bytes inside its own extent, inside the extent area."""

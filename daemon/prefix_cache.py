@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from concurrent.futures import Executor
 from typing import Any
 
 from .checksum import checksum
@@ -34,8 +35,8 @@ class PrefixCorrupt(Exception):
 
 
 class PrefixCache:
-    def __init__(self, model: Model, pool: Pool, config: Config):
-        self.model, self.pool = model, pool
+    def __init__(self, model: Model, pool: Pool, config: Config, helper: Executor | None = None):
+        self.model, self.pool, self.helper = model, pool, helper
         self.enabled = bool(model.prefix_seqs)
         self.max_prefixes = config.max_prefixes if self.enabled else 0
         self.block = config.prefix_block_tokens
@@ -62,6 +63,10 @@ class PrefixCache:
             return None
         prefix, length = found
         length = min(length, most, len(prefix.tokens))
+        if self.model.n_swa and length < len(prefix.tokens):
+            # A sliding-window layer may reuse a cell of a prefix nobody shares once the cell is a window behind
+            # the prefix's end; the prefix then holds the window before its end, not before any earlier cut.
+            return None
         if prefix.seq is not None:
             length = shareable_length(prefix, length, self.model.n_swa)
         return (prefix, length) if length >= self.block else None
@@ -74,7 +79,7 @@ class PrefixCache:
         snap = prefix.snapshot
         if snap is None:
             return False
-        if not self.pool.verify(snap):
+        if not self.pool.verify(snap, self.helper):
             raise PrefixCorrupt(f"the snapshot of shared prefix {prefix.id} fails its checksum")
         seq = self._free_seq()
         if seq is None:
@@ -159,7 +164,7 @@ class PrefixCache:
             self.pool.release(entry)
             return
         self.pool.write_tokens(extent.offset + state_bytes, prefix.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload))
+        digest = checksum(self.pool.view(extent.offset, payload), self.helper)
         n = len(prefix.tokens)
         prefix.snapshot = self.pool.commit(entry, TIER_POOL, extent, state_bytes, n, n, digest, payload)
         prefix.entry = entry
@@ -171,14 +176,19 @@ class PrefixCache:
             return None
         return self.free_seqs.pop()
 
-    def evict_hot(self) -> bool:
+    def evict_hot(self, keep: set[int] | None = None) -> bool:
         """Take the least recently used prefix that no resident session shares out of the unified KV (its pool
-        snapshot stays; one without a snapshot and without users is forgotten). False when none can go."""
+        snapshot stays; one without a snapshot and without users is forgotten). ``keep``: ids of prefixes that
+        must stay (a restore in progress builds on them). False when none can go."""
+        keep = keep or set()
         candidates = sorted(
             (
                 x
                 for x in self.by_id.values()
-                if x.seq is not None and x.hot_users == 0 and (x.snapshot is not None or x.users == 0)
+                if x.seq is not None
+                and x.hot_users == 0
+                and (x.snapshot is not None or x.users == 0)
+                and id(x) not in keep
             ),
             key=lambda x: x.last_used,
         )

@@ -7,7 +7,7 @@ such sessions (its pool snapshot must stay), ``hot_users`` those of the first ki
 
 from __future__ import annotations
 
-from .pool import NO_PREFIX
+from .pool import NO_PREFIX, Snapshot
 from .prefixes import Prefix
 from .sessions import Session
 
@@ -17,6 +17,29 @@ def attach(s: Session, prefix: Prefix, length: int, hot: bool) -> None:
     prefix.users += 1
     prefix.hot_users += int(hot)
     s.prefix, s.prefix_len, s.shares_hot = prefix, length, hot
+
+
+def move_to(s: Session, prefix: Prefix, length: int) -> None:
+    """The session (resident) just made ``prefix`` from its own cells: it builds on it from now on, unless its
+    committed snapshot builds on the prefix it took its first cells from (then it stays with that one)."""
+    if s.prefix is not None:
+        snap = s.snapshot
+        if snap is not None and snap.prefix_entry != NO_PREFIX:
+            return
+        detach(s)
+    attach(s, prefix, length, hot=True)
+
+
+def consistent(s: Session, snap: Snapshot) -> bool:
+    """The prefix the session is linked to is the one its snapshot names, and holds the session's tokens (a
+    table entry index is reused once a prefix is gone: a stale reference must not pass)."""
+    p = s.prefix
+    return (
+        p is not None
+        and p.entry == snap.prefix_entry
+        and snap.prefix_len <= len(p.tokens)
+        and p.tokens[: snap.prefix_len] == s.tokens[: snap.prefix_len]
+    )
 
 
 def leave_hot(s: Session) -> None:

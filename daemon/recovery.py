@@ -62,9 +62,13 @@ def recover(tiers: Tiers) -> int:
             n_kv=snap.n_kv if snap else 0,
             snapshot=snap,
         )
+        if snap is not None and snap.n_kv == 0:
+            s.boundary = len(tokens)  # only a system prompt so far: it may still become a shared prefix
         prefix = prefixes.get(snap.prefix_entry) if snap is not None else None
-        if prefix is not None and snap is not None:  # without it, its restore reports SESSION_CORRUPT
+        if prefix is not None and snap is not None:
             prefix_links.attach(s, prefix, snap.prefix_len, hot=False)
+            if not prefix_links.consistent(s, snap):  # then its restore reports SESSION_CORRUPT
+                prefix_links.detach(s)
         tiers.sessions.add(s)
     tiers.prefixes.forget_unused_after_recovery()
     stale = tiers.spill.keep_only(live_files)

@@ -15,6 +15,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from .sessions import Session, SessionTable
 from .spill import SnapshotCorrupt, SpillDir
 
 log = logging.getLogger("kvpool.tiers")
+LARGE_SNAPSHOT = 1 << 20
 
 
 class SessionCorrupt(RequestRefused):
@@ -48,7 +50,9 @@ class Tiers:
         self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.resident: dict[int, Session] = {}
-        self.prefixes = PrefixCache(model, pool, config)
+        # Checksums of large snapshots run on both cores: half on this helper thread (numpy drops the GIL).
+        self.helper = ThreadPoolExecutor(1, thread_name_prefix="checksum")
+        self.prefixes = PrefixCache(model, pool, config, self.helper)
         self.counts: dict[str, float] = {
             "hibernations": 0,
             "restores_pool": 0,
@@ -63,6 +67,13 @@ class Tiers:
             "checkpoint_bytes": 0,
             "restore_pool_seconds": 0.0,
             "restore_pool_bytes": 0,
+            # the same for snapshots of LARGE_SNAPSHOT bytes or more, whose time is the copy, not fixed costs
+            "checkpoint_large_seconds": 0.0,
+            "checkpoint_large_bytes": 0,
+            "checkpoint_large_count": 0,
+            "restore_pool_large_seconds": 0.0,
+            "restore_pool_large_bytes": 0,
+            "restore_pool_large_count": 0,
         }
 
     # ------------------------------------------------------------------ hot tier
@@ -78,7 +89,8 @@ class Tiers:
             self.hibernate(min(idle, key=lambda r: r.last_used))
         slot = self.free_slots.pop()
         try:
-            # llama.cpp refuses a state it has no free cells for: hibernate idle sessions until it fits.
+            # llama.cpp refuses a state it has no free cells for: free cells until it fits (each round takes out
+            # another prefix or session, never the prefix this one builds on, so the loop ends).
             while not self._restore(s, slot):
                 self.counts["restores_without_room"] += 1
                 if self.free_cells(exclude=[s]):
@@ -108,10 +120,11 @@ class Tiers:
         prefix_links.leave_hot(s)
         self.counts["hibernations"] += 1
 
-    def free_cells(self, exclude: Iterable[Session]) -> bool:
-        """Make room in the unified KV: first a shared prefix nobody uses, then the least recently used idle
-        session. False when nothing could go."""
-        return self.prefixes.evict_hot() or self.hibernate_idle(exclude=exclude, count=1) > 0
+    def free_cells(self, exclude: list[Session]) -> bool:
+        """Make room in the unified KV: first a shared prefix nobody uses (but none the excluded sessions build
+        on), then the least recently used idle session. False when nothing could go."""
+        keep = {id(x.prefix) for x in exclude if x.prefix is not None}
+        return self.prefixes.evict_hot(keep) or self.hibernate_idle(exclude=exclude, count=1) > 0
 
     def hibernate_idle(self, exclude: Iterable[Session], count: int = 1) -> int:
         """Hibernate up to ``count`` idle resident sessions (LRU first), to free KV cells; how many moved."""
@@ -131,10 +144,11 @@ class Tiers:
             self.model.forget_sequence(slot)
             s.n_kv = 0
             return True
-        prefix = None
-        if snap.prefix_entry != NO_PREFIX:
+        if snap.prefix_entry == NO_PREFIX:
+            ok = self._load_own_cells(s, slot)
+        else:
             prefix = s.prefix
-            if prefix is None or prefix.entry != snap.prefix_entry:
+            if prefix is None or not prefix_links.consistent(s, snap):
                 raise SessionCorrupt(s, "the shared prefix its snapshot builds on is gone")
             try:
                 if not self.prefixes.make_hot(prefix):
@@ -142,10 +156,7 @@ class Tiers:
             except PrefixCorrupt as exc:
                 self.counts["checksum_failures"] += 1
                 raise SessionCorrupt(s, str(exc)) from None
-            prefix.hot_users += 1  # pinned while the suffix loads: making room must not take it out
-        ok = self._load_own_cells(s, slot)
-        if prefix is not None:
-            prefix.hot_users -= 1
+            ok = self._load_own_cells(s, slot)
             if ok:
                 self.prefixes.share_into(prefix, slot, snap.prefix_len)
                 prefix_links.rejoin_hot(s)
@@ -158,15 +169,21 @@ class Tiers:
         assert snap is not None
         if snap.tier == TIER_POOL:
             started = time.perf_counter()
-            if not self.pool.verify(snap):
+            # The checksum is verified on the helper thread while llama.cpp loads the same bytes: a state that
+            # turns out damaged is forgotten before any step can use it.
+            verified = self.helper.submit(self.pool.verify, snap)
+            state = self.pool.address(snap.offset, snap.state_bytes)
+            try:
+                ok = self.model.load_state(slot, state)
+            finally:
+                del state  # release the export of the mapping
+                intact = verified.result()
+            if not intact:
+                self.model.forget_sequence(slot)
                 self.counts["checksum_failures"] += 1
                 raise SessionCorrupt(s, "its pool snapshot fails its checksum")
-            state = self.pool.address(snap.offset, snap.state_bytes)
-            ok = self.model.load_state(slot, state)
-            del state  # release the export of the mapping
             self.counts["restores_pool"] += 1
-            self.counts["restore_pool_seconds"] += time.perf_counter() - started
-            self.counts["restore_pool_bytes"] += snap.state_bytes
+            self._timed("restore_pool", snap.state_bytes, time.perf_counter() - started)
         else:
             try:
                 payload = self.spill.read(s.id, snap.version)
@@ -209,8 +226,8 @@ class Tiers:
         end, s.boundary = s.boundary, 0
         assert s.slot is not None and s.n_kv >= end
         prefix = self.prefixes.make(s.slot, s.tokens[:end], s.task)
-        if prefix is not None and s.prefix is None:
-            prefix_links.attach(s, prefix, end, hot=True)
+        if prefix is not None:
+            prefix_links.move_to(s, prefix, end)
 
     # ------------------------------------------------------------------ warm tier
 
@@ -237,7 +254,7 @@ class Tiers:
             self.pool.allocator.free(extent)
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         self.pool.write_tokens(extent.offset + state_bytes, s.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload))
+        digest = checksum(self.pool.view(extent.offset, payload), self.helper)
         prefix_ref = prefix_links.snapshot_ref(s, first)
         previous = s.snapshot
         s.snapshot = self.pool.commit(
@@ -247,8 +264,15 @@ class Tiers:
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)
         self.counts["checkpoints"] += 1
-        self.counts["checkpoint_seconds"] += time.perf_counter() - started
-        self.counts["checkpoint_bytes"] += state_bytes
+        self._timed("checkpoint", state_bytes, time.perf_counter() - started)
+
+    def _timed(self, move: str, nbytes: int, seconds: float) -> None:
+        self.counts[f"{move}_seconds"] += seconds
+        self.counts[f"{move}_bytes"] += nbytes
+        if nbytes >= LARGE_SNAPSHOT:
+            self.counts[f"{move}_large_seconds"] += seconds
+            self.counts[f"{move}_large_bytes"] += nbytes
+            self.counts[f"{move}_large_count"] += 1
 
     def _save_cells(self, s: Session, first: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
         assert s.slot is not None
@@ -414,6 +438,7 @@ class Tiers:
         self.sessions.remove(s, evicted=evicted)
 
     def close(self) -> None:
+        self.helper.shutdown()
         self.pool.close()
 
     def usage(self) -> dict[str, object]:

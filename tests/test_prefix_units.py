@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from kvpool.daemon import prefix_links
+from kvpool.daemon.pool import TIER_POOL, Snapshot
 from kvpool.daemon.prefixes import Prefix, PrefixIndex, block_keys, eviction_order, shareable_length
 from kvpool.daemon.scheduler import plan_fcfs
+from kvpool.daemon.sessions import Session
 
 from .test_scheduler import Item
 
@@ -69,3 +72,37 @@ def test_a_prompt_chunk_stops_at_the_end_of_the_system_prompt() -> None:
     # 500 pending tokens, 120 of them up to the prefix boundary: the chunk ends there and samples nothing
     item = Item(pending_tokens=500, arrival=0.0, feedable=120)
     assert [(w.n_tokens, w.completes) for w in plan_fcfs([item], 512)] == [(120, False)]
+
+
+def session(tokens: list[int]) -> Session:
+    return Session(id="s", token="t", task="default", entry=0, context_limit=4096, tokens=tokens)
+
+
+def snapshot(prefix_entry: int, prefix_len: int) -> Snapshot:
+    return Snapshot(1, TIER_POOL, 0, 64, 32, 8, 8, 0, prefix_len=prefix_len, prefix_entry=prefix_entry)
+
+
+def test_a_snapshot_names_its_prefix_only_if_the_tokens_agree() -> None:
+    p = prefix(list(range(20)), entry=3)
+    s = session([*range(20), 7, 7])
+    prefix_links.attach(s, p, 20, hot=False)
+    assert prefix_links.consistent(s, snapshot(3, 20))
+    assert not prefix_links.consistent(s, snapshot(4, 20))  # another entry
+    assert not prefix_links.consistent(s, snapshot(3, 21))  # longer than the prefix
+    p.tokens[5] = 99  # the entry was reused by a prefix with other tokens
+    assert not prefix_links.consistent(s, snapshot(3, 20))
+
+
+def test_counts_follow_a_session_through_its_moves() -> None:
+    first, longer = prefix(list(range(16)), entry=1), prefix(list(range(40)), entry=2)
+    s = session(list(range(48)))
+    prefix_links.attach(s, first, 16, hot=True)
+    prefix_links.move_to(s, longer, 40)  # it made a longer prefix from its own cells: it moves there
+    assert (first.users, first.hot_users, longer.users, longer.hot_users) == (0, 0, 1, 1)
+    s.snapshot = snapshot(2, 40)  # a suffix-only snapshot on the longer prefix
+    prefix_links.leave_hot(s)  # hibernated: still a user (its snapshot needs the prefix), no longer hot
+    assert (longer.users, longer.hot_users, s.prefix) == (1, 0, longer)
+    prefix_links.rejoin_hot(s)
+    s.snapshot = snapshot(-1, 0)  # a whole snapshot: it needs the prefix only while it shares the cells
+    prefix_links.leave_hot(s)
+    assert (longer.users, longer.hot_users, s.prefix) == (0, 0, None)
