@@ -34,8 +34,11 @@ def main() -> int:
     refused = 0
     started = time.monotonic()
     try:
-        with Client(args.address, name="voice-assistant") as client, client.open_session(args.task) as session:
-            prompt = PREAMBLE
+        with (
+            Client(args.address, name="voice-assistant") as client,
+            client.open_session(args.task, system_prompt=PREAMBLE) as session,
+        ):
+            prompt = ""
             for line in lines:
                 question = line.strip()
                 if not question:

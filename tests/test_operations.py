@@ -200,6 +200,8 @@ def test_example_tasks_run_end_to_end(start_daemon: Start) -> None:
     vision = run_example("vision_captioner.py", "--scenes", str(data / "scenes.jsonl"), "--max-tokens", "8", env=env)
     assert vision.returncode == 0, vision.stderr
     assert re.search(r"\[vision\] 4 requests", vision.stdout)
+    shared = re.search(r"(\d+) prompt tokens shared instead of computed", vision.stdout)
+    assert shared and int(shared.group(1)) > 0  # frames 2-4 took the instructions' KV from frame 1
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
