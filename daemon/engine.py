@@ -9,7 +9,6 @@ thread only moves frames.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -17,15 +16,15 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from kvpool.client import protocol as p
 from kvpool.client.protocol import ErrorCode, FinishReason
 
 from .config import Config
 from .cost_model import CostModel, StepShape, calibrate
+from .engine_status import status_of
 from .errors import RequestRefused
 from .generation import Generation
+from .housekeeping import Housekeeping
 from .latency_stats import TaskStats
 from .metrics import EngineCounters
 from .model import Model
@@ -43,7 +42,6 @@ Send = Callable[[bytes, p.Reply], None]
 # voice p99 within its 300 ms budget while long prompts still move in large chunks).
 HEADROOM = 0.6
 IDLE_WAIT_S = 0.25  # how long an idle engine blocks for new work before checking timeouts and stop
-CLIENT_SILENCE_S = 1.0  # clients ping every 0.25 s while they wait; four missed pings mean the client is gone
 
 
 class Engine:
@@ -72,11 +70,9 @@ class Engine:
         self.last_step_seconds = 0.0
         self.heartbeat = time.monotonic()
         self.over_memory = False  # resident memory above memory_high_water: new sessions are refused
-        self._next_memory_check = 0.0
         self.task_stats: dict[str, TaskStats] = defaultdict(TaskStats)
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
         self.last_heard = last_heard if last_heard is not None else {}  # heartbeats, kept by the I/O thread
-        self._next_client_check = 0.0
         self.lagging = lagging if lagging is not None else set()  # clients that stopped reading (I/O thread)
         # (client, request, when the I/O thread received it): a request's clock starts at its arrival, not
         # when the engine gets to it after the step in flight.
@@ -84,10 +80,10 @@ class Engine:
         self.received_at = 0.0  # of the request being handled
         self.stopping = threading.Event()
         self.started = time.monotonic()
-        self._next_expiry_check = 0.0
         self._inbox_lock = threading.Lock()
         self._inbox_closed = False
         self.handlers = RequestHandlers(self)
+        self.housekeeping = Housekeeping(self)
 
     # ------------------------------------------------------------------ loop
 
@@ -116,9 +112,7 @@ class Engine:
     def step(self) -> None:
         self.heartbeat = time.monotonic()  # the watchdog pings systemd only while this keeps moving
         self._take_requests(block=not (self.running or self.waiting))
-        self._expire_idle_sessions()
-        self._watch_memory()
-        self._stop_for_silent_clients()
+        self.housekeeping.run()
         self._admit_waiting()
         if not self.running:
             return
@@ -450,57 +444,6 @@ class Engine:
             f"{self.counters.generated_tokens} tokens generated"
         )
 
-    def _stop_for_silent_clients(self) -> None:
-        """A client that sends heartbeats and then falls silent has died (or hung): its generations stop, so its
-        slot and cells go to the living. Its sessions stay until session_timeout: a restarted client resumes."""
-        now = time.monotonic()
-        if now < self._next_client_check:
-            return
-        self._next_client_check = now + 0.1
-        for g in [*self.running, *self.waiting]:
-            if g.client in self.lagging:
-                log.warning("the client of session %s stopped reading: stopping its generation", g.session.id)
-                self.counters.clients_not_reading += 1
-                self.finish(g, FinishReason.CANCELLED, now)
-                continue
-            heard = self.last_heard.get(g.client)
-            if heard is not None and now - heard > CLIENT_SILENCE_S:
-                log.warning(
-                    "client of session %s is silent for %.1f s: stopping its generation", g.session.id, now - heard
-                )
-                self.counters.clients_lost += 1
-                self.finish(g, FinishReason.CANCELLED, now)
-        for client, heard in list(self.last_heard.items()):
-            if now - heard > 300.0:  # forget long-gone clients
-                self.last_heard.pop(client, None)
-
-    def _watch_memory(self) -> None:
-        limit = self.config.memory_high_water
-        now = time.monotonic()
-        if not limit or now < self._next_memory_check:
-            return
-        self._next_memory_check = now + 2.0
-        rss = psutil.Process().memory_info().rss
-        if (rss > limit) != self.over_memory:
-            self.over_memory = rss > limit
-            log.warning(
-                "resident memory %.0f MiB is %s memory_high_water (%.0f MiB): %s new sessions",
-                rss / 2**20,
-                "above" if self.over_memory else "back under",
-                limit / 2**20,
-                "refusing" if self.over_memory else "accepting",
-            )
-
-    def _expire_idle_sessions(self) -> None:
-        timeout = self.config.session_timeout
-        now = time.monotonic()
-        if timeout <= 0 or now < self._next_expiry_check:
-            return
-        self._next_expiry_check = now + 1.0  # a scan per second is plenty for timeouts counted in seconds
-        for s in self.sessions.idle_longer_than(timeout, now):
-            log.info("session %s (%s tier) expired after %.0f s idle", s.id, s.tier, timeout)
-            self.tiers.drop(s)
-
     # ------------------------------------------------------------------ status
 
     def estimate_ttft(self, prompt_tokens: int, position: int, deadline: float) -> float:
@@ -525,39 +468,4 @@ class Engine:
         return sum(1 for g in (*self.waiting, *self.running) if g.session.task == task and g.first_token_at is None)
 
     def status(self) -> dict[str, Any]:
-        return {
-            "daemon_version": self.daemon_version,
-            "protocol_version": p.PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "engine_idle_s": round(time.monotonic() - self.heartbeat, 3),
-            "memory": {
-                "rss_bytes": psutil.Process().memory_info().rss,
-                "high_water_bytes": self.config.memory_high_water,
-                "over_high_water": self.over_memory,
-            },
-            "model": self.model.info(),
-            "slots": {"total": self.model.hot_slots, "used": len(self.tiers.resident)},
-            "kv": {
-                "cells_total": self.model.context_size,
-                # shared prefix cells count once, however many sessions share them
-                "cells_used": sum(s.n_kv - s.prefix_len * s.shares_hot for s in self.tiers.resident.values())
-                + self.tiers.prefixes.hot_cells(),
-            },
-            "sessions": {
-                "open": len(self.sessions.by_id),
-                "max": self.config.max_sessions,
-                "generating": len(self.running),
-                "waiting": len(self.waiting),
-                "evicted": len(self.sessions.evicted),
-            },
-            "batch_size": self.model.batch.capacity,
-            "checkpoint": self.config.checkpoint,
-            "counters": self.counters.as_dict() | {"frame_errors": dict(self.frame_errors)},
-            "scheduler": {
-                "policy": self.config.scheduling,
-                "step_cap_ms": round(cap * 1000.0, 2) if (cap := self.step_time_cap()) else None,
-                "cost_model": self.cost.as_dict(),
-            },
-            "tasks": {task: self.task_stats[task].as_dict(self.queue_depth(task)) for task in self.config.tasks},
-        } | self.tiers.usage()
+        return status_of(self)
