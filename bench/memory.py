@@ -1,7 +1,9 @@
 """Memory of N tasks on one daemon vs N tasks each loading the model: total PSS (psutil), N = 1, 2, 4, 8.
 
-  kvpool   one kvpoold (8 hot slots, 4096 cells, 64 MiB pool) plus N task processes on the client library,
-           each holding a session with ~480 tokens of context
+  kvpool   one kvpoold (N hot slots, N x 512 cells, a 16 MiB pool) plus N task processes on the client
+           library, each holding a session with ~480 tokens of context
+  bare     N idle Python processes: the interpreter a Python task has with or without kvpool, so the client
+           library's own share of a task process can be told apart
   Llama    N processes, each running llama-cpp-python's `Llama` with a 512-token context on the same prompt
 Reports the marginal MiB per added task and the ratio at N = 4, then checks the start-up memory plan against
 the measured PSS of a daemon on configs/edge-2gb.toml whose hot slots are full (weights, KV and compute
@@ -69,6 +71,10 @@ def hold(cmds: list[list[str]], extra_pids: list[int]) -> tuple[int, list[int]]:
                 proc.wait(60)
 
 
+# A task process that does nothing: the interpreter every Python task has, with kvpool or without.
+BARE = [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.readline()"]
+
+
 def me(role: str, arg: str) -> list[str]:
     return [sys.executable, str(Path(__file__)), "--role", role, arg]
 
@@ -121,6 +127,7 @@ def main() -> int:
             with Client(daemon.address) as client:
                 status = client.status()
         llama, _ = hold([me("llama", model) for _ in range(n)], [])
+        bare, _ = hold([BARE] * n, [])
         kv_per_task = status["kv"]["cells_used"] / n * 18 * 1024  # Gemma 3 270M: 18 layers x 1 KiB per cell
         rows.append(
             {
@@ -130,6 +137,7 @@ def main() -> int:
                 "daemon_mib": parts[-1] / MIB,
                 "task_process_mib": sum(parts[:-1]) / n / MIB,
                 "kv_per_task_mib": kv_per_task / MIB,
+                "bare_python_mib": bare / n / MIB,
             }
         )
         print(f"measured N={n}: {rows[-1]}", file=sys.stderr, flush=True)
@@ -154,6 +162,14 @@ def main() -> int:
         f"\nmarginal cost per added task: kvpool {marginal('kvpool_mib'):.1f} MiB = daemon "
         f"{marginal('daemon_mib'):.1f} MiB (its KV is {kv:.1f} MiB) + the task process "
         f"{rows[-1]['task_process_mib']:.1f} MiB; Llama {marginal('llama_mib'):.1f} MiB"
+    )
+    bare = rows[-1]["bare_python_mib"]
+    client_library = rows[-1]["task_process_mib"] - bare
+    print(
+        f"of the task process, {bare:.1f} MiB is the Python interpreter alone (an idle Python process, {rows[-1]['n']} "
+        f"running) and {client_library:.1f} MiB the client library (pyzmq, msgspec, kvpool.client); without the "
+        f"interpreter every task has anyway, a task costs KV {kv:.1f} + daemon "
+        f"{marginal('daemon_mib') - kv:.1f} + client library {client_library:.1f} MiB"
     )
     print(f"ratio at N=4: {at4['kvpool_mib'] / at4['llama_mib']:.2f}")
     print(f"\nconfigs/edge-2gb.toml memory plan:\n{edge['plan_table']}")
