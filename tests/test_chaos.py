@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
+
 from kvpool.client import Client, KvpoolError
 
 from .daemon_process import DaemonProcess
@@ -29,15 +31,17 @@ def prompt_tokens(client: int, turn: int) -> list[int]:
 INTERRUPTED: list[str] = []  # turns that met a dead daemon, and how they were settled
 
 
-def converse(address: str, client_no: int, log: list[list[int]], stop_on_error: list[BaseException]) -> None:
+def converse(
+    address: str, client_no: int, log: list[list[int]], stop_on_error: list[BaseException], system: list[int]
+) -> None:
     """Run TURNS turns; survive daemon deaths by resuming the session and checking its history."""
     try:
         with Client(address, timeout=20.0, connect_timeout=20.0) as client:
-            session = client.open_session()
+            session = _open(client, system)
             ident = (session.id, session.token)
-            context = 0
+            context = len(system)
             for turn in range(TURNS):
-                prompt = ([BOS] if turn == 0 else []) + prompt_tokens(client_no, turn)
+                prompt = ([BOS] if turn == 0 and not system else []) + prompt_tokens(client_no, turn)
                 for _attempt in range(ATTEMPTS):
                     try:
                         # `after`: a resent turn must not apply twice (a copy queued before a crash may be
@@ -62,6 +66,17 @@ def converse(address: str, client_no: int, log: list[list[int]], stop_on_error: 
         stop_on_error.append(exc)
 
 
+def _open(client: Client, system: list[int]):
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            return client.open_session(system_prompt=system or "")
+        except KvpoolError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # the daemon is restarting: poll again (a bounded wait)
+
+
 def _resume(client: Client, ident: tuple[str, str]):
     deadline = time.monotonic() + 60.0
     while True:
@@ -73,10 +88,15 @@ def _resume(client: Client, ident: tuple[str, str]):
             time.sleep(0.1)  # the daemon is still restarting: poll again (a bounded wait)
 
 
-def run_all(daemon: DaemonProcess, chaos: Callable[[], None] | None) -> list[list[list[int]]]:
+def run_all(
+    daemon: DaemonProcess, chaos: Callable[[], None] | None, system: list[int] | None = None
+) -> list[list[list[int]]]:
     logs: list[list[list[int]]] = [[] for _ in range(CLIENTS)]
     errors: list[BaseException] = []
-    threads = [threading.Thread(target=converse, args=(daemon.address, i, logs[i], errors)) for i in range(CLIENTS)]
+    threads = [
+        threading.Thread(target=converse, args=(daemon.address, i, logs[i], errors, system or []))
+        for i in range(CLIENTS)
+    ]
     for t in threads:
         t.start()
     if chaos is not None:
@@ -89,7 +109,13 @@ def run_all(daemon: DaemonProcess, chaos: Callable[[], None] | None) -> list[lis
     return logs
 
 
-def test_sigkill_restarts_under_load_lose_nothing_acknowledged(start_daemon: Start) -> None:
+# Every client's session starts with this system prompt in the second run: its KV is shared, its sessions
+# hibernate only their own cells, and the kills land in the middle of making, saving and restoring prefixes.
+SYSTEM = [BOS] + [b + 3 for b in ("You are a careful assistant on a robot that never forgets a turn. " * 3).encode()]
+
+
+@pytest.mark.parametrize("system", [[], SYSTEM], ids=["no-system-prompt", "shared-system-prompt"])
+def test_sigkill_restarts_under_load_lose_nothing_acknowledged(start_daemon: Start, system: list[int]) -> None:
     # One hot slot: every step then holds one sequence, so the undisturbed run decodes each turn in exactly the
     # same batches (llama.cpp's CPU kernels round differently for different batch shapes, and a random tiny
     # model turns that into greedy flips now and then). Batching exactness has its own test.
@@ -106,10 +132,16 @@ def test_sigkill_restarts_under_load_lose_nothing_acknowledged(start_daemon: Sta
             daemon.start()
 
     INTERRUPTED.clear()
-    disturbed = run_all(daemon, chaos)
+    disturbed = run_all(daemon, chaos, system)
     assert kills == [-signal.SIGKILL] * KILLS
     assert INTERRUPTED, "no turn met a dead daemon: the chaos missed the clients"
-    calm = run_all(start_daemon(*args, name="calm"), None)
+    calm_daemon = start_daemon(*args, name="calm")
+    calm = run_all(calm_daemon, None, system)
+    if system:
+        with daemon.client() as client:  # the restarted daemon shared the recovered prefix too
+            assert client.status()["prefixes"]["count"] >= 1
+        with calm_daemon.client() as client:
+            assert client.status()["prefixes"]["hits"] == CLIENTS - 1
     assert [len(log) for log in disturbed] == [TURNS] * CLIENTS
     diffs = [(c, t) for c in range(CLIENTS) for t in range(TURNS) if disturbed[c][t] != calm[c][t]]
     assert not diffs, f"turns differ (client, turn): {diffs[:5]}; interrupted turns: {INTERRUPTED}"
