@@ -116,15 +116,21 @@ def test_metrics_parse_and_move_with_traffic(start_daemon: Start) -> None:
         raise AssertionError(f"{name} {labels} not in /metrics")
 
     _, before = fetch(f"http://127.0.0.1:{port}/metrics")
+    system = "A system prompt long enough to be shared by the second session. " * 2
     with daemon.client() as client, client.open_session() as s:
         s.complete("metrics please", max_tokens=5, temperature=0.0)
+        for _ in range(2):  # the second session shares the first one's system prompt
+            client.open_session(system_prompt=system).complete("hi", max_tokens=1, temperature=0.0)
         _, after = fetch(f"http://127.0.0.1:{port}/metrics")  # while the session (and its snapshot) exists
     families = {f.name: f.type for f in text_string_to_metric_families(after)}
     assert families["kvpool_generated_tokens"] == "counter" and families["kvpool_ttft_seconds"] == "histogram"
-    assert sample(after, "kvpool_generated_tokens_total") - sample(before, "kvpool_generated_tokens_total") == 5
+    assert sample(after, "kvpool_generated_tokens_total") - sample(before, "kvpool_generated_tokens_total") == 7
+    assert sample(after, "kvpool_prefix_hits_total") - sample(before, "kvpool_prefix_hits_total") == 1
+    assert sample(after, "kvpool_prefix_tokens_saved_total") > 16 and sample(after, "kvpool_prefixes") == 1
+    assert sample(after, "kvpool_prefix_bytes", kind="stored") > 0
     assert sample(after, "kvpool_requests_total", op="generate") >= 1
-    assert sample(after, "kvpool_ttft_seconds_count", task="default") == 1
-    assert sample(after, "kvpool_ttft_seconds_bucket", task="default", le="+Inf") == 1
+    assert sample(after, "kvpool_ttft_seconds_count", task="default") == 3
+    assert sample(after, "kvpool_ttft_seconds_bucket", task="default", le="+Inf") == 3
     assert sample(after, "kvpool_pool_bytes", state="used") > 0
     assert fetch(f"http://127.0.0.1:{port}/nothing")[0] == 404
     # kvpool health: exit 0 while the daemon answers, 3 once it is gone
