@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -104,3 +105,47 @@ def test_prefix_sharing_is_exact_through_hibernation_past_the_sliding_window(
     with alone.client(timeout=300.0) as client:
         assert turns(client) == result
         assert client.status()["moves"]["hibernations"] == 0
+
+
+def test_shared_prefix_comes_back_from_the_pool_after_a_crash(start_daemon: Callable[..., DaemonProcess]) -> None:
+    """A prefix longer than the 512-token window, after a SIGKILL: the restarted daemon loads it from its pool
+    snapshot (which keeps only the window of the sliding layers), puts each session's own cells back on it, and
+    shares it with a newcomer. The answers need facts from the start of the prefix (700 tokens back, beyond the
+    window), and equal those of a daemon that was never killed and shared nothing. Answers stop before the
+    model's next near-tie: a restore moves cells in the KV, and llama.cpp's attention is not bit-invariant to
+    where cells sit (which can flip a near-tie with or without sharing)."""
+    system = "Delivery notes. The parcel code is 4711. The recipient is Mrs Alvarez at 12 Elm Street.\n" + "".join(
+        f"Log line {i}: the robot passed checkpoint {i} on Elm Street without trouble.\n" for i in range(40)
+    )
+    questions = [
+        "Question: what is the parcel code? Answer: The parcel code is",
+        "Question: who is the recipient? Answer: The recipient is",
+        "Question: on which street is the recipient? Answer:",
+    ]
+    common = ("--hot-slots", "2", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB")
+
+    def first_turns(client: Client) -> list[tuple[str, str]]:
+        sessions = [client.open_session(system_prompt=system) for _ in range(2)]
+        for i, s in enumerate(sessions):
+            s.complete(f"Question {i}: is the robot on time? Answer: yes.\n", max_tokens=6, temperature=0.0)
+        return [(s.id, s.token) for s in sessions]
+
+    def next_turns(client: Client, ids: list[tuple[str, str]]) -> list[str]:
+        sessions = [client.resume_session(*ident) for ident in ids] + [client.open_session(system_prompt=system)]
+        return [
+            s.complete("\n" + q, max_tokens=5, temperature=0.0).text for q, s in zip(questions, sessions, strict=True)
+        ]
+
+    crashed = start_daemon(*common, model=None, name="crashed")
+    with crashed.client(timeout=300.0) as client:
+        ids = first_turns(client)
+    crashed.stop(signal.SIGKILL)
+    crashed.start()
+    with crashed.client(timeout=300.0) as client:
+        after = next_turns(client, ids)
+        info = client.status()["prefixes"]
+        assert info["restores"] >= 1 and info["hits"] == 1  # loaded from the pool, then shared with the newcomer
+    assert "4711" in after[0] and "Alvarez" in after[1] and "Elm" in after[2]
+    reference = start_daemon(*common, model=None, config="prefix_slots = 0\n", name="reference")
+    with reference.client(timeout=300.0) as client:
+        assert next_turns(client, first_turns(client)) == after
