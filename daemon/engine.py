@@ -146,6 +146,8 @@ class Engine:
         for work in plan:
             work.item.note_step(started)
             work.item.session.n_kv += work.n_tokens
+            if work.item.completion_tokens == 0:  # fed before its first sampled token: prompt (or system prompt)
+                self.counters.prompt_tokens += work.n_tokens
         for work in plan:
             session = work.item.session
             if session.boundary and session.n_kv >= session.boundary:
@@ -287,7 +289,6 @@ class Engine:
     def _start(self, g: Generation) -> None:
         if g.new_tokens:  # first admission (a preempted generation comes back with nothing new)
             g.session.tokens.extend(g.new_tokens)
-            self.counters.prompt_tokens += len(g.new_tokens)
             g.new_tokens = []
         s = g.session
         if s.n_kv == 0 and s.slot is not None and s.prefix is None and self.tiers.prefixes.enabled:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class EngineCounters:
     decode_calls: int = 0  # llama_decode calls that succeeded (one per engine step)
     batch_tokens: int = 0  # tokens fed through those calls (prompt chunks + decode tokens)
-    prompt_tokens: int = 0  # prompt tokens prefilled
+    prompt_tokens: int = 0  # prompt tokens computed (system prompts included; tokens a shared prefix held are not)
     generated_tokens: int = 0  # tokens sampled and sent to clients
     busy_seconds: float = 0.0  # wall time spent inside engine steps that decoded something
     kv_full_events: int = 0  # llama_decode found no room in the unified KV

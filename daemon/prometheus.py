@@ -41,7 +41,12 @@ def render(status: dict[str, Any], memory: dict[str, int]) -> str:
         "Tokens generated and sent to clients.",
         [({}, c["generated_tokens"])],
     )
-    t.metric("kvpool_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, c["prompt_tokens"])])
+    t.metric(
+        "kvpool_prompt_tokens_total",
+        "counter",
+        "Prompt tokens computed (tokens a shared prefix held are not).",
+        [({}, c["prompt_tokens"])],
+    )
     t.metric("kvpool_decode_calls_total", "counter", "llama_decode calls (engine steps).", [({}, c["decode_calls"])])
     t.metric(
         "kvpool_engine_busy_seconds_total", "counter", "Wall time spent in engine steps.", [({}, c["busy_seconds"])]

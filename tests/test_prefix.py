@@ -44,6 +44,7 @@ def test_sessions_sharing_a_system_prompt_equal_unshared_ones(start_daemon: Star
     shared = start_daemon("--hot-slots", "4", "--context-size", "4096", name="shared")
     with shared.client() as client:
         result = conversation(client, 4, 3)
+        computed = client.status()["counters"]["prompt_tokens"]
         info = prefixes(client)
         # the first session computed the prompt; the three others took its cells
         assert info["made"] == 1 and info["hits"] == 3
@@ -60,6 +61,8 @@ def test_sessions_sharing_a_system_prompt_equal_unshared_ones(start_daemon: Star
     unshared = start_daemon("--hot-slots", "4", "--context-size", "4096", config=NO_SHARING, name="unshared")
     with unshared.client() as client:
         assert conversation(client, 4, 3) == result
+        # the unshared daemon computed the system prompt four times, the shared one once
+        assert client.status()["counters"]["prompt_tokens"] - computed == 3 * token_count(client, SYSTEM)
         assert prefixes(client)["hits"] == 0 and client.status()["kv"]["cells_used"] > 4 * token_count(client, SYSTEM)
 
 
