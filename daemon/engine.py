@@ -304,7 +304,11 @@ class Engine:
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival)  # the newest best-effort work yields first
-        self.tiers.hibernate(victim.session, preempt=True)
+        try:
+            self.tiers.hibernate(victim.session, preempt=True)
+        except RequestRefused as refused:  # no room to swap it out: g waits for a slot like anyone else
+            log.warning("could not preempt session %s: %s", victim.session.id, refused.message)
+            return False
         self.running.remove(victim)
         self.waiting.append(victim)
         self.task_stats[victim.session.task].preemptions += 1

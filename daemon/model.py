@@ -247,6 +247,10 @@ class Model:
         model has moved past its window, or after a restore: positions below it cannot be shared."""
         return lc.llama_memory_seq_pos_min(self.memory, seq_id)
 
+    def highest_position(self, seq_id: int) -> int:
+        """The highest position the sequence holds cells for (-1 when empty)."""
+        return lc.llama_memory_seq_pos_max(self.memory, seq_id)
+
     def state_size(self, seq_id: int) -> int:
         """Bytes llama_state_seq_get_data needs for the sequence's KV cells."""
         return lc.llama_state_seq_get_size(self.ctx, seq_id)

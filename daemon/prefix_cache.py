@@ -73,13 +73,14 @@ class PrefixCache:
 
     def make_hot(self, prefix: Prefix) -> bool:
         """Put the prefix in the unified KV (from its pool snapshot); False when no sequence or cells are free."""
-        prefix.last_used = time.monotonic()
         if prefix.seq is not None:
+            prefix.last_used = time.monotonic()
             return True
         snap = prefix.snapshot
         if snap is None:
             return False
         if not self.pool.verify(snap, self.helper):
+            self._discard_snapshot(prefix)
             raise PrefixCorrupt(f"the snapshot of shared prefix {prefix.id} fails its checksum")
         seq = self._free_seq()
         if seq is None:
@@ -94,8 +95,21 @@ class PrefixCache:
             return False
         prefix.seq = seq
         prefix.lowest_position = self.model.lowest_position(seq)
+        prefix.last_used = time.monotonic()
         self.counts["restores"] += 1
         return True
+
+    def forget_if_damaged(self, prefix: Prefix) -> None:
+        if prefix.damaged and not prefix.in_use and prefix.id in self.by_id:
+            self._forget(prefix)
+
+    def _discard_snapshot(self, prefix: Prefix) -> None:
+        """A damaged prefix: out of the index (so the next session with its system prompt makes a new one) and,
+        once no session's snapshot needs it, out of the pool. Sessions built on it report SESSION_CORRUPT."""
+        prefix.damaged = True
+        self.index.remove(prefix, self.by_id.values())
+        if not prefix.in_use:
+            self._forget(prefix)
 
     def share_into(self, prefix: Prefix, slot: int, length: int) -> None:
         """Give the session in ``slot`` the prefix's cells for positions [0, length) (prefix_links counts it)."""

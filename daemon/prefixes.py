@@ -37,6 +37,7 @@ class Prefix:
     hot_users: int = 0
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0
+    damaged: bool = False  # its snapshot failed its checksum: never offered again
 
     @property
     def in_use(self) -> bool:
@@ -75,7 +76,7 @@ class PrefixIndex:
             if self._by_key.get(key) is prefix:
                 del self._by_key[key]
         for other in others:  # give the blocks the removed prefix had taken over back to their other owners
-            if other is not prefix:
+            if other is not prefix and not other.damaged:
                 for key in block_keys(other.tokens, self.block):
                     self._by_key.setdefault(key, other)
 
@@ -113,5 +114,5 @@ def shareable_length(prefix: Prefix, wanted: int, window: int) -> int:
 
 
 def eviction_order(prefixes: Iterable[Prefix]) -> list[Prefix]:
-    """Prefixes no session uses, least recently used first."""
-    return sorted((x for x in prefixes if not x.in_use), key=lambda x: x.last_used)
+    """Prefixes no session uses, damaged ones first, then least recently used first."""
+    return sorted((x for x in prefixes if not x.in_use), key=lambda x: (not x.damaged, x.last_used))

@@ -62,7 +62,7 @@ def recover(tiers: Tiers) -> int:
             n_kv=snap.n_kv if snap else 0,
             snapshot=snap,
         )
-        if snap is not None and snap.n_kv == 0:
+        if snap is not None and snap.state_bytes == 0:
             s.boundary = len(tokens)  # only a system prompt so far: it may still become a shared prefix
         prefix = prefixes.get(snap.prefix_entry) if snap is not None else None
         if prefix is not None and snap is not None:

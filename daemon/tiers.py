@@ -141,6 +141,8 @@ class Tiers:
         A snapshot that fails its checksum raises SessionCorrupt."""
         snap = s.snapshot
         if snap is None or snap.n_kv == 0:
+            if snap is not None:
+                self._check_tokens_only(s)
             self.model.forget_sequence(slot)
             s.n_kv = 0
             return True
@@ -148,7 +150,12 @@ class Tiers:
             ok = self._load_own_cells(s, slot)
         else:
             prefix = s.prefix
-            if prefix is None or not prefix_links.consistent(s, snap):
+            # (sliding-window models share whole prefixes only: a shorter reference cannot have come from here)
+            if (
+                prefix is None
+                or not prefix_links.consistent(s, snap)
+                or (self.model.n_swa and snap.prefix_len != len(prefix.tokens))
+            ):
                 raise SessionCorrupt(s, "the shared prefix its snapshot builds on is gone")
             try:
                 if not self.prefixes.make_hot(prefix):
@@ -160,9 +167,28 @@ class Tiers:
             if ok:
                 self.prefixes.share_into(prefix, slot, snap.prefix_len)
                 prefix_links.rejoin_hot(s)
+        if ok and self.model.highest_position(slot) != snap.n_kv - 1:  # a record that does not fit its bytes
+            self.model.forget_sequence(slot)
+            raise SessionCorrupt(s, "its restored KV does not end where its snapshot record says")
         if ok:
             s.n_kv = snap.n_kv
         return ok
+
+    def _check_tokens_only(self, s: Session) -> None:
+        """A snapshot of tokens alone (a system prompt before the first turn) is checked like any other."""
+        snap = s.snapshot
+        assert snap is not None
+        if snap.tier == TIER_POOL:
+            intact = self.pool.in_bounds(snap) and self.pool.verify(snap)
+        else:
+            try:
+                self.spill.read(s.id, snap.version)
+                intact = True
+            except SnapshotCorrupt:
+                intact = False
+        if not intact:
+            self.counts["checksum_failures"] += 1
+            raise SessionCorrupt(s, "its saved tokens fail their checksum")
 
     def _load_own_cells(self, s: Session, slot: int) -> bool:
         snap = s.snapshot
@@ -288,12 +314,12 @@ class Tiers:
         """Commit a snapshot of a session's tokens alone (no KV yet: a session opened with a system prompt), so
         that a restart before its first turn does not lose them."""
         payload = 4 * len(s.tokens)
-        try:
-            extent = self._allocate(payload, pinned=s)
-        except RequestRefused as refused:
-            extent = None
-            log.warning("no pool room for session %s's tokens: %s", s.id, refused.message)
+        # Free room only (or a prefix nobody uses): keeping these tokens is not worth spilling other sessions.
+        extent = self.pool.allocator.allocate(payload)
+        while extent is None and self.prefixes.drop_unused_snapshot():
+            extent = self.pool.allocator.allocate(payload)
         if extent is None:
+            log.warning("no free pool room for session %s's system prompt: it is kept in memory only", s.id)
             return
         self.pool.write_tokens(extent.offset, s.tokens)
         digest = checksum(self.pool.view(extent.offset, payload))
@@ -428,7 +454,10 @@ class Tiers:
             del self.resident[s.slot]
             self.free_slots.append(s.slot)
             s.slot = None
+        prefix = s.prefix
         prefix_links.detach(s)
+        if prefix is not None:
+            self.prefixes.forget_if_damaged(prefix)
         if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
             self.spill.remove(s.id, s.snapshot.version)
         if evicted:

@@ -6,9 +6,13 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from kvpool.client import Client
+from kvpool.client.errors import SessionCorrupt
 
 from .daemon_process import DaemonProcess, run_until_exit
+from .test_tiers import flip_pool_byte, pool_snapshot_offset
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
@@ -174,3 +178,33 @@ def test_turning_sharing_off_over_a_pool_that_needs_it_is_refused(start_daemon: 
     daemon.start()  # with sharing on again, everything is still there
     with daemon.client() as client:
         assert len(client.sessions()) == 2 and prefixes(client)["users"] == 2
+
+
+def test_damaged_prefix_or_system_prompt_is_reported_never_used(start_daemon: Start) -> None:
+    daemon = start_daemon("--hot-slots", "1", "--context-size", "4096", config="prefix_slots = 1\n")
+    with daemon.client() as client:
+        # a system prompt not yet computed is kept as tokens alone: damage them
+        waiting = client.open_session(system_prompt=OTHER_SYSTEM)
+        offset, _ = pool_snapshot_offset(daemon.pool_name, waiting.id)
+        flip_pool_byte(daemon.pool_name, offset + 2)
+        with pytest.raises(SessionCorrupt, match="checksum"):
+            waiting.complete("hello", max_tokens=2, **GREEDY)
+
+        a = client.open_session(system_prompt=SYSTEM)
+        a.complete("first", max_tokens=2, **GREEDY)  # makes prefix P
+        (p,) = prefixes(client)["list"]
+        b = client.open_session(system_prompt="Another system prompt, for another task entirely. " * 3)
+        b.complete("second", max_tokens=2, **GREEDY)  # hibernates a (its snapshot builds on P); P leaves the KV
+        assert [x["hot"] for x in prefixes(client)["list"] if x["id"] == p["id"]] == [False]
+        offset, state_bytes = pool_snapshot_offset(daemon.pool_name, p["id"])
+        flip_pool_byte(daemon.pool_name, offset + state_bytes // 2)
+        with pytest.raises(SessionCorrupt, match="checksum"):
+            a.complete("again", max_tokens=2, **GREEDY)  # its prefix is damaged: reported, not used
+        # the damaged prefix is never offered again: the next session computes the prompt and makes a new one
+        hits = prefixes(client)["hits"]
+        c = client.open_session(system_prompt=SYSTEM)
+        c.complete("third", max_tokens=2, **GREEDY)
+        assert prefixes(client)["hits"] == hits and p["id"] not in {x["id"] for x in prefixes(client)["list"]}
+        client.open_session(system_prompt=SYSTEM).complete("fourth", max_tokens=2, **GREEDY)
+        assert prefixes(client)["hits"] == hits + 1
+        assert b.complete("still fine", max_tokens=2, **GREEDY).usage.completion_tokens == 2
