@@ -17,32 +17,17 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
-from kvpool.client.protocol import ErrorCode
-
 from . import prefix_links
-from .allocator import Extent
-from .checksum import checksum
 from .config import Config
-from .errors import RequestRefused
 from .model import Model
 from .pool import NO_PREFIX, TIER_DISK, TIER_POOL, Pool
 from .prefix_cache import PrefixCache, PrefixCorrupt
 from .prefixes import shareable_length
 from .sessions import Session, SessionTable
+from .snapshot_writer import SessionCorrupt, SnapshotWriter, timed
 from .spill import SnapshotCorrupt, SpillDir
 
 log = logging.getLogger("kvpool.tiers")
-LARGE_SNAPSHOT = 1 << 20
-
-
-class SessionCorrupt(RequestRefused):
-    def __init__(self, session: Session, why: str):
-        super().__init__(
-            ErrorCode.SESSION_CORRUPT,
-            f"Session {session.id}'s saved state is damaged ({why}); it was closed, open a new one.",
-        )
 
 
 class Tiers:
@@ -50,7 +35,7 @@ class Tiers:
         self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.resident: dict[int, Session] = {}
-        # Checksums of large snapshots run on both cores: half on this helper thread (numpy drops the GIL).
+        # Restores verify their checksum on this thread while llama.cpp loads the same bytes.
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="checksum")
         self.prefixes = PrefixCache(model, pool, config, self.helper)
         self.counts: dict[str, float] = {
@@ -75,6 +60,7 @@ class Tiers:
             "restore_pool_large_bytes": 0,
             "restore_pool_large_count": 0,
         }
+        self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.helper, self.evict)
 
     # ------------------------------------------------------------------ hot tier
 
@@ -209,7 +195,7 @@ class Tiers:
                 self.counts["checksum_failures"] += 1
                 raise SessionCorrupt(s, "its pool snapshot fails its checksum")
             self.counts["restores_pool"] += 1
-            self._timed("restore_pool", snap.state_bytes, time.perf_counter() - started)
+            timed(self.counts, "restore_pool", snap.state_bytes, time.perf_counter() - started)
         else:
             try:
                 payload = self.spill.read(s.id, snap.version)
@@ -255,189 +241,13 @@ class Tiers:
         if prefix is not None:
             prefix_links.move_to(s, prefix, end)
 
-    # ------------------------------------------------------------------ warm tier
+    # ------------------------------------------------------------------ snapshots (see snapshot_writer)
 
     def checkpoint(self, s: Session) -> None:
-        """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
-        assert s.slot is not None
-        first = prefix_links.suffix_start(s)
-        state_bytes = self.model.suffix_state_size(s.slot, first) if first else self.model.state_size(s.slot)
-        payload = state_bytes + 4 * len(s.tokens)
-        extent = self._allocate(payload, pinned=s)
-        if extent is None:
-            self._checkpoint_to_disk(s, state_bytes, first)
-            return
-        started = time.perf_counter()
-        state = self.pool.address(extent.offset, state_bytes)
-        try:
-            written = self._save_cells(s, first, state)
-        except BaseException:
-            self.pool.allocator.free(extent)
-            raise
-        finally:
-            del state
-        if written != state_bytes:
-            self.pool.allocator.free(extent)
-            raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
-        self.pool.write_tokens(extent.offset + state_bytes, s.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload), self.helper)
-        prefix_ref = prefix_links.snapshot_ref(s, first)
-        previous = s.snapshot
-        s.snapshot = self.pool.commit(
-            s.entry, TIER_POOL, extent, state_bytes, len(s.tokens), s.n_kv, digest, payload, *prefix_ref
-        )
-        self._note_saved(s, first, state_bytes)
-        if previous is not None and previous.tier == TIER_DISK:
-            self.spill.remove(s.id, previous.version)
-        self.counts["checkpoints"] += 1
-        self._timed("checkpoint", state_bytes, time.perf_counter() - started)
-
-    def _timed(self, move: str, nbytes: int, seconds: float) -> None:
-        self.counts[f"{move}_seconds"] += seconds
-        self.counts[f"{move}_bytes"] += nbytes
-        if nbytes >= LARGE_SNAPSHOT:
-            self.counts[f"{move}_large_seconds"] += seconds
-            self.counts[f"{move}_large_bytes"] += nbytes
-            self.counts[f"{move}_large_count"] += 1
-
-    def _save_cells(self, s: Session, first: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
-        assert s.slot is not None
-        return self.model.save_cells_from(s.slot, first, dest) if first else self.model.save_state(s.slot, dest)
-
-    def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
-        """Bytes the new snapshot did not store again because it builds on a prefix (for status)."""
-        assert s.slot is not None
-        s.saved_bytes = self.model.state_size(s.slot) - state_bytes if first else 0
-        prefix_links.settle(s)
+        self.writer.checkpoint(s)
 
     def record_tokens(self, s: Session) -> None:
-        """Commit a snapshot of a session's tokens alone (no KV yet: a session opened with a system prompt), so
-        that a restart before its first turn does not lose them."""
-        payload = 4 * len(s.tokens)
-        # Free room only (or a prefix nobody uses): keeping these tokens is not worth spilling other sessions.
-        extent = self.pool.allocator.allocate(payload)
-        while extent is None and self.prefixes.drop_unused_snapshot():
-            extent = self.pool.allocator.allocate(payload)
-        if extent is None:
-            log.warning("no free pool room for session %s's system prompt: it is kept in memory only", s.id)
-            return
-        self.pool.write_tokens(extent.offset, s.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload))
-        s.snapshot = self.pool.commit(s.entry, TIER_POOL, extent, 0, len(s.tokens), 0, digest, payload)
-
-    def _checkpoint_to_disk(self, s: Session, state_bytes: int, first: int) -> None:
-        """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
-        assert s.slot is not None
-        buffer = (ctypes.c_uint8 * (state_bytes + 4 * len(s.tokens)))()
-        written = self._save_cells(s, first, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
-        if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
-            raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
-        view = memoryview(buffer).cast("B")
-        np.frombuffer(buffer, dtype="<i4", offset=state_bytes)[:] = s.tokens
-        self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv, prefix_ref=prefix_links.snapshot_ref(s, first))
-        self._note_saved(s, first, state_bytes)
-        self.counts["checkpoints"] += 1
-
-    def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
-        """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits."""
-        if nbytes > self.pool.allocator.size:
-            return None
-        while (extent := self.pool.allocator.allocate(nbytes)) is None:
-            if self.prefixes.drop_unused_snapshot():  # a prefix nobody uses goes before any session's snapshot
-                continue
-            victims = [
-                v
-                for v in self.sessions.by_id.values()
-                if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL
-            ]
-            if not victims:
-                return None
-            self._make_pool_room(min(victims, key=lambda v: v.last_used))
-        return extent
-
-    def _make_pool_room(self, victim: Session) -> None:
-        """Take a snapshot out of the pool: to disk if it can go there; otherwise a resident session loses only
-        its checkpoint (its KV is still hot), and an idle one is evicted."""
-        try:
-            self.spill_out(victim)
-            return
-        except RequestRefused:
-            if victim.slot is None and victim.generation is not None:
-                raise  # it waits for a slot: its snapshot is all it has
-        if victim.slot is not None:
-            self.pool.discard(victim.entry)
-            victim.snapshot = None
-            prefix_links.settle(victim)
-        else:
-            self.evict(victim)
-
-    def spill_out(self, s: Session) -> None:
-        """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""
-        snap = s.snapshot
-        assert snap is not None and snap.tier == TIER_POOL
-        view = self.pool.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)
-        try:
-            self._write_disk(
-                s, view, snap.state_bytes, snap.n_tokens, snap.n_kv, snap.checksum, (snap.prefix_entry, snap.prefix_len)
-            )
-        finally:
-            view.release()
-        self.counts["spills"] += 1
-
-    # ------------------------------------------------------------------ cold tier
-
-    def _write_disk(
-        self,
-        s: Session,
-        payload: memoryview,
-        state_bytes: int,
-        n_tokens: int,
-        n_kv: int,
-        digest: int | None = None,
-        prefix_ref: tuple[int, int] = (NO_PREFIX, 0),
-    ) -> None:
-        self._make_disk_room(len(payload), keep=s)
-        digest = checksum(payload) if digest is None else digest
-        previous = s.snapshot
-        version = (previous.version if previous else 0) + 1
-        try:
-            self.spill.write(s.id, version, payload, state_bytes, n_tokens, n_kv, digest)
-        except OSError as exc:
-            raise RequestRefused(
-                ErrorCode.POOL_FULL,
-                f"Writing a snapshot to the spill directory {self.spill.path} failed ({exc.strerror}); free space "
-                "there or raise cache_pool_size.",
-            ) from None
-        s.snapshot = self.pool.commit(
-            s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload), *prefix_ref
-        )
-        if previous is not None and previous.tier == TIER_DISK:
-            self.spill.remove(s.id, previous.version)
-
-    def _make_disk_room(self, nbytes: int, keep: Session) -> None:
-        if not self.spill.could_fit(nbytes):  # evicting everything would not help
-            raise RequestRefused(
-                ErrorCode.POOL_FULL,
-                f"A {nbytes}-byte snapshot does not fit the pool ({self.pool.size} bytes) nor the spill directory "
-                f"(spill_max_bytes={self.spill.max_bytes}); raise one of them or use shorter contexts.",
-            )
-        while not self.spill.fits(nbytes):
-            victims = [
-                v
-                for v in self.sessions.by_id.values()
-                if v is not keep
-                and v.slot is None
-                and v.generation is None
-                and v.snapshot is not None
-                and v.snapshot.tier == TIER_DISK
-            ]
-            if not victims:
-                raise RequestRefused(
-                    ErrorCode.POOL_FULL,
-                    f"The pool ({self.pool.size} bytes) and the spill directory ({self.spill.max_bytes} bytes) "
-                    "are full of sessions in use; close sessions or raise cache_pool_size or spill_max_bytes.",
-                )
-            self.evict(min(victims, key=lambda v: v.last_used))
+        self.writer.record_tokens(s)
 
     def evict(self, s: Session) -> None:
         """Drop a session for room: its owner gets SESSION_EVICTED from now on."""
