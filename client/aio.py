@@ -25,6 +25,7 @@ from . import protocol as p
 from .address import default_address, ipc_path
 from .client import HEARTBEAT_S, RETRIES
 from .errors import DaemonUnavailable, RequestTimeout
+from .restarts import RestartWatch
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
 
@@ -39,10 +40,7 @@ class AsyncClient:
         self._queues: dict[int, asyncio.Queue[p.AnyReply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
-        self._instance = ""  # the daemon process answering (from hello, then from heartbeats)
-        self._restarted_at = 0.0
-        self._heard_before_restart = 0.0
-        self._last_heard = time.monotonic()
+        self._watch = RestartWatch()
         self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self.daemon_version = ""
         self.model = ""
@@ -75,7 +73,6 @@ class AsyncClient:
             await client.close()
             raise
         client.daemon_version, client.model = hello.daemon_version, hello.model
-        client._instance = hello.instance
         client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client
 
@@ -127,10 +124,7 @@ class AsyncClient:
             except Exception:  # one unreadable frame must not silence every later reply
                 continue
             now = time.monotonic()
-            if isinstance(reply, p.Pong) and reply.instance and reply.instance != self._instance:
-                # as in the sync client: lost only if the old daemon spoke after the request was sent
-                self._instance, self._restarted_at, self._heard_before_restart = reply.instance, now, self._last_heard
-            self._last_heard = now
+            self._watch.heard(reply, now)
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
@@ -149,7 +143,7 @@ class AsyncClient:
         queue = self._queues[request_id]
         while True:
             sent = self._sent_at.get(request_id, started)
-            if self._restarted_at > sent and self._heard_before_restart >= sent:  # it went down with the old
+            if self._watch.lost(sent):  # it went down with the old daemon
                 raise DaemonUnavailable(
                     f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
                     "and send the turn again."

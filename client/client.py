@@ -20,6 +20,7 @@ import zmq
 from . import protocol as p
 from .address import default_address, ipc_path
 from .errors import DaemonUnavailable, RequestTimeout
+from .restarts import RestartWatch
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
@@ -57,10 +58,7 @@ class Client:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._inboxes: dict[int, deque[p.AnyReply]] = {}
-        self._last_heard = time.monotonic()  # when anything last came from the daemon
-        self._instance = ""  # the daemon process answering (from hello, then from heartbeats)
-        self._restarted_at = 0.0  # when a heartbeat showed a new daemon process
-        self._heard_before_restart = 0.0  # the old daemon's last reply before that
+        self._watch = RestartWatch()
         self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self._heartbeat_on = False  # silence means death only once pings are flowing
         try:
@@ -78,7 +76,6 @@ class Client:
             raise
         self.daemon_version = hello.daemon_version
         self.model = hello.model
-        self._instance = hello.instance
         self._closed = threading.Event()
         self._heartbeat_on = True
         self._heartbeat = threading.Thread(target=self._beat, name="kvpool-heartbeat", daemon=True)
@@ -150,12 +147,12 @@ class Client:
                     return inbox.popleft()
                 now = time.monotonic()
                 sent = self._sent_at.get(request_id, started)
-                if self._restarted_at > sent and self._heard_before_restart >= sent:
+                if self._watch.lost(sent):
                     raise DaemonUnavailable(
                         f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
                         "and send the turn again (Session.history() tells whether it was kept)."
                     )
-                if self._heartbeat_on and now - max(self._last_heard, started) > DAEMON_SILENCE_S:
+                if self._heartbeat_on and now - max(self._watch.last_heard, started) > DAEMON_SILENCE_S:
                     raise DaemonUnavailable(
                         f"kvpoold at {self.address} stopped answering heartbeats (it died or is restarting); "
                         "resume the session and send the turn again (Session.history() tells whether it was kept)."
@@ -178,11 +175,7 @@ class Client:
                 return
             now = time.monotonic()
             reply = p.decode_reply(frame)
-            if isinstance(reply, p.Pong) and reply.instance and reply.instance != self._instance:
-                # A new daemon. Requests the old one answered anything after are lost with it; one sent after
-                # the old one last spoke went to the new one.
-                self._instance, self._restarted_at, self._heard_before_restart = reply.instance, now, self._last_heard
-            self._last_heard = now
+            self._watch.heard(reply, now)
             inbox = self._inboxes.get(reply.id)
             if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
                 inbox.append(reply)

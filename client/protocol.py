@@ -151,17 +151,18 @@ AnyRequest = (
 
 class Reply(Struct, tag_field="op", kw_only=True):
     id: int = 0
+    # The daemon process that sent it (new at each start): a client tells a restart by it, see restarts.py.
+    instance: str = ""
 
 
 class HelloReply(Reply, tag="hello"):
     version: int
     daemon_version: str
     model: str
-    instance: str = ""
 
 
 class Pong(Reply, tag="pong"):
-    instance: str = ""  # changes when the daemon restarts: requests sent to the old one are gone
+    pass
 
 
 class HistoryReply(Reply, tag="history"):

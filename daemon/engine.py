@@ -19,8 +19,9 @@ from typing import Any
 from kvpool.client import protocol as p
 from kvpool.client.protocol import ErrorCode, FinishReason
 
+from .calibration import calibrate_on_slot
 from .config import Config
-from .cost_model import CostModel, StepShape, calibrate
+from .cost_model import CostModel, StepShape
 from .engine_status import status_of
 from .errors import RequestRefused
 from .generation import Generation
@@ -179,35 +180,9 @@ class Engine:
         return min(caps) if caps else None
 
     def _calibrate(self) -> None:
-        """Measure a few synthetic steps on a free slot so the cost model starts from this machine's speed."""
-        if self.config.scheduling == "fcfs" or not self.tiers.free_slots:
-            return
-        slot = self.tiers.free_slots[-1]
-        batch = self.model.batch
-        vocab = self.model.n_vocab
-
-        def run(start: int, n: int) -> float:
-            for at in range(0, start, batch.capacity):  # the context, in batches the context accepts
-                batch.clear()
-                count = min(batch.capacity, start - at)
-                batch.add(slot, [t % vocab for t in range(3 + at, 3 + at + count)], at, False)
-                self.model.decode()
-            n = min(n, batch.capacity)
-            batch.clear()
-            batch.add(slot, [t % vocab for t in range(7, 7 + n)], start, True)
-            began = time.perf_counter()
-            self.model.decode()
-            seconds = time.perf_counter() - began
-            self.model.forget_sequence(slot)
-            return seconds
-
-        try:
-            calibrate(self.cost, run)
-        except Exception:  # the online updates will still fit the model; serving matters more
-            log.exception("cost model calibration failed; starting from the prior")
-            self.model.forget_sequence(slot)
-            return
-        log.info("cost model calibrated: %s", {k: v for k, v in self.cost.as_dict().items() if k != "calibration"})
+        """Start the cost model from this machine's speed (budgets need it; fcfs does not)."""
+        if self.config.scheduling != "fcfs" and self.tiers.free_slots:
+            calibrate_on_slot(self.model, self.tiers.free_slots[-1], self.cost)
 
     def _take_requests(self, block: bool) -> None:
         try:

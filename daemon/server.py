@@ -152,6 +152,7 @@ class Server:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(OUTBOX)
             self._sender_local.sock = sock
+        reply.instance = INSTANCE
         sock.send_multipart([client, p.encode(reply)])  # small frames: copying is cheaper than zero-copy tracking
 
     def close_sender(self) -> None:
@@ -246,7 +247,7 @@ class Server:
 
     def _refuse(self, client: bytes, request_id: int, code: ErrorCode, message: str) -> None:
         self.frame_errors[code.value] += 1
-        self._deliver([client, p.encode(p.Error(id=request_id, code=code, message=message))])
+        self._deliver([client, p.encode(p.Error(id=request_id, code=code, message=message, instance=INSTANCE))])
 
     # ------------------------------------------------------------------ teardown
 

@@ -161,3 +161,19 @@ def test_example_configs_load() -> None:
         assert "default" in config.tasks, path
     edge = load_config(ROOT / "configs" / "edge-2gb.toml")
     assert edge.cache_pool_size == 192 << 20 and edge.tasks["vision"].best_effort
+
+
+def test_a_request_is_lost_to_a_restart_only_if_the_old_daemon_heard_it() -> None:
+    from kvpool.client import protocol as p
+    from kvpool.client.restarts import RestartWatch
+
+    watch = RestartWatch()
+    watch.heard(p.HelloReply(version=1, daemon_version="x", model="m", instance="old"), now=1.0)
+    watch.heard(p.Chunk(text="a", tokens=[1], instance="old"), now=2.5)  # the old daemon answered request 2
+    # a new daemon answers first with a chunk (before any pong): that chunk is the new daemon's, by its instance
+    watch.heard(p.Chunk(text="b", tokens=[2], instance="new"), now=3.0)
+    assert watch.restarted_at == 3.0 and watch.heard_before_restart == 2.5
+    assert watch.lost(sent=2.0)  # sent before the old daemon's last word: it went down with it
+    assert not watch.lost(sent=2.7)  # sent after: the new daemon got it
+    watch.heard(p.Pong(instance="new"), now=4.0)
+    assert watch.restarted_at == 3.0  # the same daemon again: no new restart
