@@ -19,8 +19,8 @@ from latency import summary
 from kvpool.client import Client, KvpoolError
 
 INSTRUCTIONS = (
-    "A home robot's camera sees the scenes below. For each one, write a caption of one line that names the "
-    "main objects, where they are and anything that moves, in plain words a person can read at a glance.\n"
+    "You write short captions for the camera frames of a home robot. Each caption is one sentence that names "
+    "the main objects and what moves.\n\n"
 )
 
 
@@ -41,7 +41,7 @@ def main() -> int:
             for i, scene in enumerate(scenes):
                 with client.open_session(args.task, system_prompt=INSTRUCTIONS) as session:
                     result = session.complete(
-                        f"Scene: {scene}\nCaption in one line:",
+                        f"Scene: {scene}\nCaption:",
                         max_tokens=args.max_tokens,
                         temperature=0.0,
                         stop=["\n"],

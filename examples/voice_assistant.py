@@ -34,11 +34,8 @@ def main() -> int:
     refused = 0
     started = time.monotonic()
     try:
-        with (
-            Client(args.address, name="voice-assistant") as client,
-            client.open_session(args.task, system_prompt=PREAMBLE) as session,
-        ):
-            prompt = ""
+        with Client(args.address, name="voice-assistant") as client, client.open_session(args.task) as session:
+            prompt = PREAMBLE
             for line in lines:
                 question = line.strip()
                 if not question:
