@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,19 +261,17 @@ class Model:
         """Copy the sequence's KV state into ``dest`` (e.g. a view of the shared-memory pool); bytes written."""
         return lc.llama_state_seq_get_data(self.ctx, dest, len(dest), seq_id)
 
-    def save_cells_from(self, seq_id: int, first: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
-        """Save only the sequence's cells at positions >= ``first`` (a suffix past a shared prefix): they are
-        shared into the scratch sequence, which is saved and emptied. Bytes written."""
+    @contextmanager
+    def cells_from(self, seq_id: int, first: int) -> Iterator[int]:
+        """A sequence holding just ``seq_id``'s cells at positions >= ``first`` (a suffix past a shared prefix),
+        to size and save: the scratch sequence, sharing those cells while the block runs (``first`` 0: the
+        sequence itself)."""
+        if not first:
+            yield seq_id
+            return
         self.share_cells(seq_id, self.scratch_seq, first, -1)
         try:
-            return lc.llama_state_seq_get_data(self.ctx, dest, len(dest), self.scratch_seq)
-        finally:
-            self.forget_sequence(self.scratch_seq)
-
-    def suffix_state_size(self, seq_id: int, first: int) -> int:
-        self.share_cells(seq_id, self.scratch_seq, first, -1)
-        try:
-            return lc.llama_state_seq_get_size(self.ctx, self.scratch_seq)
+            yield self.scratch_seq
         finally:
             self.forget_sequence(self.scratch_seq)
 

@@ -19,7 +19,6 @@ import fcntl
 import mmap
 import os
 import time
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -413,8 +412,8 @@ class Pool:
         assert snap is not None and snap.version == version
         return snap
 
-    def verify(self, snap: Snapshot, helper: Executor | None = None) -> bool:
-        return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens), helper) == snap.checksum
+    def verify(self, snap: Snapshot) -> bool:
+        return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)) == snap.checksum
 
     def in_bounds(self, snap: Snapshot) -> bool:
         """The record describes bytes inside its own extent, inside the extent area."""

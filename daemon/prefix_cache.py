@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from concurrent.futures import Executor
 from typing import Any
 
 from .checksum import checksum
@@ -35,8 +34,8 @@ class PrefixCorrupt(Exception):
 
 
 class PrefixCache:
-    def __init__(self, model: Model, pool: Pool, config: Config, helper: Executor | None = None):
-        self.model, self.pool, self.helper = model, pool, helper
+    def __init__(self, model: Model, pool: Pool, config: Config):
+        self.model, self.pool = model, pool
         self.enabled = bool(model.prefix_seqs)
         self.max_prefixes = config.max_prefixes if self.enabled else 0
         self.block = config.prefix_block_tokens
@@ -79,7 +78,7 @@ class PrefixCache:
         snap = prefix.snapshot
         if snap is None:
             return False
-        if not self.pool.verify(snap, self.helper):
+        if not self.pool.verify(snap):
             self._discard_snapshot(prefix)
             raise PrefixCorrupt(f"the snapshot of shared prefix {prefix.id} fails its checksum")
         seq = self._free_seq()
@@ -178,7 +177,7 @@ class PrefixCache:
             self.pool.release(entry)
             return
         self.pool.write_tokens(extent.offset + state_bytes, prefix.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload), self.helper)
+        digest = checksum(self.pool.view(extent.offset, payload))
         n = len(prefix.tokens)
         prefix.snapshot = self.pool.commit(entry, TIER_POOL, extent, state_bytes, n, n, digest, payload)
         prefix.entry = entry
@@ -221,18 +220,14 @@ class PrefixCache:
     def drop_unused_snapshot(self, keep: Prefix | None = None) -> bool:
         """Free pool room by forgetting the least recently used prefix no session uses (before any session
         snapshot is spilled). False when every prefix with a snapshot is in use."""
+        return self._forget_one_unused(keep, with_snapshot=True)
+
+    def _forget_one_unused(self, keep: Prefix | None = None, with_snapshot: bool = False) -> bool:
         for prefix in eviction_order(self.by_id.values()):
-            if prefix is not keep and prefix.snapshot is not None:
+            if prefix is not keep and (prefix.snapshot is not None or not with_snapshot):
                 self._forget(prefix)
                 return True
         return False
-
-    def _forget_one_unused(self) -> bool:
-        victims = eviction_order(self.by_id.values())
-        if not victims:
-            return False
-        self._forget(victims[0])
-        return True
 
     def _forget(self, prefix: Prefix) -> None:
         assert not prefix.in_use

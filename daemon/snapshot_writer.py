@@ -8,7 +8,6 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 
 import numpy as np
 
@@ -55,36 +54,36 @@ class SnapshotWriter:
         sessions: SessionTable,
         prefixes: PrefixCache,
         counts: dict[str, float],
-        helper: Executor,
         evict: Callable[[Session], None],
     ):
         self.model, self.pool, self.spill, self.sessions = model, pool, spill, sessions
-        self.prefixes, self.counts, self.helper, self.evict = prefixes, counts, helper, evict
+        self.prefixes, self.counts, self.evict = prefixes, counts, evict
 
     def checkpoint(self, s: Session) -> None:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
         assert s.slot is not None
         first = prefix_links.suffix_start(s)
-        state_bytes = self.model.suffix_state_size(s.slot, first) if first else self.model.state_size(s.slot)
-        payload = state_bytes + 4 * len(s.tokens)
-        extent = self._allocate(payload, pinned=s)
-        if extent is None:
-            self._checkpoint_to_disk(s, state_bytes, first)
-            return
-        started = time.perf_counter()
-        state = self.pool.address(extent.offset, state_bytes)
-        try:
-            written = self._save_cells(s, first, state)
-        except BaseException:
-            self.pool.allocator.free(extent)
-            raise
-        finally:
-            del state
+        with self.model.cells_from(s.slot, first) as source:
+            state_bytes = self.model.state_size(source)
+            payload = state_bytes + 4 * len(s.tokens)
+            extent = self._allocate(payload, pinned=s)
+            if extent is None:
+                self._checkpoint_to_disk(s, source, state_bytes, first)
+                return
+            started = time.perf_counter()
+            state = self.pool.address(extent.offset, state_bytes)
+            try:
+                written = self.model.save_state(source, state)
+            except BaseException:
+                self.pool.allocator.free(extent)
+                raise
+            finally:
+                del state
         if written != state_bytes:
             self.pool.allocator.free(extent)
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         self.pool.write_tokens(extent.offset + state_bytes, s.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload), self.helper)
+        digest = checksum(self.pool.view(extent.offset, payload))
         prefix_ref = prefix_links.snapshot_ref(s, first)
         previous = s.snapshot
         s.snapshot = self.pool.commit(
@@ -95,10 +94,6 @@ class SnapshotWriter:
             self.spill.remove(s.id, previous.version)
         self.counts["checkpoints"] += 1
         timed(self.counts, "checkpoint", state_bytes, time.perf_counter() - started)
-
-    def _save_cells(self, s: Session, first: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
-        assert s.slot is not None
-        return self.model.save_cells_from(s.slot, first, dest) if first else self.model.save_state(s.slot, dest)
 
     def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
         """Bytes the new snapshot did not store again because it builds on a prefix (for status)."""
@@ -121,11 +116,10 @@ class SnapshotWriter:
         digest = checksum(self.pool.view(extent.offset, payload))
         s.snapshot = self.pool.commit(s.entry, TIER_POOL, extent, 0, len(s.tokens), 0, digest, payload)
 
-    def _checkpoint_to_disk(self, s: Session, state_bytes: int, first: int) -> None:
+    def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
-        assert s.slot is not None
         buffer = (ctypes.c_uint8 * (state_bytes + 4 * len(s.tokens)))()
-        written = self._save_cells(s, first, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
+        written = self.model.save_state(source, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
         if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         view = memoryview(buffer).cast("B")

@@ -37,7 +37,7 @@ class Tiers:
         self.resident: dict[int, Session] = {}
         # Restores verify their checksum on this thread while llama.cpp loads the same bytes.
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="checksum")
-        self.prefixes = PrefixCache(model, pool, config, self.helper)
+        self.prefixes = PrefixCache(model, pool, config)
         self.counts: dict[str, float] = {
             "hibernations": 0,
             "restores_pool": 0,
@@ -60,7 +60,7 @@ class Tiers:
             "restore_pool_large_bytes": 0,
             "restore_pool_large_count": 0,
         }
-        self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.helper, self.evict)
+        self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.evict)
 
     # ------------------------------------------------------------------ hot tier
 
