@@ -2,10 +2,10 @@
 
 Snapshots are megabytes and sit on the hibernate/restore path, so the checksum must run near memory speed:
 a CRC-32 (zlib, ~4 GB/s here) would take longer than llama.cpp's own copy of the state (~10-16 GB/s). This
-is a 64-bit position-weighted sum over 32 KiB blocks, computed by numpy in one pass (memory-bound: 24-60 GB/s): any flipped
-byte changes the plain sum, and blocks that move or swap change the weighted one. It detects damage (stray
-writes, bit rot, truncation); it is not a defence against deliberate tampering, which the pool's file mode
-handles.
+is a 64-bit position-weighted sum over 32 KiB blocks, computed by numpy in one memory-bound pass (24-60 GB/s):
+any flipped byte changes the plain sum, and blocks that move or swap change the weighted one. It detects damage
+(stray writes, bit rot, truncation); it is not a defence against deliberate tampering, which the pool's file
+mode handles.
 """
 
 from __future__ import annotations
