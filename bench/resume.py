@@ -6,8 +6,9 @@ For contexts of about 256, 1024 and 2048 tokens on the default model (2 threads)
   (c) disk       the session's snapshot lives in the spill directory (a daemon whose pool is too small)
   (d) prefill    a new session is given the whole conversation as text: what a daemon without a pool does
 TTFT is the daemon's measurement (arrival to first token), median of --repeat runs. The daemon's own pool
-counters give the checkpoint (save + checksum) and restore (checksum + load) bandwidth, printed next to a
-plain memcpy of the same number of bytes measured in this process in the same run.
+counters, read after every turn, give each checkpoint's (save + checksum) and each restore's (checksum + load)
+bandwidth; their medians are printed next to the median of a plain memcpy of the same number of bytes measured
+in this process in the same run (the means over all moves are printed too).
 
     python bench/resume.py [--model PATH] [--repeat 5]
 """
@@ -55,7 +56,29 @@ def push_out(client: Client, session: Session, others: list[Session], expect: st
         raise RuntimeError(f"the session went to {tier}, not {expect}")
 
 
-def measure_context(address: str, disk_address: str, target: int, repeat: int) -> dict[str, float]:
+class MoveSamples:
+    """Per-move bandwidth of large snapshots (1 MiB and up, counted apart by the daemon), from the daemon's
+    counters read after each turn: a turn that made exactly one large move of a kind gives one sample."""
+
+    KINDS = ("checkpoint", "restore_pool")
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.samples: dict[str, list[float]] = {k: [] for k in self.KINDS}
+        self.last = client.status()["moves"]
+
+    def take(self) -> None:
+        now = self.client.status()["moves"]
+        for kind in self.KINDS:
+            count = now[f"{kind}_large_count"] - self.last[f"{kind}_large_count"]
+            if count == 1:
+                nbytes = now[f"{kind}_large_bytes"] - self.last[f"{kind}_large_bytes"]
+                seconds = now[f"{kind}_large_seconds"] - self.last[f"{kind}_large_seconds"]
+                self.samples[kind].append(nbytes / seconds)
+        self.last = now
+
+
+def measure_context(address: str, disk_address: str, target: int, repeat: int, moves: MoveSamples) -> dict[str, float]:
     text = history_text(target)
     row: dict[str, float] = {}
     with Client(address, timeout=600) as client:
@@ -70,7 +93,9 @@ def measure_context(address: str, disk_address: str, target: int, repeat: int) -
         pool_ttfts = []
         for _ in range(repeat):
             push_out(client, s, others, "pool")
+            moves.take()  # the others' small moves (and any left from before) are not samples
             pool_ttfts.append(next_turn_ttft(s))
+            moves.take()  # one restore and one checkpoint of the measured session
         row["pool"] = statistics.median(pool_ttfts)
         prefill = []
         for _ in range(repeat):
@@ -123,17 +148,23 @@ def main() -> int:
     with (
         private_daemon(model, *common, "--cache-pool-size", "512MiB") as warm,
         private_daemon(model, *common, "--cache-pool-size", "1MiB", "--spill-max-bytes", "2GiB") as cold,
+        Client(warm.address) as client,
     ):
+        samples = MoveSamples(client)
         for target in TARGETS:
-            row = measure_context(warm.address, cold.address, target, args.repeat)
+            row = measure_context(warm.address, cold.address, target, args.repeat, samples)
             rows.append(row)
             print(f"measured {target}: {row}", file=sys.stderr, flush=True)
-        with Client(warm.address) as client:
-            moves = client.status()["moves"]
+        moves = client.status()["moves"]
     # Snapshots of 1 MiB or more (the daemon counts them apart): small ones (the 10-token sessions used to push
     # the measured one out) cost fixed microseconds each, which is not bandwidth.
-    save_bw = moves["checkpoint_large_bytes"] / moves["checkpoint_large_seconds"]
-    restore_bw = moves["restore_pool_large_bytes"] / moves["restore_pool_large_seconds"]
+    # Medians of the per-move bandwidths (a move the OS preempted is an outlier, not a bandwidth), and the
+    # means over all moves (total bytes / total seconds) for comparison.
+    save_bw = statistics.median(samples.samples["checkpoint"])
+    restore_bw = statistics.median(samples.samples["restore_pool"])
+    mean_save_bw = moves["checkpoint_large_bytes"] / moves["checkpoint_large_seconds"]
+    mean_restore_bw = moves["restore_pool_large_bytes"] / moves["restore_pool_large_seconds"]
+    mean_round_trip_bw = 2 / (1 / mean_save_bw + 1 / mean_restore_bw)
     mean_bytes = int(
         (moves["checkpoint_large_bytes"] + moves["restore_pool_large_bytes"])
         / max(1, moves["checkpoint_large_count"] + moves["restore_pool_large_count"])
@@ -158,16 +189,24 @@ def main() -> int:
             f"{int(r['tokens']):>8} | {r['resident']:>8.1f} | {r['pool']:>8.1f} | {r['disk']:>8.1f} | "
             f"{r['prefill']:>11.1f} | {r['prefill'] / r['pool']:>11.1f}x"
         )
+    n_save, n_restore = len(samples.samples["checkpoint"]), len(samples.samples["restore_pool"])
     print(
-        f"\nPool bandwidth, snapshots >= 1 MiB (mean {mean_bytes / 2**20:.1f} MiB): checkpoint "
-        f"{save_bw / 1e9:.2f} GB/s, restore {restore_bw / 1e9:.2f} GB/s, round trip {round_trip_bw / 1e9:.2f} GB/s"
-        f" (all snapshots, small ones included: checkpoint {all_save_bw / 1e9:.2f}, restore "
-        f"{all_restore_bw / 1e9:.2f} GB/s)"
+        f"\nPool bandwidth, snapshots >= 1 MiB (mean {mean_bytes / 2**20:.1f} MiB), median of {n_save} checkpoints "
+        f"and {n_restore} restores: checkpoint {save_bw / 1e9:.2f} GB/s, restore {restore_bw / 1e9:.2f} GB/s, "
+        f"round trip {round_trip_bw / 1e9:.2f} GB/s"
     )
     print(
-        f"memcpy of the same bytes: cold {cold_bw / 1e9:.2f} GB/s (before the run {cold_before / 1e9:.2f}, after "
-        f"{cold_after / 1e9:.2f}), cache-hot {hot_bw / 1e9:.2f} GB/s; "
-        f"round trip / cold memcpy = {round_trip_bw / cold_bw:.2f}, / hot memcpy = {round_trip_bw / hot_bw:.2f}"
+        f"  means over all moves: checkpoint {mean_save_bw / 1e9:.2f}, restore {mean_restore_bw / 1e9:.2f}, round "
+        f"trip {mean_round_trip_bw / 1e9:.2f} GB/s (small snapshots included: checkpoint {all_save_bw / 1e9:.2f}, "
+        f"restore {all_restore_bw / 1e9:.2f} GB/s)"
+    )
+    print(
+        f"memcpy of the same bytes (median of 9): cold {cold_bw / 1e9:.2f} GB/s (before the run "
+        f"{cold_before / 1e9:.2f}, after {cold_after / 1e9:.2f}), cache-hot {hot_bw / 1e9:.2f} GB/s"
+    )
+    print(
+        f"round trip / cold memcpy: medians {round_trip_bw / cold_bw:.2f} (target >= 0.5), means "
+        f"{mean_round_trip_bw / cold_bw:.2f}; medians / hot memcpy {round_trip_bw / hot_bw:.2f}"
     )
     out = HERE / "out"
     out.mkdir(exist_ok=True)
@@ -179,6 +218,8 @@ def main() -> int:
                 "memcpy_cold_bytes_per_s": cold_bw,
                 "memcpy_hot_bytes_per_s": hot_bw,
                 "round_trip_bytes_per_s": round_trip_bw,
+                "mean_round_trip_bytes_per_s": mean_round_trip_bw,
+                "samples_bytes_per_s": samples.samples,
             },
             indent=2,
         )
