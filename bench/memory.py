@@ -5,7 +5,9 @@
   bare     N idle Python processes: the interpreter a Python task has with or without kvpool, so the client
            library's own share of a task process can be told apart
   Llama    N processes, each running llama-cpp-python's `Llama` with a 512-token context on the same prompt
-Reports the marginal MiB per added task and the ratio at N = 4, then checks the start-up memory plan against
+Reports the marginal MiB per added task and the ratio at N = 4 next to a floor: what any design with one Python
+daemon and N Python tasks must hold at least (the weights, a Python process holding just the loaded model, N idle
+Python processes and N contexts of KV). Then checks the start-up memory plan against
 the measured PSS of a daemon on configs/edge-2gb.toml whose hot slots are full (weights, KV and compute
 buffers all touched). PSS divides shared pages (the model file, libraries) among the processes mapping them.
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -48,6 +52,48 @@ def role_llama(model: str) -> None:
     llm.create_completion(PROMPT, max_tokens=4, temperature=0.0)
     print("ready", flush=True)
     sys.stdin.readline()
+
+
+def role_model(model: str) -> None:
+    import llama_cpp  # the model alone, no context: what any Python process serving it holds besides the KV
+
+    llama_cpp.llama_backend_init()
+    loaded = llama_cpp.llama_model_load_from_file(model.encode(), llama_cpp.llama_model_default_params())
+    if not loaded:
+        raise SystemExit("the model did not load")
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
+def pss_besides(pid: int, path: str) -> int:
+    """The process's PSS in bytes, without its mapping of the file ``path``."""
+    total, skip = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping's header line
+                skip = len(fields) > 5 and fields[5] == path
+            elif fields[0] == "Pss:" and not skip:
+                total += int(fields[1]) * 1024
+    return total
+
+
+def model_process_mib(model: str) -> float:
+    """MiB a Python process that has only loaded the model holds besides the weights file (vocabulary, llama.cpp's
+    model structures, the interpreter, numpy)."""
+    proc = subprocess.Popen(
+        me("model", model), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the model process failed to start")
+        time.sleep(1.0)  # let page accounting settle (measurement, not synchronisation)
+        return pss_besides(proc.pid, os.path.realpath(model)) / MIB
+    finally:
+        if proc.poll() is None:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            proc.wait(60)
 
 
 def hold(cmds: list[list[str]], extra_pids: list[int]) -> tuple[int, list[int]]:
@@ -105,7 +151,7 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     args = ap.parse_args()
     if args.role:
-        {"llama": role_llama}[args.role](args.args[0])
+        {"llama": role_llama, "model": role_model}[args.role](args.args[0])
         return 0
     model = default_model(args.model)
     rows = []
@@ -126,6 +172,8 @@ def main() -> int:
             kvpool, parts = hold([task] * n, [daemon.proc.pid])
             with Client(daemon.address) as client:
                 status = client.status()
+            # the weights every decode has read, as resident in the only process mapping the file
+            weights = pss([daemon.proc.pid]) - pss_besides(daemon.proc.pid, os.path.realpath(model))
         llama, _ = hold([me("llama", model) for _ in range(n)], [])
         bare, _ = hold([BARE] * n, [])
         kv_per_task = status["kv"]["cells_used"] / n * 18 * 1024  # Gemma 3 270M: 18 layers x 1 KiB per cell
@@ -138,6 +186,7 @@ def main() -> int:
                 "task_process_mib": sum(parts[:-1]) / n / MIB,
                 "kv_per_task_mib": kv_per_task / MIB,
                 "bare_python_mib": bare / n / MIB,
+                "weights_mib": weights / MIB,
             }
         )
         print(f"measured N={n}: {rows[-1]}", file=sys.stderr, flush=True)
@@ -172,6 +221,15 @@ def main() -> int:
         f"{marginal('daemon_mib') - kv:.1f} + client library {client_library:.1f} MiB"
     )
     print(f"ratio at N=4: {at4['kvpool_mib'] / at4['llama_mib']:.2f}")
+    weights = at4["weights_mib"]
+    model_rest = model_process_mib(model)
+    floor4 = weights + model_rest + 4 * (bare + at4["kv_per_task_mib"])
+    print(
+        f"floor at N=4 for one Python daemon and 4 Python tasks: resident weights {weights:.1f} + the loaded model's "
+        f"process besides them {model_rest:.1f} + 4 x (idle Python {bare:.1f} + KV {at4['kv_per_task_mib']:.1f}) = "
+        f"{floor4:.1f} MiB = {floor4 / at4['llama_mib']:.2f} of N x Llama (target <= 0.50); marginal floor per task: "
+        f"idle Python + KV = KV + {bare:.1f} MiB (target KV + 5)"
+    )
     print(f"\nconfigs/edge-2gb.toml memory plan:\n{edge['plan_table']}")
     print(
         f"measured PSS with both hot slots full: {edge['measured_pss_mib']:.1f} MiB; plan {edge['plan_mib']:.1f} "
@@ -182,7 +240,15 @@ def main() -> int:
     out.mkdir(exist_ok=True)
     (out / "memory.json").write_text(
         json.dumps(
-            {"rows": rows, "marginal_kvpool_mib": marginal_kvpool, "marginal_llama_mib": marginal_llama, "edge": edge},
+            {
+                "rows": rows,
+                "marginal_kvpool_mib": marginal_kvpool,
+                "marginal_llama_mib": marginal_llama,
+                "floor_at_4_mib": floor4,
+                "weights_mib": weights,
+                "model_process_besides_weights_mib": model_rest,
+                "edge": edge,
+            },
             indent=2,
         )
     )
