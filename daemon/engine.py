@@ -315,11 +315,13 @@ class Engine:
         self, g: Generation, reason: FinishReason, now: float, flushed: bool = False, checkpoint: bool = True
     ) -> None:
         """End a generation: flush its text, checkpoint its session (by policy), then send its final message.
-        The final message comes after the checkpoint, so a turn the client saw finish is never lost to a crash."""
+        The final message comes after the checkpoint, so a turn the client saw finish is never silently lost to a
+        crash: when the checkpoint fails, the session is marked so that a crash evicts it instead."""
         if not flushed and (rest := g.text.flush()):
             self.send(g.client, p.Chunk(id=g.request.id, text=rest, tokens=[]))
         self._release(g)
         g.session.last_used = now
+        self.pool.touch(g.session.entry)  # a restarted daemon times the session out from here, not from its start
         self.counters.finished[reason.value] += 1
         stats = self.task_stats[g.session.task]
         stats.late_tokens += g.late_tokens
@@ -330,6 +332,9 @@ class Engine:
                 self.tiers.checkpoint(g.session)
             except (RequestRefused, OSError) as exc:  # the session stays resident and usable, just not durable
                 log.warning("checkpoint of session %s failed: %s", g.session.id, exc)
+                # Its older snapshot lacks this turn: a daemon restarted from it would answer the next turn as if
+                # this one never happened. Give it up, so that a crash before the next checkpoint evicts instead.
+                self.tiers.give_up_snapshot(g.session)
         self.send(g.client, g.final(reason, now))
 
     def _record_first_token(self, g: Generation, now: float) -> None:

@@ -32,7 +32,10 @@ LAYOUT_VERSION = 2  # 2: prefix entries, and snapshot records that name the pref
 HEADER_BYTES = 4096
 ALIGN = 64
 
-FREE, LIVE, EVICTED = 0, 1, 2  # entry states; EVICTED keeps the id so its owner learns SESSION_EVICTED
+# Entry states. EVICTED keeps the id so its owner learns SESSION_EVICTED. UNSAVED is a live session whose saved
+# state was given up for room (its KV is still hot): if the daemon dies before its next checkpoint, it comes back
+# evicted, never as an older or empty context.
+FREE, LIVE, EVICTED, UNSAVED = 0, 1, 2, 3
 SESSION, PREFIX = 0, 1  # entry kinds: a session, or a prefix shared by sessions (its snapshot is whole)
 NO_PREFIX = -1
 TIER_POOL, TIER_DISK = 1, 2
@@ -334,6 +337,8 @@ class Pool:
                 return None
             free = evicted[np.argsort(self.table["last_used"][evicted])]
         index = int(free[0])
+        if states[index] == EVICTED:  # a crash inside mark_evicted can leave a tombstone that still holds an extent
+            self._free_committed(index)
         e = self.table[index]
         e["state"] = FREE
         now = time.time()
@@ -359,13 +364,25 @@ class Pool:
         self.table[index]["records"]["version"] = 0
 
     def discard(self, index: int) -> None:
-        """Drop a resident session's checkpoint to make room (its KV is still hot). The older record is
-        cleared first: a crash in between leaves the newer one, never a stale older snapshot."""
+        """Drop a resident session's checkpoint to make room (its KV is still hot): the entry is UNSAVED until
+        the next commit. The older record is cleared first: a crash in between leaves the newer one (with which
+        recovery treats the entry as live), never a stale older snapshot."""
+        self.table[index]["state"] = UNSAVED  # first
         records = self.table[index]["records"]
         newer = int(np.argmax(records["version"]))
         self._free_committed(index)
         records["version"][1 - newer] = 0
         records["version"][newer] = 0
+
+    def mark_unsaved(self, index: int) -> None:
+        """The session holds state its committed snapshot lacks and could not be saved (no room)."""
+        self.table[index]["state"] = UNSAVED
+
+    def settle_unsaved(self) -> None:
+        """At attach, before recovery: an UNSAVED entry with a committed snapshot was saved after all (a crash hit
+        between the commit and its state store) and is live; one without is a tombstone (SESSION_EVICTED)."""
+        for index in np.nonzero(self.table["state"] == UNSAVED)[0]:
+            self.table[index]["state"] = LIVE if self.committed(int(index)) is not None else EVICTED
 
     def _free_committed(self, index: int) -> None:
         snap = self.committed(index)
@@ -406,6 +423,8 @@ class Pool:
         r["prefix_entry"], r["prefix_len"] = prefix_entry, prefix_len
         version = 1 if previous is None else previous.version + 1
         records["version"][k] = version  # the commit: one aligned 8-byte store
+        if self.table[index]["state"] == UNSAVED:
+            self.table[index]["state"] = LIVE  # saved again (a crash just before this is settled at attach)
         if previous is not None and previous.tier == TIER_POOL:
             self.allocator.free(previous.extent)
         snap = self.committed(index)
@@ -442,6 +461,6 @@ class Pool:
             "free_bytes": a.free_bytes,
             "largest_free_extent_bytes": a.largest_free,
             "entries": len(self.table),
-            "entries_used": int(np.count_nonzero(self.table["state"] == LIVE)),
+            "entries_used": int(np.count_nonzero(np.isin(self.table["state"], (LIVE, UNSAVED)))),
             "prefix_entries": int(np.count_nonzero((self.table["state"] == LIVE) & (self.table["kind"] == PREFIX))),
         }

@@ -140,6 +140,7 @@ class RequestHandlers:
     def resume(self, client: bytes, r: p.ResumeSession) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
         s.last_used = time.monotonic()
+        self.engine.pool.touch(s.entry)
         return self._opened(r.id, s)
 
     def history(self, client: bytes, r: p.History) -> p.Reply:

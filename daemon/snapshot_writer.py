@@ -111,6 +111,7 @@ class SnapshotWriter:
             extent = self.pool.allocator.allocate(payload)
         if extent is None:
             log.warning("no free pool room for session %s's system prompt: it is kept in memory only", s.id)
+            self.pool.mark_unsaved(s.entry)  # a crash before its first checkpoint evicts it, never empties it
             return
         self.pool.write_tokens(extent.offset, s.tokens)
         digest = checksum(self.pool.view(extent.offset, payload))
@@ -155,11 +156,20 @@ class SnapshotWriter:
             if victim.slot is None and victim.generation is not None:
                 raise  # it waits for a slot: its snapshot is all it has
         if victim.slot is not None:
-            self.pool.discard(victim.entry)
-            victim.snapshot = None
-            prefix_links.settle(victim)
+            self.give_up(victim)
         else:
             self.evict(victim)
+
+    def give_up(self, s: Session) -> None:
+        """Drop a resident session's saved state: for room, or because its newest state could not be saved. Its
+        KV stays hot; if the daemon dies before its next checkpoint, its owner gets SESSION_EVICTED instead of
+        an older context that would answer as if the last turns never happened."""
+        previous = s.snapshot
+        self.pool.discard(s.entry)
+        if previous is not None and previous.tier == TIER_DISK:
+            self.spill.remove(s.id, previous.version)
+        s.snapshot = None
+        prefix_links.settle(s)
 
     def spill_out(self, s: Session) -> None:
         """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""

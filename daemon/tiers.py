@@ -244,6 +244,9 @@ class Tiers:
     def record_tokens(self, s: Session) -> None:
         self.writer.record_tokens(s)
 
+    def give_up_snapshot(self, s: Session) -> None:
+        self.writer.give_up(s)
+
     def evict(self, s: Session) -> None:
         """Drop a session for room: its owner gets SESSION_EVICTED from now on."""
         log.warning("evicting session %s (task %s): the pool and the spill directory are full", s.id, s.task)
@@ -263,12 +266,14 @@ class Tiers:
         prefix_links.detach(s)
         if prefix is not None:
             self.prefixes.forget_if_damaged(prefix)
-        if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
-            self.spill.remove(s.id, s.snapshot.version)
+        # The table first, then the spill file: a crash in between leaves an orphan file (removed at the next
+        # start), never a live entry naming a file that is gone.
         if evicted:
             self.pool.mark_evicted(s.entry)
         else:
             self.pool.release(s.entry)
+        if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
+            self.spill.remove(s.id, s.snapshot.version)
         self.sessions.remove(s, evicted=evicted)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvpool.daemon.allocator import Extent, ExtentAllocator
 from kvpool.daemon.checksum import checksum
-from kvpool.daemon.pool import TIER_DISK, TIER_POOL, Pool, PoolError
+from kvpool.daemon.pool import EVICTED, LIVE, TIER_DISK, TIER_POOL, UNSAVED, Pool, PoolError
 
 AREA_START, AREA_SIZE, ALIGN = 4096, 64 * 1024, 64
 
@@ -163,6 +163,42 @@ def test_disk_tier_record_and_eviction_tombstone(pool_name: str) -> None:
     (entry,) = pool.entries()
     assert entry.snapshot is None and entry.session == "s1"
     pool.close()
+
+
+def test_a_tombstone_left_by_a_crash_gives_its_extent_back_when_reused(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    index = pool.claim("s1", "t", "default")
+    assert index is not None
+    write_snapshot(pool, index, b"state of an evicted session", [1, 2])
+    pool.table[index]["state"] = EVICTED  # a crash inside mark_evicted: the record is not cleared yet
+    pool.close()
+    again = open_pool(pool_name)
+    assert again.usage()["used_bytes"] > 0  # the tombstone's record still counts at attach
+    for i in range(8):  # fill every free entry, so the next claim reuses the tombstone
+        if i != index:
+            assert again.claim(f"other{i}", "t", "default") is not None
+    assert again.claim("s2", "t", "default") == index
+    assert again.usage()["used_bytes"] == 0  # its extent was freed, not leaked
+    again.close()
+
+
+def test_a_given_up_checkpoint_comes_back_evicted_unless_saved_again(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    gone, saved_again, prompt_only = (pool.claim(f"s{i}", "t", "default") for i in range(3))
+    assert gone is not None and saved_again is not None and prompt_only is not None
+    for index in (gone, saved_again):
+        write_snapshot(pool, index, b"older turn", [1, 2])
+        pool.discard(index)  # given up for room: the session's KV is hot, its saved state is gone
+    write_snapshot(pool, saved_again, b"newer turn", [1, 2, 3])  # the next checkpoint succeeds
+    pool.mark_unsaved(prompt_only)  # a system prompt with no room to be recorded
+    states = {e.session: e.state for e in pool.entries()}
+    assert states == {"s0": UNSAVED, "s1": LIVE, "s2": UNSAVED}
+    pool.close()
+    again = open_pool(pool_name)
+    again.settle_unsaved()  # what recovery does first
+    states = {e.session: (e.state, e.snapshot is not None) for e in again.entries()}
+    assert states == {"s0": (EVICTED, False), "s1": (LIVE, True), "s2": (EVICTED, False)}
+    again.close()
 
 
 @pytest.mark.parametrize(

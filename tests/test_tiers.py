@@ -236,6 +236,44 @@ def test_sessions_expire_in_every_tier(start_daemon: Start) -> None:
         assert status["sessions"]["open"] == 0 and status["pool"]["used_bytes"] == 0
 
 
+def test_idle_time_counts_from_the_last_turn_across_restarts(start_daemon: Start) -> None:
+    # session_timeout must measure idleness from a session's last turn, also after a crash: a session opened long
+    # ago but used a moment before the restart must not be taken for an idle one.
+    daemon = start_daemon("--hot-slots", "1", "--session-timeout", "600")
+    with daemon.client() as client:
+        s = client.open_session()
+        time.sleep(2.0)  # the session's age before its turn: the quantity under test, not a synchronisation
+        s.complete("a", max_tokens=2, **GREEDY)
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    with daemon.client() as client:
+        info = next(i for i in client.sessions() if i.session == s.id)
+    assert info.age_s - info.idle_s >= 1.5, info
+
+
+def test_a_turn_that_could_not_be_saved_is_never_rolled_back_by_a_crash(start_daemon: Start) -> None:
+    # A 1 MiB pool and a 1 MiB spill cap: a ~5,000-token snapshot (~1.3 MB on the tiny model) fits neither, so the
+    # checkpoint after that turn fails. The session goes on while the daemon runs; after a crash its owner must
+    # get SESSION_EVICTED, not the older context of its first turn answering as if the long turn never happened.
+    args = ("--hot-slots", "2", "--context-size", "8192", "--cache-pool-size", "1MiB", "--spill-max-bytes", "1MiB")
+    daemon = start_daemon(*args)
+    with daemon.client() as client:
+        big, small = client.open_session(), client.open_session()
+        big.complete("first turn", max_tokens=2, **GREEDY)  # checkpointed: a small snapshot in the pool
+        small.complete("kept", max_tokens=3, **GREEDY)
+        small_history = small.history()
+        long_turn = big.complete("x" * 5000, max_tokens=2, **GREEDY)  # its checkpoint fails
+        assert long_turn.usage.context_tokens > 5000
+        assert big.complete(" and on", max_tokens=2, **GREEDY).usage.context_tokens > 5000  # still usable
+        ids = {"big": (big.id, big.token), "small": (small.id, small.token)}
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    with daemon.client() as client:
+        with pytest.raises(SessionEvicted):
+            client.resume_session(*ids["big"])
+        assert client.resume_session(*ids["small"]).history() == small_history  # the others are untouched
+
+
 def test_pool_quota_of_a_task(start_daemon: Start) -> None:
     config = """
 [tasks.default]
