@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import mmap
 import os
 import time
@@ -26,6 +27,8 @@ import posix_ipc
 
 from .allocator import Extent, ExtentAllocator
 from .checksum import checksum
+
+log = logging.getLogger("kvpool.pool")
 
 MAGIC = b"KVPOOL\x00\x01"
 LAYOUT_VERSION = 2  # 2: prefix entries, and snapshot records that name the prefix they build on
@@ -153,8 +156,27 @@ class Pool:
         h = self.header[0]
         self.size = int(h["pool_size"])
         self.table = np.frombuffer(mapping, dtype=ENTRY, count=int(h["entries"]), offset=int(h["table_offset"]))
-        used = [s.extent for e in self.entries() if (s := e.snapshot) is not None and s.tier == TIER_POOL]
-        self.allocator = ExtentAllocator.from_used(int(h["area_offset"]), int(h["area_size"]), used, ALIGN)
+        start, size = int(h["area_offset"]), int(h["area_size"])
+        used, self.unowned = self._owned_extents(start, size)
+        self.allocator = ExtentAllocator.from_used(start, size, used, ALIGN)
+
+    def _owned_extents(self, start: int, size: int) -> tuple[list[Extent], set[int]]:
+        """The extents the committed records hold, and the entries whose record is damaged: its extent leaves the
+        area or overlaps one already taken. One damaged record must not cost every other session: its extent is
+        not owned (never freed), and its session's restore reports SESSION_CORRUPT (the checksum cannot match
+        bytes it does not own, or will not once they are reused)."""
+        records = sorted(
+            (s.extent, e.index) for e in self.entries() if (s := e.snapshot) is not None and s.tier == TIER_POOL
+        )
+        used: list[Extent] = []
+        unowned: set[int] = set()
+        for extent, index in records:
+            if extent.offset < max(start, used[-1].end if used else start) or extent.end > start + size:
+                log.warning("pool entry %d has a damaged snapshot record (%s): its session is corrupt", index, extent)
+                unowned.add(index)
+            else:
+                used.append(extent)
+        return used, unowned
 
     # ------------------------------------------------------------------ create / attach
 
@@ -387,6 +409,12 @@ class Pool:
     def _free_committed(self, index: int) -> None:
         snap = self.committed(index)
         if snap is not None and snap.tier == TIER_POOL:
+            self._free_extent(index, snap)
+
+    def _free_extent(self, index: int, snap: Snapshot) -> None:
+        if index in self.unowned:  # a damaged record found at attach: its bytes were never its own
+            self.unowned.discard(index)
+        else:
             self.allocator.free(snap.extent)
 
     # ------------------------------------------------------------------ snapshots
@@ -426,7 +454,7 @@ class Pool:
         if self.table[index]["state"] == UNSAVED:
             self.table[index]["state"] = LIVE  # saved again (a crash just before this is settled at attach)
         if previous is not None and previous.tier == TIER_POOL:
-            self.allocator.free(previous.extent)
+            self._free_extent(index, previous)
         snap = self.committed(index)
         assert snap is not None and snap.version == version
         return snap

@@ -6,6 +6,7 @@ import itertools
 import secrets
 from collections.abc import Iterator
 
+import numpy as np
 import posix_ipc
 import pytest
 from hypothesis import given, settings
@@ -163,6 +164,31 @@ def test_disk_tier_record_and_eviction_tombstone(pool_name: str) -> None:
     (entry,) = pool.entries()
     assert entry.snapshot is None and entry.session == "s1"
     pool.close()
+
+
+@pytest.mark.parametrize("damage", ["past the area", "over another extent"])
+def test_a_damaged_record_costs_only_its_own_session(pool_name: str, damage: str) -> None:
+    pool = open_pool(pool_name)
+    good, bad = pool.claim("good", "t", "default"), pool.claim("bad", "t", "default")
+    assert good is not None and bad is not None
+    write_snapshot(pool, good, b"good state", [1, 2])
+    write_snapshot(pool, bad, b"bad state", [3, 4])
+    good_snap, bad_snap = pool.committed(good), pool.committed(bad)
+    assert good_snap is not None and bad_snap is not None
+    records = pool.table[bad]["records"]
+    newest = int(np.argmax(records["version"]))
+    records["offset"][newest] = pool.size + 4096 if damage == "past the area" else good_snap.offset
+    del records  # a view into the mapping: it must go before the pool is closed
+    used = pool.usage()["used_bytes"] - pool.allocator.rounded(bad_snap.length)
+    pool.close()
+    again = open_pool(pool_name)  # attaches: the other sessions are not lost with the damaged one
+    snaps = {e.session: e.snapshot for e in again.entries()}
+    assert again.verify(snaps["good"]) and again.usage()["used_bytes"] == used
+    damaged = snaps["bad"]
+    assert damaged is not None and not (again.in_bounds(damaged) and again.verify(damaged))
+    again.release(bad)  # its bytes were never its own: nothing is freed twice
+    assert again.usage()["used_bytes"] == used and again.verify(snaps["good"])
+    again.close()
 
 
 def test_a_tombstone_left_by_a_crash_gives_its_extent_back_when_reused(pool_name: str) -> None:
