@@ -25,6 +25,7 @@ from . import protocol as p
 from .address import default_address, ipc_path
 from .client import HEARTBEAT_S, RETRIES
 from .errors import DaemonUnavailable, RequestTimeout
+from .framing import encode_request
 from .restarts import RestartWatch
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
@@ -44,6 +45,7 @@ class AsyncClient:
         self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self.daemon_version = ""
         self.model = ""
+        self._max_frame = 0  # the daemon's max_message_bytes, from its hello
 
     @classmethod
     async def connect(
@@ -73,6 +75,7 @@ class AsyncClient:
             await client.close()
             raise
         client.daemon_version, client.model = hello.daemon_version, hello.model
+        client._max_frame = hello.max_message_bytes
         client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client
 
@@ -132,9 +135,10 @@ class AsyncClient:
     async def _send(self, message: p.Request) -> int:
         request_id = next(self._ids)
         message.id = request_id
+        frame = encode_request(message, self._max_frame)
         self._queues[request_id] = asyncio.Queue()
         self._sent_at[request_id] = time.monotonic()
-        await self._sock.send(p.encode(message))
+        await self._sock.send(frame)
         return request_id
 
     async def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:

@@ -20,6 +20,7 @@ import zmq
 from . import protocol as p
 from .address import default_address, ipc_path
 from .errors import DaemonUnavailable, RequestTimeout
+from .framing import encode_request
 from .restarts import RestartWatch
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
@@ -61,6 +62,7 @@ class Client:
         self._watch = RestartWatch()
         self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self._heartbeat_on = False  # silence means death only once pings are flowing
+        self._max_frame = 0  # the daemon's max_message_bytes, from its hello
         try:
             hello = expect(
                 self._call(p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True), connect_timeout),
@@ -76,6 +78,7 @@ class Client:
             raise
         self.daemon_version = hello.daemon_version
         self.model = hello.model
+        self._max_frame = hello.max_message_bytes
         self._closed = threading.Event()
         self._heartbeat_on = True
         self._heartbeat = threading.Thread(target=self._beat, name="kvpool-heartbeat", daemon=True)
@@ -130,10 +133,11 @@ class Client:
     def _send(self, message: p.Request) -> int:
         request_id = next(self._ids)
         message.id = request_id
+        frame = encode_request(message, self._max_frame)
         with self._lock:
             self._inboxes[request_id] = deque()
             self._sent_at[request_id] = time.monotonic()
-            self._sock.send(p.encode(message))
+            self._sock.send(frame)
         return request_id
 
     def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:

@@ -159,6 +159,7 @@ class HelloReply(Reply, tag="hello"):
     version: int
     daemon_version: str
     model: str
+    max_message_bytes: int = 0  # the largest request frame the daemon accepts (0: not said, an older daemon)
 
 
 class Pong(Reply, tag="pong"):

@@ -59,6 +59,7 @@ class RequestHandlers:
             daemon_version=self.engine.daemon_version,
             model=self.model.description,
             instance=INSTANCE,
+            max_message_bytes=self.engine.config.max_message_bytes,
         )
 
     def status(self, client: bytes, r: p.Status) -> p.Reply:

@@ -97,6 +97,17 @@ def test_client_library_checks_sampler_values_before_sending(daemon: DaemonProce
         assert s.complete("x", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
 
 
+def test_a_request_too_large_for_one_message_is_refused_before_sending(daemon: DaemonProcess) -> None:
+    # 2**20 four-byte characters pass the prompt's length limit (it counts characters) but encode to more than the
+    # daemon's 4 MiB max_message_bytes: ZeroMQ would drop the frame and the connection, and no error could come
+    # back. The client library knows the limit from the hello and refuses the request itself.
+    with daemon.client(timeout=10) as client, client.open_session() as s:
+        with pytest.raises(BadRequest, match="max_message_bytes") as refused:
+            s.complete("\U0001f600" * (1 << 20), max_tokens=2)
+        assert refused.value.detail["frame_bytes"] > refused.value.detail["max_message_bytes"] == 4 << 20
+        assert s.complete("x", max_tokens=2, temperature=0.0).usage.completion_tokens == 2  # same connection
+
+
 def test_unknown_and_foreign_sessions(raw: RawConnection, daemon: DaemonProcess) -> None:
     opened = raw.open()
     reply = raw.call(p.Generate(id=11, session="0123456789abcdef", token=opened.token, prompt="hi"))

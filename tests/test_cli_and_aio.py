@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpool.client.aio import AsyncClient
+from kvpool.client.errors import BadRequest
 
 from .daemon_process import DaemonProcess
 
@@ -72,9 +75,16 @@ def test_asyncio_client_runs_sessions_concurrently(daemon: DaemonProcess) -> Non
             assert s.final is not None and s.final.finish_reason == "length"
             return tokens
 
+    async def too_large(client: AsyncClient) -> None:  # refused before sending, as in the sync client
+        async with await client.open_session() as s:
+            with pytest.raises(BadRequest, match="max_message_bytes"):
+                async for _ in s.generate("\U0001f600" * (1 << 20), max_tokens=2):
+                    pass
+
     async def main() -> list[list[int]]:
         async with await AsyncClient.connect(daemon.address) as client:
             assert "llama" in client.model
+            await too_large(client)
             return list(await asyncio.gather(*(one(client, p) for p in prompts)))
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == expected
