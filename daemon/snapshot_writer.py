@@ -130,8 +130,11 @@ class SnapshotWriter:
         self.counts["checkpoints"] += 1
 
     def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
-        """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits."""
-        if nbytes > self.pool.allocator.size:
+        """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no
+        amount of spilling could make room (the caller then writes the snapshot to disk)."""
+        own = pinned.snapshot
+        keeps = self.pool.allocator.rounded(own.length) if own is not None and own.tier == TIER_POOL else 0
+        if nbytes > self.pool.allocator.size - keeps:  # its older snapshot stays until the new one is committed
             return None
         while (extent := self.pool.allocator.allocate(nbytes)) is None:
             if self.prefixes.drop_unused_snapshot():  # a prefix nobody uses goes before any session's snapshot

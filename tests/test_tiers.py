@@ -274,6 +274,28 @@ def test_a_turn_that_could_not_be_saved_is_never_rolled_back_by_a_crash(start_da
         assert client.resume_session(*ids["small"]).history() == small_history  # the others are untouched
 
 
+def test_a_snapshot_that_cannot_fit_beside_its_predecessor_spills_nobody_else(start_daemon: Start) -> None:
+    # A 1 MiB pool: a session's ~600 KB snapshot grows to ~700 KB. Until the new one is committed the old one
+    # stays, so the new one can never fit the pool, however many other snapshots are spilled: it goes to disk
+    # at once, and the small snapshots of the other sessions stay where they are.
+    args = ("--hot-slots", "3", "--context-size", "8192", "--cache-pool-size", "1MiB", "--spill-max-bytes", "64MiB")
+    daemon = start_daemon(*args)
+    with daemon.client() as client:
+        big, b, c = client.open_session(), client.open_session(), client.open_session()
+        big.complete("x" * 2350, max_tokens=2, **GREEDY)
+        for s in (b, c):
+            s.complete("small", max_tokens=2, **GREEDY)
+        before = client.status()
+        assert before["spill"]["used_bytes"] == 0
+        big.complete("y" * 400, max_tokens=2, **GREEDY)
+        after = client.status()
+        assert after["moves"]["checkpoints"] == before["moves"]["checkpoints"] + 1
+        assert after["spill"]["used_bytes"] > 600_000  # the big snapshot went to disk
+        assert after["moves"]["spills"] == before["moves"]["spills"] == 0  # nobody else was moved for it
+        small = {i.session: i for i in client.sessions() if i.session in (b.id, c.id)}
+        assert all(i.snapshot_bytes > 0 for i in small.values()) and len(small) == 2
+
+
 def test_pool_quota_of_a_task(start_daemon: Start) -> None:
     config = """
 [tasks.default]
