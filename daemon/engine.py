@@ -328,13 +328,15 @@ class Engine:
         if g.completion_tokens > 1 and g.first_token_at is not None and g.last_token_at is not None:
             stats.tpot_ms.add((g.last_token_at - g.first_token_at) * 1000.0 / (g.completion_tokens - 1))
         if checkpoint and self.config.checkpoint == "after_generate" and g.session.slot is not None:
+            before = g.session.snapshot
             try:
                 self.tiers.checkpoint(g.session)
             except (RequestRefused, OSError) as exc:  # the session stays resident and usable, just not durable
                 log.warning("checkpoint of session %s failed: %s", g.session.id, exc)
-                # Its older snapshot lacks this turn: a daemon restarted from it would answer the next turn as if
-                # this one never happened. Give it up, so that a crash before the next checkpoint evicts instead.
-                self.tiers.give_up_snapshot(g.session)
+                if g.session.snapshot is before:  # (a failure after the commit, e.g. removing the old file, is not)
+                    # Its older snapshot lacks this turn: a daemon restarted from it would answer the next turn as
+                    # if this one never happened. Give it up, so that a crash before the next checkpoint evicts.
+                    self.tiers.give_up_snapshot(g.session)
         self.send(g.client, g.final(reason, now))
 
     def _record_first_token(self, g: Generation, now: float) -> None:

@@ -166,17 +166,26 @@ class Pool:
         not owned (never freed), and its session's restore reports SESSION_CORRUPT (the checksum cannot match
         bytes it does not own, or will not once they are reused)."""
         records = sorted(
-            (s.extent, e.index) for e in self.entries() if (s := e.snapshot) is not None and s.tier == TIER_POOL
+            (s.extent, e.index, s) for e in self.entries() if (s := e.snapshot) is not None and s.tier == TIER_POOL
         )
-        used: list[Extent] = []
+        kept: list[tuple[Extent, int, Snapshot]] = []
         unowned: set[int] = set()
-        for extent, index in records:
-            if extent.offset < max(start, used[-1].end if used else start) or extent.end > start + size:
-                log.warning("pool entry %d has a damaged snapshot record (%s): its session is corrupt", index, extent)
+        for record in records:
+            extent, index, snap = record
+            if extent.offset < start or extent.end > start + size:
                 unowned.add(index)
+            elif kept and extent.offset < kept[-1][0].end:
+                # Two records claim the same bytes: at most one can be right, the one whose checksum matches.
+                if self.verify(snap) and not self.verify(kept[-1][2]):
+                    unowned.add(kept.pop()[1])
+                    kept.append(record)
+                else:
+                    unowned.add(index)
             else:
-                used.append(extent)
-        return used, unowned
+                kept.append(record)
+        for index in unowned:
+            log.warning("pool entry %d has a damaged snapshot record: its session is corrupt", index)
+        return [extent for extent, _, _ in kept], unowned
 
     # ------------------------------------------------------------------ create / attach
 
@@ -400,11 +409,18 @@ class Pool:
         """The session holds state its committed snapshot lacks and could not be saved (no room)."""
         self.table[index]["state"] = UNSAVED
 
-    def settle_unsaved(self) -> None:
-        """At attach, before recovery: an UNSAVED entry with a committed snapshot was saved after all (a crash hit
-        between the commit and its state store) and is live; one without is a tombstone (SESSION_EVICTED)."""
-        for index in np.nonzero(self.table["state"] == UNSAVED)[0]:
-            self.table[index]["state"] = LIVE if self.committed(int(index)) is not None else EVICTED
+    def settle(self) -> None:
+        """At attach, before recovery, finish what a crash interrupted:
+        - an UNSAVED entry with a committed snapshot is live: a crash hit between a commit and its state store,
+          or inside discard, which runs before the session's final message (so the turn was not acknowledged);
+          one without is a tombstone (SESSION_EVICTED);
+        - a tombstone that still holds a record (a crash inside mark_evicted) gives its extent back."""
+        for index in map(int, np.nonzero(self.table["state"] == UNSAVED)[0]):
+            self.table[index]["state"] = LIVE if self.committed(index) is not None else EVICTED
+        for index in map(int, np.nonzero(self.table["state"] == EVICTED)[0]):
+            if self.committed(index) is not None:
+                self._free_committed(index)
+                self.table[index]["records"]["version"] = 0
 
     def _free_committed(self, index: int) -> None:
         snap = self.committed(index)

@@ -251,8 +251,9 @@ class PrefixCache:
             if e.kind != PREFIX or e.state != LIVE:
                 continue
             snap = e.snapshot
-            if snap is None or snap.tier != TIER_POOL or not self.pool.in_bounds(snap) or not self.enabled:
-                self.pool.release(e.index)  # never committed, or sharing is off now
+            intact = snap is not None and self.pool.in_bounds(snap) and e.index not in self.pool.unowned
+            if snap is None or snap.tier != TIER_POOL or not intact or not self.enabled:
+                self.pool.release(e.index)  # never committed, damaged, or sharing is off now
                 continue
             prefix = Prefix(id=e.session, task=e.task, tokens=self.pool.tokens(snap), entry=e.index, snapshot=snap)
             self.by_id[prefix.id] = prefix

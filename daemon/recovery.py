@@ -22,7 +22,7 @@ def recover(tiers: Tiers) -> int:
     """Rebuild the session table from the pool (after a restart); returns how many sessions came back."""
     now_wall, now = time.time(), time.monotonic()
     live_files: set[str] = set()
-    tiers.pool.settle_unsaved()
+    tiers.pool.settle()
     entries = tiers.pool.entries()
     if not tiers.prefixes.enabled and any(
         e.kind == SESSION and e.state == LIVE and e.snapshot is not None and e.snapshot.prefix_entry != NO_PREFIX

@@ -4,6 +4,7 @@ before any session's snapshot; a session is evicted only when both tiers are ful
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import time
@@ -14,7 +15,7 @@ import numpy as np
 from kvpool.client.protocol import ErrorCode
 
 from . import prefix_links
-from .allocator import Extent
+from .allocator import Extent, ExtentAllocator
 from .checksum import checksum
 from .errors import RequestRefused
 from .model import Model
@@ -132,9 +133,7 @@ class SnapshotWriter:
     def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
         """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no
         amount of spilling could make room (the caller then writes the snapshot to disk)."""
-        own = pinned.snapshot
-        keeps = self.pool.allocator.rounded(own.length) if own is not None and own.tier == TIER_POOL else 0
-        if nbytes > self.pool.allocator.size - keeps:  # its older snapshot stays until the new one is committed
+        if not self._could_ever_fit(nbytes, pinned):
             return None
         while (extent := self.pool.allocator.allocate(nbytes)) is None:
             if self.prefixes.drop_unused_snapshot():  # a prefix nobody uses goes before any session's snapshot
@@ -148,6 +147,17 @@ class SnapshotWriter:
                 return None
             self._make_pool_room(min(victims, key=lambda v: v.last_used))
         return extent
+
+    def _could_ever_fit(self, nbytes: int, pinned: Session) -> bool:
+        """Whether spilling every snapshot that may move would leave a hole of ``nbytes``. What stays: the pinned
+        session's own older snapshot (until the new one is committed) and the prefixes in use."""
+        a = self.pool.allocator
+        stays = [
+            snap.extent
+            for snap in [pinned.snapshot, *(x.snapshot for x in self.prefixes.by_id.values() if x.in_use)]
+            if snap is not None and snap.tier == TIER_POOL
+        ]
+        return a.rounded(nbytes) <= ExtentAllocator.from_used(a.start, a.size, stays, a.align).largest_free
 
     def _make_pool_room(self, victim: Session) -> None:
         """Take a snapshot out of the pool: to disk if it can go there; otherwise a resident session loses only
@@ -169,10 +179,13 @@ class SnapshotWriter:
         an older context that would answer as if the last turns never happened."""
         previous = s.snapshot
         self.pool.discard(s.entry)
-        if previous is not None and previous.tier == TIER_DISK:
-            self.spill.remove(s.id, previous.version)
         s.snapshot = None
         prefix_links.settle(s)
+        if previous is not None and previous.tier == TIER_DISK:
+            # A spill directory that fails (read-only, I/O errors) may be why the checkpoint failed at all: the
+            # file stays then, and the next start removes it (no entry names it any more).
+            with contextlib.suppress(OSError):
+                self.spill.remove(s.id, previous.version)
 
     def spill_out(self, s: Session) -> None:
         """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""

@@ -208,6 +208,40 @@ def test_a_tombstone_left_by_a_crash_gives_its_extent_back_when_reused(pool_name
     again.close()
 
 
+def test_a_tombstone_left_by_a_crash_gives_its_extent_back_at_attach(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    index = pool.claim("s1", "t", "default")
+    assert index is not None
+    write_snapshot(pool, index, b"state of an evicted session", [1, 2])
+    pool.table[index]["state"] = EVICTED  # a crash inside mark_evicted: the record is not cleared yet
+    pool.close()
+    again = open_pool(pool_name)
+    again.settle()  # what recovery does first
+    assert again.usage()["used_bytes"] == 0
+    (entry,) = again.entries()
+    assert entry.state == EVICTED and entry.snapshot is None and entry.session == "s1"  # still a tombstone
+    again.close()
+
+
+def test_overlapping_records_keep_the_one_whose_checksum_matches(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    bad, good = pool.claim("bad", "t", "default"), pool.claim("good", "t", "default")
+    assert bad is not None and good is not None
+    write_snapshot(pool, bad, b"bad state", [3, 4])  # the lower offset
+    write_snapshot(pool, good, b"good state", [1, 2])
+    good_snap = pool.committed(good)
+    assert good_snap is not None
+    records = pool.table[bad]["records"]
+    records["offset"][int(np.argmax(records["version"]))] = good_snap.offset - 32  # damaged: runs into good's
+    del records
+    pool.close()
+    again = open_pool(pool_name)
+    snaps = {e.session: e.snapshot for e in again.entries()}
+    assert again.unowned == {bad} and again.verify(snaps["good"]) and not again.verify(snaps["bad"])
+    assert again.usage()["used_bytes"] == again.allocator.rounded(good_snap.length)
+    again.close()
+
+
 def test_a_given_up_checkpoint_comes_back_evicted_unless_saved_again(pool_name: str) -> None:
     pool = open_pool(pool_name)
     gone, saved_again, prompt_only = (pool.claim(f"s{i}", "t", "default") for i in range(3))
@@ -221,7 +255,7 @@ def test_a_given_up_checkpoint_comes_back_evicted_unless_saved_again(pool_name: 
     assert states == {"s0": UNSAVED, "s1": LIVE, "s2": UNSAVED}
     pool.close()
     again = open_pool(pool_name)
-    again.settle_unsaved()  # what recovery does first
+    again.settle()  # what recovery does first
     states = {e.session: (e.state, e.snapshot is not None) for e in again.entries()}
     assert states == {"s0": (EVICTED, False), "s1": (LIVE, True), "s2": (EVICTED, False)}
     again.close()
