@@ -191,35 +191,31 @@ def test_a_damaged_record_costs_only_its_own_session(pool_name: str, damage: str
     again.close()
 
 
-def test_a_tombstone_left_by_a_crash_gives_its_extent_back_when_reused(pool_name: str) -> None:
+def attach_after_crash_in_mark_evicted(pool_name: str) -> tuple[Pool, int]:
+    """A pool whose one session was being evicted when the daemon died: a tombstone that still holds a record."""
     pool = open_pool(pool_name)
     index = pool.claim("s1", "t", "default")
     assert index is not None
     write_snapshot(pool, index, b"state of an evicted session", [1, 2])
-    pool.table[index]["state"] = EVICTED  # a crash inside mark_evicted: the record is not cleared yet
+    pool.table[index]["state"] = EVICTED  # mark_evicted's first store; the record is not cleared yet
     pool.close()
-    again = open_pool(pool_name)
+    return open_pool(pool_name), index
+
+
+@pytest.mark.parametrize("how", ["settled at attach", "reused by claim"])
+def test_a_tombstone_left_by_a_crash_gives_its_extent_back(pool_name: str, how: str) -> None:
+    again, index = attach_after_crash_in_mark_evicted(pool_name)
     assert again.usage()["used_bytes"] > 0  # the tombstone's record still counts at attach
-    for i in range(8):  # fill every free entry, so the next claim reuses the tombstone
-        if i != index:
-            assert again.claim(f"other{i}", "t", "default") is not None
-    assert again.claim("s2", "t", "default") == index
+    if how == "settled at attach":
+        again.settle()  # what recovery does first
+        (entry,) = again.entries()
+        assert entry.state == EVICTED and entry.snapshot is None and entry.session == "s1"  # still a tombstone
+    else:
+        for i in range(8):  # fill every free entry, so the next claim reuses the tombstone
+            if i != index:
+                assert again.claim(f"other{i}", "t", "default") is not None
+        assert again.claim("s2", "t", "default") == index
     assert again.usage()["used_bytes"] == 0  # its extent was freed, not leaked
-    again.close()
-
-
-def test_a_tombstone_left_by_a_crash_gives_its_extent_back_at_attach(pool_name: str) -> None:
-    pool = open_pool(pool_name)
-    index = pool.claim("s1", "t", "default")
-    assert index is not None
-    write_snapshot(pool, index, b"state of an evicted session", [1, 2])
-    pool.table[index]["state"] = EVICTED  # a crash inside mark_evicted: the record is not cleared yet
-    pool.close()
-    again = open_pool(pool_name)
-    again.settle()  # what recovery does first
-    assert again.usage()["used_bytes"] == 0
-    (entry,) = again.entries()
-    assert entry.state == EVICTED and entry.snapshot is None and entry.session == "s1"  # still a tombstone
     again.close()
 
 
