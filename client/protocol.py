@@ -186,6 +186,10 @@ class SessionInfo(Struct, kw_only=True):
     idle_s: float
     age_s: float
     shared_tokens: int = 0  # leading tokens whose KV it shares with other sessions (a shared prefix)
+    # Its whole context is in a committed snapshot: a crash now loses nothing. False while a turn runs, for
+    # resident sessions under checkpoint = "on_evict", and when neither the pool nor the spill directory could
+    # take its checkpoint (a crash then brings it back evicted).
+    saved: bool = True
 
 
 class SessionsReply(Reply, tag="sessions"):

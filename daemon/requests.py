@@ -79,6 +79,7 @@ class RequestHandlers:
                 idle_s=round(now - s.last_used, 3),
                 age_s=round(now - s.created, 3),
                 shared_tokens=s.prefix_len if s.prefix is not None else 0,
+                saved=(s.snapshot.n_tokens if s.snapshot else 0) == len(s.tokens),
             )
             for s in self.sessions.by_id.values()
         ]

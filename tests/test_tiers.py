@@ -265,6 +265,8 @@ def test_a_turn_that_could_not_be_saved_is_never_rolled_back_by_a_crash(start_da
         long_turn = big.complete("x" * 5000, max_tokens=2, **GREEDY)  # its checkpoint fails
         assert long_turn.usage.context_tokens > 5000
         assert big.complete(" and on", max_tokens=2, **GREEDY).usage.context_tokens > 5000  # still usable
+        saved = {i.session: i.saved for i in client.sessions()}
+        assert saved == {big.id: False, small.id: True}  # `kvpool sessions` shows which one a crash would cost
         ids = {"big": (big.id, big.token), "small": (small.id, small.token)}
     daemon.stop(signal.SIGKILL)
     daemon.start()
