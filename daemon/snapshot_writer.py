@@ -133,19 +133,20 @@ class SnapshotWriter:
     def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
         """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no
         amount of spilling could make room (the caller then writes the snapshot to disk)."""
-        if not self._could_ever_fit(nbytes, pinned):
+        extent = self.pool.allocator.allocate(nbytes)
+        if extent is None and not self._could_ever_fit(nbytes, pinned):
             return None
-        while (extent := self.pool.allocator.allocate(nbytes)) is None:
-            if self.prefixes.drop_unused_snapshot():  # a prefix nobody uses goes before any session's snapshot
-                continue
-            victims = [
-                v
-                for v in self.sessions.by_id.values()
-                if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL
-            ]
-            if not victims:
-                return None
-            self._make_pool_room(min(victims, key=lambda v: v.last_used))
+        while extent is None:
+            if not self.prefixes.drop_unused_snapshot():  # a prefix nobody uses goes before any session's snapshot
+                victims = [
+                    v
+                    for v in self.sessions.by_id.values()
+                    if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL
+                ]
+                if not victims:
+                    return None
+                self._make_pool_room(min(victims, key=lambda v: v.last_used))
+            extent = self.pool.allocator.allocate(nbytes)
         return extent
 
     def _could_ever_fit(self, nbytes: int, pinned: Session) -> bool:
