@@ -20,77 +20,32 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
 from .allocator import Extent, ExtentAllocator
 from .checksum import checksum
+from .pool_layout import (
+    ALIGN,
+    ENTRY,
+    EVICTED,
+    FREE,
+    HEADER,
+    HEADER_BYTES,
+    LAYOUT_VERSION,
+    LIVE,
+    MAGIC,
+    NO_PREFIX,
+    PREFIX,
+    SESSION,
+    TIER_POOL,
+    UNSAVED,
+    EntryInfo,
+    Snapshot,
+)
 
 log = logging.getLogger("kvpool.pool")
-
-MAGIC = b"KVPOOL\x00\x01"
-LAYOUT_VERSION = 2  # 2: prefix entries, and snapshot records that name the prefix they build on
-HEADER_BYTES = 4096
-ALIGN = 64
-
-# Entry states. EVICTED keeps the id so its owner learns SESSION_EVICTED. UNSAVED is a live session whose saved
-# state was given up for room (its KV is still hot): if the daemon dies before its next checkpoint, it comes back
-# evicted, never as an older or empty context.
-FREE, LIVE, EVICTED, UNSAVED = 0, 1, 2, 3
-SESSION, PREFIX = 0, 1  # entry kinds: a session, or a prefix shared by sessions (its snapshot is whole)
-NO_PREFIX = -1
-TIER_POOL, TIER_DISK = 1, 2
-
-HEADER = np.dtype(
-    {
-        "names": [
-            "magic",
-            "layout",
-            "entries",
-            "pool_size",
-            "table_offset",
-            "area_offset",
-            "area_size",
-            "generation",
-            "fingerprint",
-            "kv_layout",
-        ],
-        "formats": ["S8", "<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "S32", "S64"],
-        "offsets": [0, 8, 12, 16, 24, 32, 40, 48, 64, 96],
-        "itemsize": 256,
-    }
-)
-RECORD = np.dtype(
-    {
-        # prefix_entry/prefix_len: the snapshot holds only the cells past the first prefix_len positions; the
-        # rest are the prefix snapshot in table entry prefix_entry (NO_PREFIX: the snapshot is whole).
-        "names": [
-            "version",
-            "tier",
-            "offset",
-            "length",
-            "state_bytes",
-            "n_tokens",
-            "n_kv",
-            "checksum",
-            "prefix_len",
-            "prefix_entry",
-        ],
-        "formats": ["<u8", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4", "<u8", "<u4", "<i4"],
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 56, 60],
-        "itemsize": 64,
-    }
-)
-ENTRY = np.dtype(
-    {
-        "names": ["state", "kind", "session", "token", "task", "created", "last_used", "records"],
-        "formats": ["<u4", "<u4", "S16", "S32", "S64", "<f8", "<f8", (RECORD, (2,))],
-        "offsets": [0, 4, 8, 24, 56, 120, 128, 192],
-        "itemsize": 320,
-    }
-)
 
 
 def _lock(shm: posix_ipc.SharedMemory) -> None:
@@ -111,39 +66,6 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 class PoolError(Exception):
     """The segment cannot be created or attached; the message says what to do."""
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """A committed snapshot record: where the bytes are and what they hold."""
-
-    version: int
-    tier: int
-    offset: int
-    length: int
-    state_bytes: int
-    n_tokens: int
-    n_kv: int
-    checksum: int
-    prefix_len: int = 0
-    prefix_entry: int = NO_PREFIX
-
-    @property
-    def extent(self) -> Extent:
-        return Extent(self.offset, self.length)
-
-
-@dataclass(frozen=True, slots=True)
-class EntryInfo:
-    index: int
-    state: int
-    kind: int
-    session: str
-    token: str
-    task: str
-    created: float
-    last_used: float
-    snapshot: Snapshot | None
 
 
 class Pool:

@@ -23,7 +23,8 @@ from typing import Any
 from .checksum import checksum
 from .config import Config
 from .model import Model
-from .pool import LIVE, PREFIX, TIER_POOL, EntryInfo, Pool
+from .pool import Pool
+from .pool_layout import LIVE, PREFIX, TIER_POOL, EntryInfo
 from .prefixes import Prefix, PrefixIndex, eviction_order, shareable_length
 
 log = logging.getLogger("kvpool.prefixes")

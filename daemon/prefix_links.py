@@ -7,7 +7,7 @@ such sessions (its pool snapshot must stay), ``hot_users`` those of the first ki
 
 from __future__ import annotations
 
-from .pool import NO_PREFIX, Snapshot
+from .pool_layout import NO_PREFIX, Snapshot
 from .prefixes import Prefix
 from .sessions import Session
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .pool import Snapshot
+from .pool_layout import Snapshot
 
 
 @dataclass(eq=False)

@@ -10,7 +10,8 @@ import logging
 import time
 
 from . import prefix_links
-from .pool import LIVE, NO_PREFIX, SESSION, TIER_POOL, PoolError
+from .pool import PoolError
+from .pool_layout import LIVE, NO_PREFIX, SESSION, TIER_POOL
 from .sessions import Session
 from .spill import SnapshotCorrupt
 from .tiers import Tiers

@@ -12,7 +12,7 @@ from kvpool.client.protocol import ErrorCode
 
 from .config import Config
 from .errors import RequestRefused
-from .pool import TIER_POOL, Snapshot
+from .pool_layout import TIER_POOL, Snapshot
 
 if TYPE_CHECKING:
     from .generation import Generation

@@ -19,7 +19,8 @@ from .allocator import Extent, ExtentAllocator
 from .checksum import checksum
 from .errors import RequestRefused
 from .model import Model
-from .pool import NO_PREFIX, TIER_DISK, TIER_POOL, Pool
+from .pool import Pool
+from .pool_layout import NO_PREFIX, TIER_DISK, TIER_POOL
 from .prefix_cache import PrefixCache
 from .sessions import Session, SessionTable
 from .spill import SpillDir

@@ -19,7 +19,8 @@ from collections.abc import Iterable
 from . import prefix_links
 from .config import Config
 from .model import Model
-from .pool import NO_PREFIX, TIER_DISK, TIER_POOL, Pool
+from .pool import Pool
+from .pool_layout import NO_PREFIX, TIER_DISK, TIER_POOL
 from .prefix_cache import PrefixCache, PrefixCorrupt
 from .prefixes import shareable_length
 from .sessions import Session, SessionTable

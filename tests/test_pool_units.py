@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kvpool.daemon.allocator import Extent, ExtentAllocator
 from kvpool.daemon.checksum import checksum
-from kvpool.daemon.pool import EVICTED, LIVE, TIER_DISK, TIER_POOL, UNSAVED, Pool, PoolError
+from kvpool.daemon.pool import Pool, PoolError
+from kvpool.daemon.pool_layout import EVICTED, LIVE, TIER_DISK, TIER_POOL, UNSAVED
 
 AREA_START, AREA_SIZE, ALIGN = 4096, 64 * 1024, 64
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpool.daemon import prefix_links
-from kvpool.daemon.pool import TIER_POOL, Snapshot
+from kvpool.daemon.pool_layout import TIER_POOL, Snapshot
 from kvpool.daemon.prefixes import Prefix, PrefixIndex, block_keys, eviction_order, shareable_length
 from kvpool.daemon.scheduler import plan_fcfs
 from kvpool.daemon.sessions import Session

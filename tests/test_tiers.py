@@ -15,7 +15,7 @@ import pytest
 from kvpool.client import Client
 from kvpool.client import protocol as p
 from kvpool.client.errors import NotOwner, QuotaExceeded, SessionCorrupt, SessionEvicted
-from kvpool.daemon.pool import ENTRY, HEADER
+from kvpool.daemon.pool_layout import ENTRY, HEADER
 
 from .daemon_process import DaemonProcess, run_until_exit
 from .raw import RawConnection

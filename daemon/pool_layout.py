@@ -1,0 +1,105 @@
+"""The pool segment's format: the header, the session table's entries and their two snapshot records,
+and the Python values a committed record decodes to. A daemon refuses a segment of another LAYOUT_VERSION."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .allocator import Extent
+
+MAGIC = b"KVPOOL\x00\x01"
+LAYOUT_VERSION = 2  # 2: prefix entries, and snapshot records that name the prefix they build on
+HEADER_BYTES = 4096
+ALIGN = 64
+
+# Entry states. EVICTED keeps the id so its owner learns SESSION_EVICTED. UNSAVED is a live session whose saved
+# state was given up for room (its KV is still hot): if the daemon dies before its next checkpoint, it comes back
+# evicted, never as an older or empty context.
+FREE, LIVE, EVICTED, UNSAVED = 0, 1, 2, 3
+SESSION, PREFIX = 0, 1  # entry kinds: a session, or a prefix shared by sessions (its snapshot is whole)
+NO_PREFIX = -1
+TIER_POOL, TIER_DISK = 1, 2
+
+HEADER = np.dtype(
+    {
+        "names": [
+            "magic",
+            "layout",
+            "entries",
+            "pool_size",
+            "table_offset",
+            "area_offset",
+            "area_size",
+            "generation",
+            "fingerprint",
+            "kv_layout",
+        ],
+        "formats": ["S8", "<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "S32", "S64"],
+        "offsets": [0, 8, 12, 16, 24, 32, 40, 48, 64, 96],
+        "itemsize": 256,
+    }
+)
+RECORD = np.dtype(
+    {
+        # prefix_entry/prefix_len: the snapshot holds only the cells past the first prefix_len positions; the
+        # rest are the prefix snapshot in table entry prefix_entry (NO_PREFIX: the snapshot is whole).
+        "names": [
+            "version",
+            "tier",
+            "offset",
+            "length",
+            "state_bytes",
+            "n_tokens",
+            "n_kv",
+            "checksum",
+            "prefix_len",
+            "prefix_entry",
+        ],
+        "formats": ["<u8", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4", "<u8", "<u4", "<i4"],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 56, 60],
+        "itemsize": 64,
+    }
+)
+ENTRY = np.dtype(
+    {
+        "names": ["state", "kind", "session", "token", "task", "created", "last_used", "records"],
+        "formats": ["<u4", "<u4", "S16", "S32", "S64", "<f8", "<f8", (RECORD, (2,))],
+        "offsets": [0, 4, 8, 24, 56, 120, 128, 192],
+        "itemsize": 320,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A committed snapshot record: where the bytes are and what they hold."""
+
+    version: int
+    tier: int
+    offset: int
+    length: int
+    state_bytes: int
+    n_tokens: int
+    n_kv: int
+    checksum: int
+    prefix_len: int = 0
+    prefix_entry: int = NO_PREFIX
+
+    @property
+    def extent(self) -> Extent:
+        return Extent(self.offset, self.length)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    index: int
+    state: int
+    kind: int
+    session: str
+    token: str
+    task: str
+    created: float
+    last_used: float
+    snapshot: Snapshot | None
