@@ -23,16 +23,11 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     n_words = len(raw) // 8
     words = raw[: n_words * 8].view(np.uint64)
     n_blocks = n_words // WORDS_PER_BLOCK
-    plain, weighted = _block_sums(words, 0, n_blocks)
+    blocks = words[: n_blocks * WORDS_PER_BLOCK].reshape(n_blocks, WORDS_PER_BLOCK)
+    sums = blocks.sum(axis=1, dtype=np.uint64)
+    weights = np.arange(1, n_blocks + 1, dtype=np.uint64)
+    plain, weighted = int(sums.sum(dtype=np.uint64)), int((sums * weights).sum(dtype=np.uint64))
     tail = int(words[n_blocks * WORDS_PER_BLOCK :].sum(dtype=np.uint64))
     plain += tail + sum((i + 1) * int(b) for i, b in enumerate(raw[n_words * 8 :]))
     weighted += (n_blocks + 1) * tail + len(raw)  # the length counts too: truncation is damage
     return (plain ^ ((weighted & _MASK) * _MIX)) & _MASK
-
-
-def _block_sums(words: np.ndarray, start: int, end: int) -> tuple[int, int]:
-    """The plain and the position-weighted sums (mod 2**64) of blocks [start, end)."""
-    blocks = words[start * WORDS_PER_BLOCK : end * WORDS_PER_BLOCK].reshape(end - start, WORDS_PER_BLOCK)
-    sums = blocks.sum(axis=1, dtype=np.uint64)
-    weights = np.arange(start + 1, end + 1, dtype=np.uint64)
-    return int(sums.sum(dtype=np.uint64)), int((sums * weights).sum(dtype=np.uint64))

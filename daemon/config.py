@@ -22,6 +22,13 @@ NonNegative = Annotated[int, Meta(ge=0)]
 Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 
 
+def sequence_count(hot_slots: int, prefix_slots: int) -> int:
+    """llama.cpp sequence ids the daemon uses: the hot slots, one per shared prefix, and one scratch sequence
+    when sharing is on. The model sizes its context with it, and the memory plan too (every sequence id widens
+    the sliding-window cache)."""
+    return hot_slots + prefix_slots + (1 if prefix_slots else 0)
+
+
 class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
     """Budgets and limits for the sessions of one task (``[tasks.NAME]``); 0 means none."""
 

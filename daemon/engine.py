@@ -365,9 +365,7 @@ class Engine:
         room and retry next step; if none is idle, the session with the most context ends with `length`."""
         self.counters.kv_full_events += 1
         try:
-            if self.tiers.prefixes.evict_hot():  # a shared prefix nobody uses goes before any session
-                return
-            if self.tiers.hibernate_idle(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
+            if self.tiers.free_cells(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
                 return
         except RequestRefused as refused:
             log.warning("could not hibernate idle sessions to free KV cells: %s", refused.message)

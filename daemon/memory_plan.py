@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config
+from .config import Config, sequence_count
 from .gguf_meta import read_metadata
 
 F16 = 2
@@ -92,7 +92,7 @@ def plan_memory(model_path: Path, config: Config) -> MemoryPlan:
     if window and arch in GLOBAL_LAYER_EVERY:
         n_global = n_layer // GLOBAL_LAYER_EVERY[arch]
         # llama.cpp keeps a window of cells per sequence id: hot slots, shared prefixes and the scratch sequence
-        sequences = config.hot_slots + config.prefix_slots + (1 if config.prefix_slots else 0)
+        sequences = sequence_count(config.hot_slots, config.prefix_slots)
         swa_cells = min(cells, _round_up(window * sequences + config.batch_size, 256))
         hot_kv = per_cell_layer * (n_global * cells + (n_layer - n_global) * swa_cells)
     else:

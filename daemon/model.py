@@ -19,6 +19,8 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
+from .config import sequence_count
+
 log = logging.getLogger("kvpool.llama")
 
 # ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5. llama.cpp is chatty at load time, so everything
@@ -169,7 +171,7 @@ class Model:
         # snapshot is cut out through (only when sharing is on: every sequence id widens the sliding-window cache).
         self.prefix_seqs = list(range(hot_slots, hot_slots + prefix_slots))
         self.scratch_seq = hot_slots + prefix_slots if prefix_slots else -1
-        cparams.n_seq_max = hot_slots + prefix_slots + (1 if prefix_slots else 0)
+        cparams.n_seq_max = sequence_count(hot_slots, prefix_slots)
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
         cparams.n_outputs_max = cparams.n_seq_max  # llama.cpp reserves its graph for one output per sequence

@@ -313,8 +313,7 @@ class Pool:
     def mark_evicted(self, index: int) -> None:
         """Keep only the session's id, so its owner gets SESSION_EVICTED instead of UNKNOWN_SESSION."""
         self.table[index]["state"] = EVICTED  # first: a crash from here on leaves a tombstone, never a record
-        self._free_committed(index)
-        self.table[index]["records"]["version"] = 0
+        self._drop_records(index)
 
     def discard(self, index: int) -> None:
         """Drop a resident session's checkpoint to make room (its KV is still hot): the entry is UNSAVED until
@@ -340,9 +339,12 @@ class Pool:
         for index in map(int, np.nonzero(self.table["state"] == UNSAVED)[0]):
             self.table[index]["state"] = LIVE if self.committed(index) is not None else EVICTED
         for index in map(int, np.nonzero(self.table["state"] == EVICTED)[0]):
-            if self.committed(index) is not None:
-                self._free_committed(index)
-                self.table[index]["records"]["version"] = 0
+            self._drop_records(index)
+
+    def _drop_records(self, index: int) -> None:
+        """Free the committed snapshot's extent and clear both records."""
+        self._free_committed(index)
+        self.table[index]["records"]["version"] = 0
 
     def _free_committed(self, index: int) -> None:
         snap = self.committed(index)
@@ -397,8 +399,31 @@ class Pool:
         assert snap is not None and snap.version == version
         return snap
 
+    def commit_written(
+        self,
+        index: int,
+        extent: Extent,
+        state_bytes: int,
+        tokens: list[int],
+        n_kv: int,
+        prefix_entry: int = NO_PREFIX,
+        prefix_len: int = 0,
+    ) -> Snapshot:
+        """Finish a pool snapshot whose state bytes are already in ``extent``: append its tokens, checksum the
+        whole payload, commit."""
+        payload = state_bytes + 4 * len(tokens)
+        self.write_tokens(extent.offset + state_bytes, tokens)
+        digest = checksum(self.view(extent.offset, payload))
+        return self.commit(
+            index, TIER_POOL, extent, state_bytes, len(tokens), n_kv, digest, payload, prefix_entry, prefix_len
+        )
+
     def verify(self, snap: Snapshot) -> bool:
         return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)) == snap.checksum
+
+    def intact(self, index: int, snap: Snapshot) -> bool:
+        """The entry's record can be read: inside its extent and the area, and not found damaged at attach."""
+        return self.in_bounds(snap) and index not in self.unowned
 
     def in_bounds(self, snap: Snapshot) -> bool:
         """The record describes bytes inside its own extent, inside the extent area."""

@@ -20,7 +20,7 @@ import secrets
 import time
 from typing import Any
 
-from .checksum import checksum
+from .allocator import Extent
 from .config import Config
 from .model import Model
 from .pool import Pool
@@ -158,9 +158,7 @@ class PrefixCache:
         assert prefix.seq is not None
         state_bytes = self.model.state_size(prefix.seq)
         payload = state_bytes + 4 * len(prefix.tokens)
-        extent = self.pool.allocator.allocate(payload)
-        while extent is None and self.drop_unused_snapshot(keep=prefix):
-            extent = self.pool.allocator.allocate(payload)
+        extent = self.allocate(payload, keep=prefix)
         if extent is None:
             log.info("no pool room for the snapshot of prefix %s; it is shared while hot only", prefix.id)
             return
@@ -177,10 +175,7 @@ class PrefixCache:
             self.pool.allocator.free(extent)
             self.pool.release(entry)
             return
-        self.pool.write_tokens(extent.offset + state_bytes, prefix.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload))
-        n = len(prefix.tokens)
-        prefix.snapshot = self.pool.commit(entry, TIER_POOL, extent, state_bytes, n, n, digest, payload)
+        prefix.snapshot = self.pool.commit_written(entry, extent, state_bytes, prefix.tokens, len(prefix.tokens))
         prefix.entry = entry
 
     # ------------------------------------------------------------------ eviction
@@ -218,6 +213,14 @@ class PrefixCache:
             self._forget(prefix)
         return True
 
+    def allocate(self, nbytes: int, keep: Prefix | None = None) -> Extent | None:
+        """A free pool extent of ``nbytes``, dropping the snapshots of prefixes nobody uses (never ``keep``, least
+        recently used first) until one fits; None when that is not enough."""
+        extent = self.pool.allocator.allocate(nbytes)
+        while extent is None and self.drop_unused_snapshot(keep=keep):
+            extent = self.pool.allocator.allocate(nbytes)
+        return extent
+
     def drop_unused_snapshot(self, keep: Prefix | None = None) -> bool:
         """Free pool room by forgetting the least recently used prefix no session uses (before any session
         snapshot is spilled). False when every prefix with a snapshot is in use."""
@@ -252,8 +255,7 @@ class PrefixCache:
             if e.kind != PREFIX or e.state != LIVE:
                 continue
             snap = e.snapshot
-            intact = snap is not None and self.pool.in_bounds(snap) and e.index not in self.pool.unowned
-            if snap is None or snap.tier != TIER_POOL or not intact or not self.enabled:
+            if snap is None or snap.tier != TIER_POOL or not self.pool.intact(e.index, snap) or not self.enabled:
                 self.pool.release(e.index)  # never committed, damaged, or sharing is off now
                 continue
             prefix = Prefix(id=e.session, task=e.task, tokens=self.pool.tokens(snap), entry=e.index, snapshot=snap)

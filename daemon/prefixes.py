@@ -54,9 +54,9 @@ def block_keys(tokens: list[int], block: int) -> list[int]:
     return keys
 
 
-def common_length(a: list[int], b: list[int], start: int = 0) -> int:
+def common_length(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    i = start
+    i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i

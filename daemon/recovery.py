@@ -44,8 +44,7 @@ def recover(tiers: Tiers) -> int:
         tokens: list[int] = []
         placeholder = [0] * min(snap.n_tokens if snap else 0, tiers.model.context_size)
         if snap is not None and snap.tier == TIER_POOL:
-            intact = tiers.pool.in_bounds(snap) and e.index not in tiers.pool.unowned
-            tokens = tiers.pool.tokens(snap) if intact else placeholder
+            tokens = tiers.pool.tokens(snap) if tiers.pool.intact(e.index, snap) else placeholder
         elif snap is not None:
             live_files.add(tiers.spill.name(e.session, snap.version))
             try:

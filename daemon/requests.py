@@ -18,7 +18,6 @@ from .config import TaskProfile
 from .errors import RequestRefused
 from .generation import Generation
 from .model import SamplingParams
-from .server import INSTANCE
 from .sessions import Session
 from .stream_text import StreamText
 
@@ -58,7 +57,6 @@ class RequestHandlers:
             version=p.PROTOCOL_VERSION,
             daemon_version=self.engine.daemon_version,
             model=self.model.description,
-            instance=INSTANCE,
             max_message_bytes=self.engine.config.max_message_bytes,
         )
 

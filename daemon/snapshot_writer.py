@@ -84,12 +84,9 @@ class SnapshotWriter:
         if written != state_bytes:
             self.pool.allocator.free(extent)
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
-        self.pool.write_tokens(extent.offset + state_bytes, s.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload))
-        prefix_ref = prefix_links.snapshot_ref(s, first)
         previous = s.snapshot
-        s.snapshot = self.pool.commit(
-            s.entry, TIER_POOL, extent, state_bytes, len(s.tokens), s.n_kv, digest, payload, *prefix_ref
+        s.snapshot = self.pool.commit_written(
+            s.entry, extent, state_bytes, s.tokens, s.n_kv, *prefix_links.snapshot_ref(s, first)
         )
         self._note_saved(s, first, state_bytes)
         if previous is not None and previous.tier == TIER_DISK:
@@ -108,16 +105,12 @@ class SnapshotWriter:
         that a restart before its first turn does not lose them."""
         payload = 4 * len(s.tokens)
         # Free room only (or a prefix nobody uses): keeping these tokens is not worth spilling other sessions.
-        extent = self.pool.allocator.allocate(payload)
-        while extent is None and self.prefixes.drop_unused_snapshot():
-            extent = self.pool.allocator.allocate(payload)
+        extent = self.prefixes.allocate(payload)
         if extent is None:
             log.warning("no free pool room for session %s's system prompt: it is kept in memory only", s.id)
             self.pool.mark_unsaved(s.entry)  # a crash before its first checkpoint evicts it, never empties it
             return
-        self.pool.write_tokens(extent.offset, s.tokens)
-        digest = checksum(self.pool.view(extent.offset, payload))
-        s.snapshot = self.pool.commit(s.entry, TIER_POOL, extent, 0, len(s.tokens), 0, digest, payload)
+        s.snapshot = self.pool.commit_written(s.entry, extent, 0, s.tokens, 0)
 
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
@@ -137,17 +130,16 @@ class SnapshotWriter:
         extent = self.pool.allocator.allocate(nbytes)
         if extent is None and not self._could_ever_fit(nbytes, pinned):
             return None
-        while extent is None:
-            if not self.prefixes.drop_unused_snapshot():  # a prefix nobody uses goes before any session's snapshot
-                victims = [
-                    v
-                    for v in self.sessions.by_id.values()
-                    if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL
-                ]
-                if not victims:
-                    return None
-                self._make_pool_room(min(victims, key=lambda v: v.last_used))
-            extent = self.pool.allocator.allocate(nbytes)
+        # A prefix nobody uses goes before any session's snapshot.
+        while extent is None and (extent := self.prefixes.allocate(nbytes)) is None:
+            victims = [
+                v
+                for v in self.sessions.by_id.values()
+                if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL
+            ]
+            if not victims:
+                return None
+            self._make_pool_room(min(victims, key=lambda v: v.last_used))
         return extent
 
     def _could_ever_fit(self, nbytes: int, pinned: Session) -> bool:

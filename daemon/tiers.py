@@ -104,11 +104,11 @@ class Tiers:
         prefix_links.leave_hot(s)
         self.counts["hibernations"] += 1
 
-    def free_cells(self, exclude: list[Session]) -> bool:
+    def free_cells(self, exclude: list[Session], count: int = 1) -> bool:
         """Make room in the unified KV: first a shared prefix nobody uses (but none the excluded sessions build
-        on), then the least recently used idle session. False when nothing could go."""
+        on), else up to ``count`` idle sessions, least recently used first. False when nothing could go."""
         keep = {id(x.prefix) for x in exclude if x.prefix is not None}
-        return self.prefixes.evict_hot(keep) or self.hibernate_idle(exclude=exclude, count=1) > 0
+        return self.prefixes.evict_hot(keep) or self.hibernate_idle(exclude=exclude, count=count) > 0
 
     def hibernate_idle(self, exclude: Iterable[Session], count: int = 1) -> int:
         """Hibernate up to ``count`` idle resident sessions (LRU first), to free KV cells; how many moved."""
