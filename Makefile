@@ -2,16 +2,27 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# llama-cpp-python compiles llama.cpp on first install (about 10 minutes on 2 cores; pip caches the wheel).
+# llama-cpp-python compiles llama.cpp on first install (about 10 minutes on 2 cores), into a wheelhouse keyed by
+# these CMake arguments (scripts/install-llama-cpp.sh). The default build is portable: GGML_NATIVE=OFF compiles for
+# an instruction-set baseline (x86-64: AVX2/FMA/F16C/BMI2), not for whatever CPU happens to run the build.
+# docs/build.md says what a device image builder should pass instead. GGML_RPC=ON lets kvpoold use rpc workers.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CMAKE_ARGS ?= $(if $(CMAKE_ARGS),$(CMAKE_ARGS),-DGGML_NATIVE=OFF -DGGML_RPC=ON)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint bench clean FORCE
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Rewritten only when the arguments change, so that a change of LLAMA_CMAKE_ARGS reinstalls llama-cpp-python.
+$(VENV)/.llama-cmake-args: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(LLAMA_CMAKE_ARGS)' | cmp -s - $@ || echo '$(LLAMA_CMAKE_ARGS)' >$@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.llama-cmake-args scripts/install-llama-cpp.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	bash scripts/install-llama-cpp.sh $(PY) $(LLAMA_CPP_VERSION) '$(LLAMA_CMAKE_ARGS)'
 	$(PY) -m pip install --quiet -e '.[model,test]'
 	touch $@
 
