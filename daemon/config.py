@@ -113,6 +113,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     spill_max_bytes: NonNegative = 1 << 30
     # Seconds of inactivity after which a session is closed; 0 keeps sessions until closed.
     session_timeout: Annotated[float, Meta(ge=0)] = 3600.0
+    # llama.cpp's weight repacking for faster CPU kernels (its extra buffer types): "auto" uses it unless this CPU
+    # advertises AMX that a probe decode in a child process shows it cannot run; "on" / "off" force it.
+    cpu_repack: Annotated[str, Meta(pattern=r"^(auto|on|off)$")] = "auto"
     # CPU threads for decoding; 0 means one per core.
     threads: Annotated[int, Meta(ge=0, le=1024)] = 0
     log_level: Annotated[str, Meta(pattern=r"^(debug|info|warning|error)$")] = "info"

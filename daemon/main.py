@@ -18,6 +18,7 @@ from kvpool.client import __version__
 from kvpool.client.address import default_address
 
 from .config import Config, ConfigError, load_config
+from .cpu_probe import CpuUnsupported, choose_repack
 from .default_model import ModelNotFound, resolve_model_path
 from .engine import Engine
 from .gguf_meta import GgufError
@@ -44,6 +45,7 @@ OVERRIDES = (
     "max_sessions",
     "session_timeout",
     "threads",
+    "cpu_repack",
     "batch_size",
     "log_level",
     "cache_pool_size",
@@ -73,6 +75,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-sessions", type=int, help="most sessions open at once")
     ap.add_argument("--session-timeout", type=float, help="seconds of inactivity before a session is closed")
     ap.add_argument("--threads", type=int, help="CPU threads for decoding (0: one per core)")
+    ap.add_argument(
+        "--cpu-repack",
+        choices=["auto", "on", "off"],
+        help="llama.cpp's weight repacking (auto: on unless a probe shows this CPU's AMX cannot run it)",
+    )
     ap.add_argument("--batch-size", type=int, help="most tokens one engine step decodes")
     ap.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--cache-pool-size", help="bytes of the shared-memory pool, e.g. 512MiB or 2GiB")
@@ -106,9 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(config.log_level, config.log_format, config.log_file, config.log_max_bytes)
         model_path = resolve_model_path(config.model)
         plan = plan_memory(model_path, config)
-    except (ConfigError, ModelNotFound, GgufError, OSError) as exc:
+        repack = choose_repack(config.cpu_repack, model_path)
+    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, OSError) as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
         return 2
+    if args.check_config:
+        print(f"kvpoold: {repack.describe()}", file=sys.stderr)
     if args.check_config or not plan.fits:
         print(f"kvpoold: memory plan for {model_path.name}:\n{plan.table()}", file=sys.stderr)
     if not plan.fits:
@@ -122,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check_config:
         print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)
         return 0
+    log.info("%s", repack.describe())
     log.info(
         "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
         plan.total / 2**20,
@@ -157,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             batch_size=config.batch_size,
             threads=threads,
             prefix_slots=config.prefix_slots,
+            repack=repack.enabled,
         )
     except ModelLoadError as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)

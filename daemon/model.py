@@ -58,6 +58,12 @@ class SamplingParams:
     seed: int | None = None
 
 
+def system_info() -> str:
+    """llama.cpp's compiled-in features per backend, e.g. "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 | "."""
+    _init_backend()
+    return lc.llama_print_system_info().decode("utf-8", errors="replace")
+
+
 class ModelLoadError(Exception):
     """The GGUF could not be loaded or the context could not be created."""
 
@@ -151,11 +157,23 @@ class Batch:
 
 class Model:
     def __init__(
-        self, path: Path, *, context_size: int, hot_slots: int, batch_size: int, threads: int, prefix_slots: int = 0
+        self,
+        path: Path,
+        *,
+        context_size: int,
+        hot_slots: int,
+        batch_size: int,
+        threads: int,
+        prefix_slots: int = 0,
+        repack: bool = True,
     ):
         _init_backend()
         self.path = Path(path)
         mparams = lc.llama_model_default_params()
+        # llama.cpp's extra buffer types repack weights for faster CPU kernels (AVX2/AVX-512/NEON, AMX); whether
+        # this CPU can run them is decided before loading (cpu_repack). Repacking does not change the KV state.
+        mparams.use_extra_bufts = repack
+        self.repack = repack
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(
