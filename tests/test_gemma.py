@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from kvpool.client import Client
+from kvpool.client import Client, Session
+from kvpool.daemon import cpu_probe
 
 from .daemon_process import DaemonProcess
 
@@ -30,6 +32,18 @@ def test_default_model_answers_greedily(gemma: DaemonProcess) -> None:
         with client.open_session() as s:
             count = s.complete("1, 2, 3, 4, 5,", max_tokens=8, temperature=0.0)
             assert count.text.startswith(" 6, 7, 8")
+
+
+def test_repack_verdict_holds_for_the_default_model(tmp_path: Path) -> None:
+    """Gemma's Q4_K weights are what llama.cpp repacks (AVX2/AVX-512, or AMX where compiled in): when auto says
+    repacking is safe on this machine, a repacked decode of the real model in a child process must survive."""
+    from kvpool.daemon.default_model import resolve_model_path
+
+    path = resolve_model_path("")
+    choice = cpu_probe.choose_repack("auto", path, cache_dir=tmp_path)
+    if choice.enabled:
+        result = cpu_probe.run_child(["repack", str(path)])
+        assert result.ok, f"{choice.describe()}, yet {result.detail}"
 
 
 def test_hibernate_and_restore_are_exact_past_the_sliding_window(start_daemon: Callable[..., DaemonProcess]) -> None:
@@ -61,8 +75,9 @@ def test_hibernate_and_restore_are_exact_past_the_sliding_window(start_daemon: C
     two_slots = start_daemon("--hot-slots", "2", "--context-size", "4096", "--threads", "2", model=None, name="two")
     with two_slots.client(timeout=300.0) as client:
         for s_id in hibernated:
-            s = client.open_session()
-            resident = [s.complete(turn, max_tokens=8, temperature=0.0).tokens for turn in turns]
+            # Alone in the KV, as each session was whenever it ran above: its cells sit where they sat there.
+            with client.open_session() as s:
+                resident = [s.complete(turn, max_tokens=8, temperature=0.0).tokens for turn in turns]
             assert resident == hibernated[s_id]
         assert client.status()["moves"]["hibernations"] == 0
 
@@ -82,15 +97,26 @@ def test_prefix_sharing_is_exact_through_hibernation_past_the_sliding_window(
     ) * repeat
     notes = "The robot reported: battery at seventy percent, two parcels on board, next stop the bakery. " * 6
 
+    def turn(s: Session, i: int, n: int) -> list[int]:
+        prompt = f"\n{notes}\nPerson {i}: question {n}, where are you going?\nAssistant:"
+        return s.complete(prompt, max_tokens=8, temperature=0.0).tokens
+
     def turns(client: Client) -> list[list[int]]:
         sessions = [client.open_session(system_prompt=system) for _ in range(3)]
         out: list[list[int]] = [[] for _ in sessions]
-        for turn in range(3):
+        for n in range(3):
             for i, s in enumerate(sessions):
-                prompt = f"\n{notes}\nPerson {i}: question {turn}, where are you going?\nAssistant:"
-                out[i] += s.complete(prompt, max_tokens=8, temperature=0.0).tokens
+                out[i] += turn(s, i, n)
         contexts = [s.complete(" ok", max_tokens=1).usage.context_tokens for s in sessions]
         assert min(contexts) > 600  # past the sliding window
+        return out
+
+    def turns_alone(client: Client) -> list[list[int]]:
+        """The same turns, each session alone in the KV: its cells sit where the one-slot run put them."""
+        out = []
+        for i in range(3):
+            with client.open_session(system_prompt=system) as s:
+                out.append([token for n in range(3) for token in turn(s, i, n)])
         return out
 
     common = ("--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB")
@@ -103,7 +129,7 @@ def test_prefix_sharing_is_exact_through_hibernation_past_the_sliding_window(
     shared.stop()
     alone = start_daemon("--hot-slots", "3", *common, model=None, config="prefix_slots = 0\n", name="alone")
     with alone.client(timeout=300.0) as client:
-        assert turns(client) == result
+        assert turns_alone(client) == result
         assert client.status()["moves"]["hibernations"] == 0
 
 
