@@ -9,8 +9,13 @@ For N in 1, 2, 4, 8 task processes, each generating 64 greedy tokens from its ow
   (c) Llama   N separate processes, each running llama-cpp-python's own `Llama` (the status quo); measured
               once per N and capped at 180 s (oversubscribed cores make it very slow; "<" marks a cap)
 Each other cell is the median of --repeat runs measured side by side. Results also go to bench/out/throughput.json.
+The table's title says which cpu_repack mode the daemon and (b) ran with (--cpu-repack, default: what auto picks).
 
-    python bench/throughput.py [--model PATH] [--clients 1 2 4 8] [--repeat 3]
+--repack-compare measures only (b), with llama.cpp's weight repacking on and off, alternating, so the cost of
+`cpu_repack = "off"` is known on a machine where both work:
+
+    python bench/throughput.py [--model PATH] [--clients 1 2 4 8] [--repeat 3] [--cpu-repack auto|on|off]
+    python bench/throughput.py --repack-compare [--clients 1 4] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -75,11 +80,11 @@ def role_llama(model: str, i: int) -> None:
     print(json.dumps({"start": start, "end": end, "tokens": out["usage"]["completion_tokens"]}), flush=True)
 
 
-def role_bare(model: str, n: int) -> None:
+def role_bare(model: str, n: int, repack: bool) -> None:
     """The ceiling: the same sequences batched with llama_decode in one process, through kvpool's model layer."""
     from kvpool.daemon.model import Model, SamplingParams
 
-    m = Model(Path(model), context_size=4096, hot_slots=max(n, 1), batch_size=512, threads=THREADS)
+    m = Model(Path(model), context_size=4096, hot_slots=max(n, 1), batch_size=512, threads=THREADS, repack=repack)
     samplers = [m.new_sampler(SamplingParams(temperature=0.0), []) for _ in range(n)]
     pending = [m.tokenize(prompt(i), add_bos=True) for i in range(n)]
     pos = [0] * n
@@ -163,7 +168,7 @@ def daemon_counters(address: str) -> dict[str, float]:
         return client.status()["counters"]
 
 
-def measure(address: str, model: str, n: int, with_llama: bool) -> dict[str, float]:
+def measure(address: str, model: str, n: int, with_llama: bool, repack: bool) -> dict[str, float]:
     before = daemon_counters(address)
     together = run_released([me("client", address, i) for i in range(n)])
     after = daemon_counters(address)
@@ -175,7 +180,7 @@ def measure(address: str, model: str, n: int, with_llama: bool) -> dict[str, flo
         one = run_released([me("client", address, i)])
         serial_tokens += one["tokens"]
         serial_s += one["seconds"]
-    bare = run_released([me("bare-go", model, n)])
+    bare = run_released([me("bare-go", model, n, int(repack))])
     result = {
         "daemon": together["tps"],
         "daemon_side": daemon_tps,
@@ -191,10 +196,26 @@ def measure(address: str, model: str, n: int, with_llama: bool) -> dict[str, flo
     return result
 
 
-def role_bare_go(model: str, n: int) -> None:
+def role_bare_go(model: str, n: int, repack: int) -> None:
     print("ready", flush=True)  # loading happens after the release, but is not timed
     sys.stdin.readline()
-    role_bare(model, n)
+    role_bare(model, n, bool(repack))
+
+
+def repack_compare(model: str, clients: list[int], repeat: int) -> None:
+    """(b) with repacking on and off, alternating within each round, so both see the same machine noise."""
+    print(
+        f"\nDecode tokens/s of (b) bare, {MAX_TOKENS} greedy tokens per sequence, {THREADS} threads, "
+        f"median of {repeat} alternating runs"
+    )
+    print(f"{'N':>2} | {'repack on':>9} | {'repack off':>10} | {'off/on':>6}")
+    for n in clients:
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeat):
+            for repack in (True, False):
+                runs[repack].append(run_released([me("bare-go", model, n, int(repack))])["tps"])
+        on, off = statistics.median(runs[True]), statistics.median(runs[False])
+        print(f"{n:>2} | {on:>9.1f} | {off:>10.1f} | {off / on:>5.2f}x", flush=True)
 
 
 def main() -> int:
@@ -204,34 +225,52 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cpu-repack", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--repack-compare", action="store_true", help="only (b), with repacking on and off")
     args = ap.parse_args()
     if args.role:
         roles = {"client": role_client, "llama": role_llama, "bare-go": role_bare_go}
-        roles[args.role](args.args[0], int(args.args[1]))
+        roles[args.role](args.args[0], *map(int, args.args[1:]))
         return 0
 
+    from kvpool.daemon.cpu_probe import choose_repack
+
     model = default_model(args.model)
+    choice = choose_repack(args.cpu_repack, Path(model))
+    print(f"{choice.describe()}", file=sys.stderr, flush=True)
+    if args.repack_compare:
+        repack_compare(model, args.clients, args.repeat)
+        return 0
+    repack = "on" if choice.enabled else "off"
     rows = []
     with private_daemon(
-        model, "--hot-slots", str(max(args.clients)), "--context-size", "4096", "--threads", str(THREADS)
+        model,
+        "--hot-slots",
+        str(max(args.clients)),
+        "--context-size",
+        "4096",
+        "--threads",
+        str(THREADS),
+        "--cpu-repack",
+        repack,
     ) as daemon:
         for n in args.clients:
-            runs = [measure(daemon.address, model, n, with_llama=(r == 0)) for r in range(args.repeat)]
+            runs = [measure(daemon.address, model, n, (r == 0), choice.enabled) for r in range(args.repeat)]
             row = {k: statistics.median(r[k] for r in runs if k in r) for k in runs[0]}
             row["n"] = n
             rows.append(row)
             print(f"measured N={n}: {row}", file=sys.stderr, flush=True)
-    print_table(rows, args.repeat)
+    print_table(rows, args.repeat, repack)
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     (out / "throughput.json").write_text(json.dumps(rows, indent=2))
     return 0
 
 
-def print_table(rows: list[dict[str, float]], repeat: int) -> None:
+def print_table(rows: list[dict[str, float]], repeat: int, repack: str) -> None:
     print(
         f"\nAggregate generated tokens/s, {MAX_TOKENS} greedy tokens per client, {THREADS} threads, "
-        f"median of {repeat} runs (cpu: {os.cpu_count()} cores)"
+        f"median of {repeat} runs (cpu: {os.cpu_count()} cores, cpu_repack {repack})"
     )
     head = (
         f"{'N':>2} | {'daemon':>7} | {'d-side':>7} | {'(a) serial':>10} | {'(b) bare':>8} | {'(c) Llama':>9} |"
