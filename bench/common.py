@@ -74,6 +74,6 @@ def wait_ready(daemon: BenchDaemon) -> None:
 
 
 def default_model(path: str | None) -> str:
-    from kvpool.daemon.default_model import resolve_model_path
+    from kvpool.daemon.llama.default_model import resolve_model_path
 
     return str(resolve_model_path(path or ""))

@@ -33,7 +33,7 @@ from common import default_model, private_daemon  # noqa: E402
 
 from kvpool.client import Client  # noqa: E402
 from kvpool.daemon.config import load_config  # noqa: E402
-from kvpool.daemon.memory_plan import plan_memory  # noqa: E402
+from kvpool.daemon.llama.memory_plan import plan_memory  # noqa: E402
 
 PROMPT = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. " * 24
 COUNTS = [1, 2, 4, 8]

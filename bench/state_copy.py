@@ -31,8 +31,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import default_model  # noqa: E402
 
-from kvpool.daemon.checksum import checksum  # noqa: E402
-from kvpool.daemon.model import Model  # noqa: E402
+from kvpool.daemon.kv.pool.checksum import checksum  # noqa: E402
+from kvpool.daemon.llama.model import Model  # noqa: E402
 
 SENTENCE = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. "
 TARGETS = [256, 1024, 2048]

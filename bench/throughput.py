@@ -82,7 +82,7 @@ def role_llama(model: str, i: int) -> None:
 
 def role_bare(model: str, n: int, repack: bool) -> None:
     """The ceiling: the same sequences batched with llama_decode in one process, through kvpool's model layer."""
-    from kvpool.daemon.model import Model, SamplingParams
+    from kvpool.daemon.llama.model import Model, SamplingParams
 
     m = Model(Path(model), context_size=4096, hot_slots=max(n, 1), batch_size=512, threads=THREADS, repack=repack)
     samplers = [m.new_sampler(SamplingParams(temperature=0.0), []) for _ in range(n)]
@@ -233,7 +233,7 @@ def main() -> int:
         roles[args.role](args.args[0], *map(int, args.args[1:]))
         return 0
 
-    from kvpool.daemon.cpu_probe import choose_repack
+    from kvpool.daemon.llama.cpu_probe import choose_repack
 
     model = default_model(args.model)
     choice = choose_repack(args.cpu_repack, Path(model))

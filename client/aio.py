@@ -21,7 +21,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import protocol as p
+from kvpool import protocol as p
+
 from .address import default_address, ipc_path
 from .client import HEARTBEAT_S, RETRIES
 from .errors import DaemonUnavailable, RequestTimeout

@@ -17,7 +17,8 @@ from typing import Any
 
 import zmq
 
-from . import protocol as p
+from kvpool import protocol as p
+
 from .address import default_address, ipc_path
 from .errors import DaemonUnavailable, RequestTimeout
 from .framing import encode_request

@@ -7,7 +7,8 @@ their replies. The daemon says its limit in its hello reply; a larger request is
 
 from __future__ import annotations
 
-from . import protocol as p
+from kvpool import protocol as p
+
 from .errors import BadRequest
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from . import protocol as p
+from kvpool import protocol as p
 
 
 class RestartWatch:

@@ -7,7 +7,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from . import protocol as p
+from kvpool import protocol as p
+
 from .errors import BadRequest, KvpoolError, error_from_code
 
 T = TypeVar("T")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.client.protocol import ErrorCode
+from kvpool.protocol import ErrorCode
 
 
 class RequestRefused(Exception):

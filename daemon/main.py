@@ -16,23 +16,22 @@ from pathlib import Path
 
 from kvpool.client import __version__
 from kvpool.client.address import default_address
-
-from .config import Config, ConfigError, load_config
-from .cpu_probe import CpuUnsupported, choose_repack
-from .default_model import ModelNotFound, resolve_model_path
-from .engine import Engine
-from .gguf_meta import GgufError
-from .http import HttpListener
-from .logs import setup_logging
-from .memory_plan import plan_memory
-from .model import Model, ModelLoadError
-from .notify import Notifier
-from .pool import Pool, PoolError
-from .recovery import recover
-from .server import AddressUnavailable, Server
-from .sessions import SessionTable
-from .spill import SpillDir, SpillError
-from .tiers import Tiers
+from kvpool.daemon.config import Config, ConfigError, load_config
+from kvpool.daemon.engine.loop import Engine
+from kvpool.daemon.kv.pool.segment import Pool, PoolError
+from kvpool.daemon.kv.recovery import recover
+from kvpool.daemon.kv.sessions import SessionTable
+from kvpool.daemon.kv.spill import SpillDir, SpillError
+from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
+from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
+from kvpool.daemon.llama.gguf_meta import GgufError
+from kvpool.daemon.llama.memory_plan import plan_memory
+from kvpool.daemon.llama.model import Model, ModelLoadError
+from kvpool.daemon.ops.logs import setup_logging
+from kvpool.daemon.serve.http import HttpListener
+from kvpool.daemon.serve.notify import Notifier
+from kvpool.daemon.serve.zmq_server import AddressUnavailable, Server
 
 log = logging.getLogger("kvpool.daemon")
 

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvpool.client import protocol as p
+from kvpool import protocol as p
 
 RECV_TIMEOUT_MS = 10_000
 

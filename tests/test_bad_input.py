@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from kvpool.client import protocol as p
+from kvpool import protocol as p
 from kvpool.client.errors import BadRequest
 
 from .daemon_process import DaemonProcess

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.client import protocol as p
+from kvpool import protocol as p
 from kvpool.client.errors import BudgetUnmeetable
 from kvpool.daemon.config import ConfigError, load_config
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.daemon import cpu_probe
-from kvpool.daemon.cpu_repack import (
+from kvpool.daemon.llama import cpu_probe
+from kvpool.daemon.llama.cpu_repack import (
     CpuInfo,
     decide_repack,
     missing_instructions,

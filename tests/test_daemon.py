@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool import protocol as p
 from kvpool.client import Client, DaemonUnavailable
-from kvpool.client import protocol as p
 from kvpool.client.errors import ContextOverflow, QuotaExceeded, UnknownSession
 
 from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import psutil
 
-from kvpool.client import protocol as p
+from kvpool import protocol as p
 
 from .daemon_process import DaemonProcess
 from .raw import RawConnection

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import Client, Session
-from kvpool.daemon import cpu_probe
+from kvpool.daemon.llama import cpu_probe
 
 from .daemon_process import DaemonProcess
 
@@ -37,7 +37,7 @@ def test_default_model_answers_greedily(gemma: DaemonProcess) -> None:
 def test_repack_verdict_holds_for_the_default_model(tmp_path: Path) -> None:
     """Gemma's Q4_K weights are what llama.cpp repacks (AVX2/AVX-512, or AMX where compiled in): when auto says
     repacking is safe on this machine, a repacked decode of the real model in a child process must survive."""
-    from kvpool.daemon.default_model import resolve_model_path
+    from kvpool.daemon.llama.default_model import resolve_model_path
 
     path = resolve_model_path("")
     choice = cpu_probe.choose_repack("auto", path, cache_dir=tmp_path)

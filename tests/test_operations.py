@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.client.errors import Overloaded
 from kvpool.daemon.config import load_config
 from kvpool.daemon.main import default_pool_name
-from kvpool.daemon.notify import Notifier
+from kvpool.daemon.serve.notify import Notifier
 
 from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit
 

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.daemon.allocator import Extent, ExtentAllocator
-from kvpool.daemon.checksum import checksum
-from kvpool.daemon.pool import Pool, PoolError
-from kvpool.daemon.pool_layout import EVICTED, LIVE, TIER_DISK, TIER_POOL, UNSAVED
+from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
+from kvpool.daemon.kv.pool.checksum import checksum
+from kvpool.daemon.kv.pool.layout import EVICTED, LIVE, TIER_DISK, TIER_POOL, UNSAVED
+from kvpool.daemon.kv.pool.segment import Pool, PoolError
 
 AREA_START, AREA_SIZE, ALIGN = 4096, 64 * 1024, 64
 

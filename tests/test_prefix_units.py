@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvpool.daemon import prefix_links
-from kvpool.daemon.pool_layout import TIER_POOL, Snapshot
-from kvpool.daemon.prefixes import Prefix, PrefixIndex, block_keys, eviction_order, shareable_length
-from kvpool.daemon.scheduler import plan_fcfs
-from kvpool.daemon.sessions import Session
+from kvpool.daemon.engine.step_plan import plan_fcfs
+from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
+from kvpool.daemon.kv.prefix import links as prefix_links
+from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, block_keys, eviction_order, shareable_length
+from kvpool.daemon.kv.sessions import Session
 
 from .test_scheduler import Item
 

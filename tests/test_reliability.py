@@ -114,7 +114,7 @@ def test_a_client_that_stops_reading_stalls_nobody(start_daemon: Start) -> None:
     daemon = start_daemon("--context-size", "16384")
     import zmq
 
-    from kvpool.client import protocol as p
+    from kvpool import protocol as p
 
     # A raw client with a tiny receive queue starts a long generation and never reads a reply.
     stuck = zmq.Context.instance().socket(zmq.DEALER)
@@ -176,7 +176,7 @@ def write(path: Path, text: str) -> Path:
 
 
 def test_limits_on_prompts_connections_and_frames(start_daemon: Start) -> None:
-    from kvpool.client import protocol as p
+    from kvpool import protocol as p
 
     from .raw import RawConnection
 
@@ -199,7 +199,7 @@ def test_limits_on_prompts_connections_and_frames(start_daemon: Start) -> None:
 
 
 def test_unwritable_spill_dir_is_one_clear_start_up_error(short_tmp: Path, tiny_model: Path) -> None:
-    from kvpool.daemon.pool import Pool
+    from kvpool.daemon.kv.pool.segment import Pool
 
     blocker = short_tmp / "a-file"
     blocker.write_text("not a directory")

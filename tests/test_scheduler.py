@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.daemon.cost_model import CostModel, StepShape, calibrate
-from kvpool.daemon.scheduler import MIN_CHUNK, plan_budgeted, plan_fcfs, steps_for
+from kvpool.daemon.engine.cost_model import CostModel, StepShape, calibrate
+from kvpool.daemon.engine.step_plan import MIN_CHUNK, plan_budgeted, plan_fcfs, steps_for
 
 
 @dataclass(eq=False)

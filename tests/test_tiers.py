@@ -12,10 +12,10 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from kvpool import protocol as p
 from kvpool.client import Client
-from kvpool.client import protocol as p
 from kvpool.client.errors import NotOwner, QuotaExceeded, SessionCorrupt, SessionEvicted
-from kvpool.daemon.pool_layout import ENTRY, HEADER
+from kvpool.daemon.kv.pool.layout import ENTRY, HEADER
 
 from .daemon_process import DaemonProcess, run_until_exit
 from .raw import RawConnection

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.client import protocol as p
+from kvpool import protocol as p
 from kvpool.client.errors import KvpoolError, NotOwner, error_from_code
 from kvpool.daemon.config import Config, ConfigError, load_config
-from kvpool.daemon.stream_text import StreamText
+from kvpool.daemon.engine.stream_text import StreamText
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,7 +164,7 @@ def test_example_configs_load() -> None:
 
 
 def test_a_request_is_lost_to_a_restart_only_if_the_old_daemon_heard_it() -> None:
-    from kvpool.client import protocol as p
+    from kvpool import protocol as p
     from kvpool.client.restarts import RestartWatch
 
     watch = RestartWatch()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .latency_stats import BUCKETS_MS
+from kvpool.daemon.ops.latency_stats import BUCKETS_MS
 
 
 def _escape(value: object) -> str:

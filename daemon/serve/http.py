@@ -15,8 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import psutil
 
 from kvpool.client import Client, KvpoolError
-
-from .prometheus import render
+from kvpool.daemon.ops.prometheus import render
 
 log = logging.getLogger("kvpool.http")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import time
 
-from . import prefix_links
-from .pool import PoolError
-from .pool_layout import LIVE, NO_PREFIX, SESSION, TIER_POOL
-from .sessions import Session
-from .spill import SnapshotCorrupt
-from .tiers import Tiers
+from kvpool.daemon.kv.pool.layout import LIVE, NO_PREFIX, SESSION, TIER_POOL
+from kvpool.daemon.kv.pool.segment import PoolError
+from kvpool.daemon.kv.prefix import links as prefix_links
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.kv.spill import SnapshotCorrupt
+from kvpool.daemon.kv.tiers import Tiers
 
 log = logging.getLogger("kvpool.tiers")
 

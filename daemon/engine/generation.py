@@ -6,11 +6,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from kvpool.client.protocol import Final, FinishReason, Generate, Timings, Usage
-
-from .model import Sampler
-from .sessions import Session
-from .stream_text import StreamText
+from kvpool.daemon.engine.stream_text import StreamText
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.llama.model import Sampler
+from kvpool.protocol import Final, FinishReason, Generate, Timings, Usage
 
 
 @dataclass(eq=False)

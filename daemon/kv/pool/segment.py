@@ -24,9 +24,9 @@ import time
 import numpy as np
 import posix_ipc
 
-from .allocator import Extent, ExtentAllocator
-from .checksum import checksum
-from .pool_layout import (
+from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
+from kvpool.daemon.kv.pool.checksum import checksum
+from kvpool.daemon.kv.pool.layout import (
     ALIGN,
     ENTRY,
     EVICTED,

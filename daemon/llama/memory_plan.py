@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, sequence_count
-from .gguf_meta import read_metadata
+from kvpool.daemon.config import Config, sequence_count
+from kvpool.daemon.llama.gguf_meta import read_metadata
 
 F16 = 2
 F32 = 4

@@ -16,24 +16,23 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.client import protocol as p
-from kvpool.client.protocol import ErrorCode, FinishReason
-
-from .calibration import calibrate_on_slot
-from .config import Config
-from .cost_model import CostModel, StepShape
-from .engine_status import status_of
-from .errors import RequestRefused
-from .generation import Generation
-from .housekeeping import Housekeeping
-from .latency_stats import TaskStats
-from .metrics import EngineCounters
-from .model import Model
-from .pool import Pool
-from .requests import RequestHandlers
-from .scheduler import Work, plan_budgeted, plan_fcfs, steps_for, urgency
-from .sessions import Session, SessionTable
-from .tiers import Tiers
+from kvpool import protocol as p
+from kvpool.daemon.config import Config
+from kvpool.daemon.engine.calibration import calibrate_on_slot
+from kvpool.daemon.engine.cost_model import CostModel, StepShape
+from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.housekeeping import Housekeeping
+from kvpool.daemon.engine.requests import RequestHandlers
+from kvpool.daemon.engine.step_plan import Work, plan_budgeted, plan_fcfs, steps_for, urgency
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.sessions import Session, SessionTable
+from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.llama.model import Model
+from kvpool.daemon.ops.counters import EngineCounters
+from kvpool.daemon.ops.latency_stats import TaskStats
+from kvpool.daemon.ops.status import status_of
+from kvpool.protocol import ErrorCode, FinishReason
 
 log = logging.getLogger("kvpool.engine")
 

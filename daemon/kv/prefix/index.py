@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .pool_layout import Snapshot
+from kvpool.daemon.kv.pool.layout import Snapshot
 
 
 @dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""The probe's child process: ``python -m kvpool.daemon.cpu_probe_child features | repack MODEL``.
+"""The probe's child process: ``python -m kvpool.daemon.llama.cpu_probe_child features | repack MODEL``.
 
 ``features`` prints llama.cpp's system info (its compiled-in CPU features). ``repack MODEL`` loads the model with
 llama.cpp's extra (repacking) buffer types and decodes a short prompt and a few single tokens, which runs the
@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .model import Model, system_info
+from kvpool.daemon.llama.model import Model, system_info
 
 PROBE_PROMPT = "The capital of France is Paris. The capital of Italy is"
 
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "repack":
         decode_a_few_tokens(Path(argv[1]))
         return 0
-    print("usage: python -m kvpool.daemon.cpu_probe_child features | repack MODEL", file=sys.stderr)
+    print("usage: python -m kvpool.daemon.llama.cpu_probe_child features | repack MODEL", file=sys.stderr)
     return 2
 
 

@@ -12,18 +12,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvpool.client.protocol import ErrorCode
-
-from . import prefix_links
-from .allocator import Extent, ExtentAllocator
-from .checksum import checksum
-from .errors import RequestRefused
-from .model import Model
-from .pool import Pool
-from .pool_layout import NO_PREFIX, TIER_DISK, TIER_POOL
-from .prefix_cache import PrefixCache
-from .sessions import Session, SessionTable
-from .spill import SpillDir
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
+from kvpool.daemon.kv.pool.checksum import checksum
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
+from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.prefix import links as prefix_links
+from kvpool.daemon.kv.prefix.cache import PrefixCache
+from kvpool.daemon.kv.sessions import Session, SessionTable
+from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.llama.model import Model
+from kvpool.protocol import ErrorCode
 
 log = logging.getLogger("kvpool.tiers")
 LARGE_SNAPSHOT = 1 << 20

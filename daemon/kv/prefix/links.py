@@ -7,9 +7,9 @@ such sessions (its pool snapshot must stay), ``hot_users`` those of the first ki
 
 from __future__ import annotations
 
-from .pool_layout import NO_PREFIX, Snapshot
-from .prefixes import Prefix
-from .sessions import Session
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, Snapshot
+from kvpool.daemon.kv.prefix.index import Prefix
+from kvpool.daemon.kv.sessions import Session
 
 
 def attach(s: Session, prefix: Prefix, length: int, hot: bool) -> None:

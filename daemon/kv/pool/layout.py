@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocator import Extent
+from kvpool.daemon.kv.pool.allocator import Extent
 
 MAGIC = b"KVPOOL\x00\x01"
 LAYOUT_VERSION = 2  # 2: prefix entries, and snapshot records that name the prefix they build on

@@ -16,16 +16,16 @@ import logging
 import time
 from collections.abc import Iterable
 
-from . import prefix_links
-from .config import Config
-from .model import Model
-from .pool import Pool
-from .pool_layout import NO_PREFIX, TIER_DISK, TIER_POOL
-from .prefix_cache import PrefixCache, PrefixCorrupt
-from .prefixes import shareable_length
-from .sessions import Session, SessionTable
-from .snapshot_writer import SessionCorrupt, SnapshotWriter, timed
-from .spill import SnapshotCorrupt, SpillDir
+from kvpool.daemon.config import Config
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
+from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.prefix import links as prefix_links
+from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
+from kvpool.daemon.kv.prefix.index import shareable_length
+from kvpool.daemon.kv.sessions import Session, SessionTable
+from kvpool.daemon.kv.snapshots import SessionCorrupt, SnapshotWriter, timed
+from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
+from kvpool.daemon.llama.model import Model
 
 log = logging.getLogger("kvpool.tiers")
 

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from kvpool.client.protocol import FinishReason
+from kvpool.protocol import FinishReason
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from kvpool.daemon.engine.loop import Engine
 
 log = logging.getLogger("kvpool.engine")
 CLIENT_SILENCE_S = 1.0  # clients ping every 0.25 s while they wait; four missed pings mean the client is gone

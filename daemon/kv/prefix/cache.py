@@ -20,12 +20,12 @@ import secrets
 import time
 from typing import Any
 
-from .allocator import Extent
-from .config import Config
-from .model import Model
-from .pool import Pool
-from .pool_layout import LIVE, PREFIX, TIER_POOL, EntryInfo
-from .prefixes import Prefix, PrefixIndex, eviction_order, shareable_length
+from kvpool.daemon.config import Config
+from kvpool.daemon.kv.pool.allocator import Extent
+from kvpool.daemon.kv.pool.layout import LIVE, PREFIX, TIER_POOL, EntryInfo
+from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, eviction_order, shareable_length
+from kvpool.daemon.llama.model import Model
 
 log = logging.getLogger("kvpool.prefixes")
 

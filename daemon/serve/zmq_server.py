@@ -21,9 +21,9 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpool.client import protocol as p
+from kvpool import protocol as p
 from kvpool.client.address import ipc_path
-from kvpool.client.protocol import ErrorCode
+from kvpool.protocol import ErrorCode
 
 log = logging.getLogger("kvpool.server")
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from .cost_model import CostModel, StepShape
+from kvpool.daemon.engine.cost_model import CostModel, StepShape
 
 MIN_CHUNK = 8  # the most urgent prompt always moves by at least this much, however tight the cap
 

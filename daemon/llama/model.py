@@ -19,7 +19,7 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
-from .config import sequence_count
+from kvpool.daemon.config import sequence_count
 
 log = logging.getLogger("kvpool.llama")
 

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from kvpool.client import protocol as p
+from kvpool import protocol as p
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from kvpool.daemon.engine.loop import Engine
 
 
 def status_of(engine: Engine) -> dict[str, Any]:

@@ -8,15 +8,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpool.client.protocol import ErrorCode
-
-from .config import Config
-from .errors import RequestRefused
-from .pool_layout import TIER_POOL, Snapshot
+from kvpool.daemon.config import Config
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
+from kvpool.protocol import ErrorCode
 
 if TYPE_CHECKING:
-    from .generation import Generation
-    from .prefixes import Prefix
+    from kvpool.daemon.engine.generation import Generation
+    from kvpool.daemon.kv.prefix.index import Prefix
 
 
 MAX_EVICTED_REMEMBERED = 4096

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checksum import checksum
+from kvpool.daemon.kv.pool.checksum import checksum
 
 MAGIC = b"KVSPILL1"
 HEADER = struct.Struct("<8sQQIIQ")  # magic, version, state_bytes, n_tokens, n_kv, checksum

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from .cost_model import CostModel, calibrate
-from .model import Model
+from kvpool.daemon.engine.cost_model import CostModel, calibrate
+from kvpool.daemon.llama.model import Model
 
 log = logging.getLogger("kvpool.engine")
 

@@ -11,18 +11,17 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvpool.client import protocol as p
-from kvpool.client.protocol import ErrorCode, FinishReason
-
-from .config import TaskProfile
-from .errors import RequestRefused
-from .generation import Generation
-from .model import SamplingParams
-from .sessions import Session
-from .stream_text import StreamText
+from kvpool import protocol as p
+from kvpool.daemon.config import TaskProfile
+from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.stream_text import StreamText
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.llama.model import SamplingParams
+from kvpool.protocol import ErrorCode, FinishReason
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from kvpool.daemon.engine.loop import Engine
 
 log = logging.getLogger("kvpool.engine")
 

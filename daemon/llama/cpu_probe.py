@@ -21,13 +21,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cpu_repack import CpuInfo, RepackChoice, decide_repack, missing_instructions, parse_build_features
-from .default_model import model_cache_dir
+from kvpool.daemon.llama.cpu_repack import (
+    CpuInfo,
+    RepackChoice,
+    decide_repack,
+    missing_instructions,
+    parse_build_features,
+)
+from kvpool.daemon.llama.default_model import model_cache_dir
 
 log = logging.getLogger("kvpool.cpu")
 
 PROBE_TIMEOUT_S = 180.0
-CHILD_MODULE = "kvpool.daemon.cpu_probe_child"
+CHILD_MODULE = "kvpool.daemon.llama.cpu_probe_child"
 
 # arch_prctl(2): ask the kernel for the AMX tile data state (XFEATURE_XTILEDATA = 18), as ggml does itself.
 _SYS_ARCH_PRCTL = 158

@@ -1,0 +1,1 @@
+"""Prefix sharing: system prompts computed once, their cells shared by every session that starts alike."""

@@ -1,0 +1,1 @@
+"""What operators see: status, counters, latency statistics, Prometheus exposition, logs."""
