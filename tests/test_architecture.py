@@ -54,7 +54,7 @@ def test_no_import_cycles_in_the_daemon() -> None:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append([*trail[trail.index(nxt):], nxt])
+                cycles.append([*trail[trail.index(nxt) :], nxt])
             elif nxt in graph and not state.get(nxt):
                 visit(nxt, [*trail, nxt])
         state[node] = 2

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from kvpool.daemon.engine.step_plan import plan_fcfs
+from kvpool.daemon.kv.policy import prefix_eviction_order
 from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
 from kvpool.daemon.kv.prefix import links as prefix_links
-from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, block_keys, eviction_order, shareable_length
+from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, block_keys, shareable_length
 from kvpool.daemon.kv.sessions import Session
 
 from .test_scheduler import Item
@@ -65,7 +66,7 @@ def test_only_unused_prefixes_are_evicted_least_recently_used_first() -> None:
     used = prefix([1] * 8, users=1, last_used=1.0)
     shared_hot = prefix([2] * 8, hot_users=1, last_used=0.5)
     old, new = prefix([3] * 8, last_used=2.0), prefix([4] * 8, last_used=3.0)
-    assert eviction_order([new, used, old, shared_hot]) == [old, new]
+    assert prefix_eviction_order([new, used, old, shared_hot]) == [old, new]
 
 
 def test_a_prompt_chunk_stops_at_the_end_of_the_system_prompt() -> None:

@@ -56,6 +56,11 @@ class Session:
         return pending
 
     @property
+    def busy(self) -> bool:
+        """A generation runs on it (the tiers never hibernate, spill or evict it then)."""
+        return self.generation is not None
+
+    @property
     def pending_tokens(self) -> int:
         return len(self.tokens) - self.n_kv
 
@@ -153,4 +158,4 @@ class SessionTable:
         return self._per_task[task]
 
     def idle_longer_than(self, seconds: float, now: float) -> list[Session]:
-        return [s for s in self.by_id.values() if s.generation is None and now - s.last_used > seconds]
+        return [s for s in self.by_id.values() if not s.busy and now - s.last_used > seconds]

@@ -13,9 +13,10 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL, payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache
@@ -66,8 +67,7 @@ class SnapshotWriter:
         first = prefix_links.suffix_start(s)
         with self.model.cells_from(s.slot, first) as source:
             state_bytes = self.model.state_size(source)
-            payload = state_bytes + 4 * len(s.tokens)
-            extent = self._allocate(payload, pinned=s)
+            extent = self._allocate(payload_bytes(state_bytes, len(s.tokens)), pinned=s)
             if extent is None:
                 self._checkpoint_to_disk(s, source, state_bytes, first)
                 return
@@ -102,7 +102,7 @@ class SnapshotWriter:
     def record_tokens(self, s: Session) -> None:
         """Commit a snapshot of a session's tokens alone (no KV yet: a session opened with a system prompt), so
         that a restart before its first turn does not lose them."""
-        payload = 4 * len(s.tokens)
+        payload = payload_bytes(0, len(s.tokens))
         # Free room only (or a prefix nobody uses): keeping these tokens is not worth spilling other sessions.
         extent = self.prefixes.allocate(payload)
         if extent is None:
@@ -113,7 +113,7 @@ class SnapshotWriter:
 
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
-        buffer = (ctypes.c_uint8 * (state_bytes + 4 * len(s.tokens)))()
+        buffer = (ctypes.c_uint8 * payload_bytes(state_bytes, len(s.tokens)))()
         written = self.model.save_state(source, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
         if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
@@ -131,14 +131,10 @@ class SnapshotWriter:
             return None
         # A prefix nobody uses goes before any session's snapshot.
         while extent is None and (extent := self.prefixes.allocate(nbytes)) is None:
-            victims = [
-                v
-                for v in self.sessions.by_id.values()
-                if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL
-            ]
-            if not victims:
+            victim = policy.first_to_go(policy.pool_snapshot_holders(self.sessions.by_id.values(), pinned))
+            if victim is None:
                 return None
-            self._make_pool_room(min(victims, key=lambda v: v.last_used))
+            self._make_pool_room(victim)
         return extent
 
     def _could_ever_fit(self, nbytes: int, pinned: Session) -> bool:
@@ -159,7 +155,7 @@ class SnapshotWriter:
             self.spill_out(victim)
             return
         except RequestRefused:
-            if victim.slot is None and victim.generation is not None:
+            if victim.slot is None and victim.busy:
                 raise  # it waits for a slot: its snapshot is all it has
         if victim.slot is not None:
             self.give_up(victim)
@@ -184,7 +180,7 @@ class SnapshotWriter:
         """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""
         snap = s.snapshot
         assert snap is not None and snap.tier == TIER_POOL
-        view = self.pool.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)
+        view = self.pool.view(snap.offset, payload_bytes(snap.state_bytes, snap.n_tokens))
         try:
             self._write_disk(
                 s, view, snap.state_bytes, snap.n_tokens, snap.n_kv, snap.checksum, (snap.prefix_entry, snap.prefix_len)
@@ -231,19 +227,11 @@ class SnapshotWriter:
                 f"(spill_max_bytes={self.spill.max_bytes}); raise one of them or use shorter contexts.",
             )
         while not self.spill.fits(nbytes):
-            victims = [
-                v
-                for v in self.sessions.by_id.values()
-                if v is not keep
-                and v.slot is None
-                and v.generation is None
-                and v.snapshot is not None
-                and v.snapshot.tier == TIER_DISK
-            ]
-            if not victims:
+            victim = policy.first_to_go(policy.idle_on_disk(self.sessions.by_id.values(), keep))
+            if victim is None:
                 raise RequestRefused(
                     ErrorCode.POOL_FULL,
                     f"The pool ({self.pool.size} bytes) and the spill directory ({self.spill.max_bytes} bytes) "
                     "are full of sessions in use; close sessions or raise cache_pool_size or spill_max_bytes.",
                 )
-            self.evict(min(victims, key=lambda v: v.last_used))
+            self.evict(victim)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.daemon.kv.pool.checksum import checksum
+from kvpool.daemon.kv.pool.layout import TOKEN_BYTES, payload_bytes
 
 MAGIC = b"KVSPILL1"
 HEADER = struct.Struct("<8sQQIIQ")  # magic, version, state_bytes, n_tokens, n_kv, checksum
@@ -99,7 +100,7 @@ class SpillDir:
             raise SnapshotCorrupt(f"spill file {name} is truncated")
         magic, file_version, state_bytes, n_tokens, _n_kv, digest = HEADER.unpack_from(data)
         payload = data[HEADER.size :]
-        if magic != MAGIC or file_version != version or len(payload) != state_bytes + 4 * n_tokens:
+        if magic != MAGIC or file_version != version or len(payload) != payload_bytes(state_bytes, n_tokens):
             raise SnapshotCorrupt(f"spill file {name} has a damaged header")
         if checksum(payload) != digest:
             raise SnapshotCorrupt(f"spill file {name} fails its checksum")
@@ -112,10 +113,10 @@ class SpillDir:
             with (self.path / name).open("rb") as f:
                 _magic, _version, state_bytes, n_tokens, _n_kv, _digest = HEADER.unpack(f.read(HEADER.size))
                 f.seek(HEADER.size + state_bytes)
-                data = f.read(4 * n_tokens)
+                data = f.read(TOKEN_BYTES * n_tokens)
         except (OSError, struct.error) as exc:
             raise SnapshotCorrupt(f"spill file {name} cannot be read ({exc})") from None
-        if len(data) != 4 * n_tokens:
+        if len(data) != TOKEN_BYTES * n_tokens:
             raise SnapshotCorrupt(f"spill file {name} is truncated")
         return np.frombuffer(data, dtype="<i4").tolist()
 

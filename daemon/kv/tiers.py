@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 
 from kvpool.daemon.config import Config
+from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
@@ -67,10 +68,10 @@ class Tiers:
         if s.slot is not None:
             return True
         if not self.free_slots:
-            idle = [r for r in self.resident.values() if r.generation is None]
-            if not idle:
+            victim = policy.first_to_go(policy.idle_resident(self.resident.values()))
+            if victim is None:
                 return False
-            self.hibernate(min(idle, key=lambda r: r.last_used))
+            self.hibernate(victim)
         slot = self.free_slots.pop()
         try:
             # llama.cpp refuses a state it has no free cells for: free cells until it fits (each round takes out
@@ -79,7 +80,7 @@ class Tiers:
                 self.counts["restores_without_room"] += 1
                 if self.free_cells(exclude=[s]):
                     continue
-                if any(r.generation is not None for r in self.resident.values()):
+                if any(r.busy for r in self.resident.values()):
                     self.free_slots.append(slot)
                     return False  # the generating sessions hold the cells; try again after a step
                 raise SessionCorrupt(s, "llama.cpp rejected its saved state even with an empty KV")
@@ -94,7 +95,7 @@ class Tiers:
     def hibernate(self, s: Session, preempt: bool = False) -> None:
         """Free the session's slot and cells; its state stays in the pool (or on disk). ``preempt``: the
         session is in the middle of a generation that will resume from exactly this state."""
-        assert s.slot is not None and (preempt or s.generation is None)
+        assert s.slot is not None and (preempt or not s.busy)
         if not s.checkpoint_fresh:
             self.checkpoint(s)
         self.model.forget_sequence(s.slot)
@@ -112,10 +113,7 @@ class Tiers:
 
     def hibernate_idle(self, exclude: Iterable[Session], count: int = 1) -> int:
         """Hibernate up to ``count`` idle resident sessions (LRU first), to free KV cells; how many moved."""
-        skip = set(map(id, exclude))
-        idle = sorted(
-            (r for r in self.resident.values() if r.generation is None and id(r) not in skip), key=lambda r: r.last_used
-        )
+        idle = policy.idle_resident(self.resident.values(), exclude)
         for r in idle[:count]:
             self.hibernate(r)
         return min(count, len(idle))

@@ -20,6 +20,7 @@ ALIGN = 64
 FREE, LIVE, EVICTED, UNSAVED = 0, 1, 2, 3
 SESSION, PREFIX = 0, 1  # entry kinds: a session, or a prefix shared by sessions (its snapshot is whole)
 NO_PREFIX = -1
+TOKEN_BYTES = 4  # a snapshot's payload is llama.cpp's sequence state, then its tokens as little-endian int32
 TIER_POOL, TIER_DISK = 1, 2
 
 HEADER = np.dtype(
@@ -103,3 +104,8 @@ class EntryInfo:
     created: float
     last_used: float
     snapshot: Snapshot | None
+
+
+def payload_bytes(state_bytes: int, n_tokens: int) -> int:
+    """Bytes of a snapshot's payload: the sequence state, then the tokens."""
+    return state_bytes + TOKEN_BYTES * n_tokens

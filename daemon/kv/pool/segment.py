@@ -43,6 +43,7 @@ from kvpool.daemon.kv.pool.layout import (
     UNSAVED,
     EntryInfo,
     Snapshot,
+    payload_bytes,
 )
 
 log = logging.getLogger("kvpool.pool")
@@ -411,7 +412,7 @@ class Pool:
     ) -> Snapshot:
         """Finish a pool snapshot whose state bytes are already in ``extent``: append its tokens, checksum the
         whole payload, commit."""
-        payload = state_bytes + 4 * len(tokens)
+        payload = payload_bytes(state_bytes, len(tokens))
         self.write_tokens(extent.offset + state_bytes, tokens)
         digest = checksum(self.view(extent.offset, payload))
         return self.commit(
@@ -419,7 +420,7 @@ class Pool:
         )
 
     def verify(self, snap: Snapshot) -> bool:
-        return checksum(self.view(snap.offset, snap.state_bytes + 4 * snap.n_tokens)) == snap.checksum
+        return checksum(self.view(snap.offset, payload_bytes(snap.state_bytes, snap.n_tokens))) == snap.checksum
 
     def intact(self, index: int, snap: Snapshot) -> bool:
         """The entry's record can be read: inside its extent and the area, and not found damaged at attach."""
@@ -431,7 +432,7 @@ class Pool:
         return (
             a.start <= snap.offset
             and snap.offset + snap.length <= a.start + a.size
-            and snap.state_bytes + 4 * snap.n_tokens <= snap.length
+            and payload_bytes(snap.state_bytes, snap.n_tokens) <= snap.length
         )
 
     def tokens(self, snap: Snapshot) -> list[int]:

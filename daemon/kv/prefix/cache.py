@@ -21,10 +21,11 @@ import time
 from typing import Any
 
 from kvpool.daemon.config import Config
+from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.pool.allocator import Extent
-from kvpool.daemon.kv.pool.layout import LIVE, PREFIX, TIER_POOL, EntryInfo
+from kvpool.daemon.kv.pool.layout import LIVE, PREFIX, TIER_POOL, EntryInfo, payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
-from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, eviction_order, shareable_length
+from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, shareable_length
 from kvpool.daemon.llama.model import Model
 
 log = logging.getLogger("kvpool.prefixes")
@@ -157,8 +158,7 @@ class PrefixCache:
         and sessions on it take whole snapshots."""
         assert prefix.seq is not None
         state_bytes = self.model.state_size(prefix.seq)
-        payload = state_bytes + 4 * len(prefix.tokens)
-        extent = self.allocate(payload, keep=prefix)
+        extent = self.allocate(payload_bytes(state_bytes, len(prefix.tokens)), keep=prefix)
         if extent is None:
             log.info("no pool room for the snapshot of prefix %s; it is shared while hot only", prefix.id)
             return
@@ -190,20 +190,9 @@ class PrefixCache:
         snapshot stays; one without a snapshot and without users is forgotten). ``keep``: ids of prefixes that
         must stay (a restore in progress builds on them). False when none can go."""
         keep = keep or set()
-        candidates = sorted(
-            (
-                x
-                for x in self.by_id.values()
-                if x.seq is not None
-                and x.hot_users == 0
-                and (x.snapshot is not None or x.users == 0)
-                and id(x) not in keep
-            ),
-            key=lambda x: x.last_used,
-        )
-        if not candidates:
+        prefix = policy.first_to_go(policy.hot_prefixes_nobody_shares(self.by_id.values(), keep))
+        if prefix is None:
             return False
-        prefix = candidates[0]
         assert prefix.seq is not None
         self.model.forget_sequence(prefix.seq)
         self.free_seqs.append(prefix.seq)
@@ -227,7 +216,7 @@ class PrefixCache:
         return self._forget_one_unused(keep, with_snapshot=True)
 
     def _forget_one_unused(self, keep: Prefix | None = None, with_snapshot: bool = False) -> bool:
-        for prefix in eviction_order(self.by_id.values()):
+        for prefix in policy.prefix_eviction_order(self.by_id.values()):
             if prefix is not keep and (prefix.snapshot is not None or not with_snapshot):
                 self._forget(prefix)
                 return True

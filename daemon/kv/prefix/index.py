@@ -111,8 +111,3 @@ def shareable_length(prefix: Prefix, wanted: int, window: int) -> int:
     if window <= 0 or prefix.lowest_position <= 0:
         return wanted
     return wanted if wanted - window >= prefix.lowest_position else 0
-
-
-def eviction_order(prefixes: Iterable[Prefix]) -> list[Prefix]:
-    """Prefixes no session uses, damaged ones first, then least recently used first."""
-    return sorted((x for x in prefixes if not x.in_use), key=lambda x: (not x.damaged, x.last_used))
