@@ -9,29 +9,41 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from kvpool import protocol as p
-from kvpool.daemon.config import TaskProfile
+from kvpool.daemon.config import Config
 from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.llama.model import SamplingParams
+from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.llama.model import Model, SamplingParams
 from kvpool.protocol import ErrorCode, FinishReason
-
-if TYPE_CHECKING:
-    from kvpool.daemon.engine.loop import Engine
 
 log = logging.getLogger("kvpool.engine")
 
 
+Finish = Callable[..., None]  # Engine.finish(g, reason, now, checkpoint=...)
+
+
 class RequestHandlers:
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.model = engine.model
-        self.sessions = engine.sessions
-        self.tiers = engine.tiers
+    def __init__(
+        self,
+        model: Model,
+        config: Config,
+        tiers: Tiers,
+        scheduler: Scheduler,
+        finish: Finish,
+        status: Callable[[], dict[str, Any]],
+        daemon_version: str,
+    ):
+        self.model, self.config, self.tiers, self.scheduler = model, config, tiers, scheduler
+        self.sessions = tiers.sessions
+        self.pool = tiers.pool
+        self.finish, self._status, self.daemon_version = finish, status, daemon_version
         self.by_type: dict[type, Any] = {
             p.Hello: self.hello,
             p.Status: self.status,
@@ -44,7 +56,7 @@ class RequestHandlers:
             p.Generate: self.generate,
         }
 
-    def hello(self, client: bytes, r: p.Hello) -> p.Reply:
+    def hello(self, client: bytes, r: p.Hello, received_at: float) -> p.Reply:
         if r.version != p.PROTOCOL_VERSION:
             raise RequestRefused(
                 ErrorCode.VERSION_MISMATCH,
@@ -54,15 +66,15 @@ class RequestHandlers:
         return p.HelloReply(
             id=r.id,
             version=p.PROTOCOL_VERSION,
-            daemon_version=self.engine.daemon_version,
+            daemon_version=self.daemon_version,
             model=self.model.description,
-            max_message_bytes=self.engine.config.max_message_bytes,
+            max_message_bytes=self.config.max_message_bytes,
         )
 
-    def status(self, client: bytes, r: p.Status) -> p.Reply:
-        return p.StatusReply(id=r.id, status=self.engine.status())
+    def status(self, client: bytes, r: p.Status, received_at: float) -> p.Reply:
+        return p.StatusReply(id=r.id, status=self._status())
 
-    def list_sessions(self, client: bytes, r: p.ListSessions) -> p.Reply:
+    def list_sessions(self, client: bytes, r: p.ListSessions, received_at: float) -> p.Reply:
         now = time.monotonic()
         infos = [
             p.SessionInfo(
@@ -72,7 +84,7 @@ class RequestHandlers:
                 context_tokens=len(s.tokens),
                 snapshot_bytes=s.snapshot_bytes,
                 checkpoint_version=s.snapshot.version if s.snapshot else 0,
-                busy=s.generation is not None,
+                busy=s.busy,
                 idle_s=round(now - s.last_used, 3),
                 age_s=round(now - s.created, 3),
                 shared_tokens=s.prefix_len if s.prefix is not None else 0,
@@ -82,8 +94,8 @@ class RequestHandlers:
         ]
         return p.SessionsReply(id=r.id, sessions=infos)
 
-    def open(self, client: bytes, r: p.OpenSession) -> p.Reply:
-        if self.engine.over_memory:
+    def open(self, client: bytes, r: p.OpenSession, received_at: float) -> p.Reply:
+        if self.scheduler.over_memory:
             raise RequestRefused(
                 ErrorCode.OVERLOADED,
                 "The daemon's memory is above its memory_high_water; close sessions or retry later.",
@@ -91,7 +103,7 @@ class RequestHandlers:
         self.sessions.check_can_open(r.task)
         system = self._system_prompt(r)
         session_id, token = secrets.token_hex(8), secrets.token_hex(16)
-        entry = self.engine.pool.claim(session_id, token, r.task)
+        entry = self.pool.claim(session_id, token, r.task)
         if entry is None:
             raise RequestRefused(
                 ErrorCode.QUOTA_EXCEEDED,
@@ -124,7 +136,7 @@ class RequestHandlers:
         else:
             text = r.system_prompt
             if text is None:
-                text = self.engine.config.tasks[r.task].system_prompt
+                text = self.config.tasks[r.task].system_prompt
             tokens = self.model.tokenize(text, add_bos=True) if text else []
         limit = self.sessions.context_limit(r.task)
         if len(tokens) >= limit:
@@ -136,13 +148,13 @@ class RequestHandlers:
             )
         return tokens
 
-    def resume(self, client: bytes, r: p.ResumeSession) -> p.Reply:
+    def resume(self, client: bytes, r: p.ResumeSession, received_at: float) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
         s.last_used = time.monotonic()
-        self.engine.pool.touch(s.entry)
+        self.pool.touch(s.entry)
         return self._opened(r.id, s)
 
-    def history(self, client: bytes, r: p.History) -> p.Reply:
+    def history(self, client: bytes, r: p.History, received_at: float) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
         return p.HistoryReply(id=r.id, tokens=s.tokens[r.start :], context_tokens=len(s.tokens))
 
@@ -157,24 +169,25 @@ class RequestHandlers:
             context_tokens=len(s.tokens),
         )
 
-    def close(self, client: bytes, r: p.CloseSession) -> p.Reply:
+    def close(self, client: bytes, r: p.CloseSession, received_at: float) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
-        if s.generation is not None:  # no checkpoint: the session is about to go
-            self.engine.finish(s.generation, FinishReason.CANCELLED, time.monotonic(), checkpoint=False)
+        g = self.scheduler.generation_of(s)
+        if g is not None:  # no checkpoint: the session is about to go
+            self.finish(g, FinishReason.CANCELLED, time.monotonic(), checkpoint=False)
         self.tiers.drop(s)
         return p.Closed(id=r.id, session=s.id)
 
-    def cancel(self, client: bytes, r: p.Cancel) -> p.Reply:
+    def cancel(self, client: bytes, r: p.Cancel, received_at: float) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
-        g = s.generation
+        g = self.scheduler.generation_of(s)
         if g is None:
             return p.Cancelled(id=r.id, cancelled=False)
-        self.engine.finish(g, FinishReason.CANCELLED, time.monotonic())
+        self.finish(g, FinishReason.CANCELLED, time.monotonic())
         return p.Cancelled(id=r.id, cancelled=True, completion_tokens=g.completion_tokens)
 
-    def generate(self, client: bytes, r: p.Generate) -> None:
+    def generate(self, client: bytes, r: p.Generate, received_at: float) -> None:
         s = self.sessions.get(r.session, r.token)
-        if s.generation is not None:
+        if s.busy:
             raise RequestRefused(
                 ErrorCode.SESSION_BUSY, f"Session {s.id} is still generating; wait for its final message or cancel it."
             )
@@ -186,8 +199,8 @@ class RequestHandlers:
                 {"context_tokens": len(s.tokens), "after": r.after},
             )
         self._check_quota(s)
-        in_flight = sum(1 for g in (*self.engine.running, *self.engine.waiting) if g.client == client)
-        limit = self.engine.config.max_inflight_per_client
+        in_flight = self.scheduler.in_flight_for(client)
+        limit = self.config.max_inflight_per_client
         if in_flight >= limit:
             raise RequestRefused(
                 ErrorCode.OVERLOADED,
@@ -195,7 +208,7 @@ class RequestHandlers:
                 "wait for one to finish.",
             )
         new = self._prompt_tokens(r, s)
-        most = self.engine.config.max_prompt_tokens
+        most = self.config.max_prompt_tokens
         if most and len(new) > most:
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
@@ -219,7 +232,7 @@ class RequestHandlers:
         if s.n_kv == 0 and s.prefix is None:  # the part a shared prefix holds will not be computed
             match = self.tiers.prefixes.match(s.tokens + new, most=len(s.tokens) + len(new) - 1)
             to_compute -= match[1] if match else 0
-        g_budget = self._budget(r, s, to_compute)
+        budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at)
         params = SamplingParams(
             temperature=r.temperature,
             top_k=r.top_k,
@@ -237,56 +250,18 @@ class RequestHandlers:
             prompt_tokens=len(new),
             text=StreamText(r.stop),
             new_tokens=new,
-            arrival=self.engine.received_at,
-            **g_budget,
+            arrival=received_at,
+            ttft_s=budget.ttft_s,
+            tpot_s=budget.tpot_s,
+            best_effort=budget.best_effort,
+            priority=budget.priority,
         )
-        s.generation = g
         s.last_used = g.arrival
-        self.engine.waiting.append(g)
+        self.scheduler.add(g)
         return None  # the reply is the stream of chunks and the final message
 
-    def _budget(self, r: p.Generate, s: Session, prompt_tokens: int) -> dict[str, Any]:
-        """The generation's budgets from its task's profile (and the request's own deadline), after admission
-        control: a deadline-bound request whose first token cannot make it is refused now, with the estimate."""
-        profile = self.engine.config.tasks.get(s.task) or TaskProfile()
-        stats = self.engine.task_stats[s.task]
-        if profile.max_queue and self.engine.in_flight(s.task) >= profile.max_queue:
-            stats.refusals[ErrorCode.OVERLOADED.value] += 1
-            raise RequestRefused(
-                ErrorCode.OVERLOADED,
-                f"Task {s.task!r} already has {profile.max_queue} generations queued or running (its max_queue); "
-                "retry when one has finished.",
-            )
-        ttft_ms = profile.ttft_ms
-        if r.deadline_ms is not None:
-            ttft_ms = min(ttft_ms, r.deadline_ms) if ttft_ms else r.deadline_ms
-        budget = {
-            "ttft_s": ttft_ms / 1000.0,
-            "tpot_s": profile.tpot_ms / 1000.0,
-            "best_effort": profile.best_effort,
-            "priority": profile.priority,
-        }
-        if ttft_ms and not profile.best_effort and self.engine.config.scheduling == "budgets":
-            deadline = self.engine.received_at + ttft_ms / 1000.0
-            estimate = self.engine.estimate_ttft(prompt_tokens, len(s.tokens), deadline)
-            if estimate * 1000.0 > ttft_ms:
-                stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
-                raise RequestRefused(
-                    ErrorCode.BUDGET_UNMEETABLE,
-                    f"The first token would take about {estimate * 1000.0:.0f} ms but the budget is {ttft_ms:.0f} ms "
-                    f"({prompt_tokens} prompt tokens, {len(self.engine.running)} generations running); shorten "
-                    "the prompt, retry later, or use a best-effort task.",
-                    {
-                        "estimate_ms": round(estimate * 1000.0, 1),
-                        "budget_ms": ttft_ms,
-                        "waited_ms": round((time.monotonic() - self.engine.received_at) * 1000.0, 1),
-                        "step_cap_ms": round((self.engine.step_time_cap() or 0.0) * 1000.0, 1),
-                    },
-                )
-        return budget
-
     def _check_quota(self, s: Session) -> None:
-        profile = self.engine.config.tasks.get(s.task)  # a recovered session's task may have left the config
+        profile = self.config.tasks.get(s.task)  # a recovered session's task may have left the config
         quota = profile.pool_quota if profile is not None else 0
         if not quota:
             return

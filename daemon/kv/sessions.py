@@ -14,7 +14,6 @@ from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
 from kvpool.protocol import ErrorCode
 
 if TYPE_CHECKING:
-    from kvpool.daemon.engine.generation import Generation
     from kvpool.daemon.kv.prefix.index import Prefix
 
 
@@ -36,7 +35,8 @@ class Session:
     n_kv: int = 0
     slot: int | None = None  # the llama.cpp sequence holding the KV while the session is hot
     snapshot: Snapshot | None = None  # the last committed snapshot (warm or cold tier)
-    generation: Generation | None = None
+    # A generation runs on it (set by the engine's scheduler): the tiers never hibernate, spill or evict it then.
+    busy: bool = False
     # Prefix sharing: the prefix its hot cells or its snapshot build on, how many positions come from it, and
     # whether its hot cells for them are the prefix's own (shared) cells.
     prefix: Prefix | None = None
@@ -54,11 +54,6 @@ class Session:
         if self.n_kv < self.boundary < len(self.tokens):
             return min(pending, self.boundary - self.n_kv)
         return pending
-
-    @property
-    def busy(self) -> bool:
-        """A generation runs on it (the tiers never hibernate, spill or evict it then)."""
-        return self.generation is not None
 
     @property
     def pending_tokens(self) -> int:

@@ -4,50 +4,64 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import Any
 
 import psutil
 
 from kvpool import protocol as p
+from kvpool.daemon.config import Config
+from kvpool.daemon.engine.scheduler import Scheduler
+from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.llama.model import Model
+from kvpool.daemon.ops.counters import EngineCounters
 
-if TYPE_CHECKING:
-    from kvpool.daemon.engine.loop import Engine
 
-
-def status_of(engine: Engine) -> dict[str, Any]:
+def status_of(
+    *,
+    daemon_version: str,
+    started: float,
+    heartbeat: float,
+    config: Config,
+    model: Model,
+    tiers: Tiers,
+    scheduler: Scheduler,
+    counters: EngineCounters,
+    frame_errors: Counter[str],
+) -> dict[str, Any]:
     return {
-        "daemon_version": engine.daemon_version,
+        "daemon_version": daemon_version,
         "protocol_version": p.PROTOCOL_VERSION,
         "pid": os.getpid(),
-        "uptime_s": round(time.monotonic() - engine.started, 3),
-        "engine_idle_s": round(time.monotonic() - engine.heartbeat, 3),
+        "uptime_s": round(time.monotonic() - started, 3),
+        "engine_idle_s": round(time.monotonic() - heartbeat, 3),
         "memory": {
             "rss_bytes": psutil.Process().memory_info().rss,
-            "high_water_bytes": engine.config.memory_high_water,
-            "over_high_water": engine.over_memory,
+            "high_water_bytes": config.memory_high_water,
+            "over_high_water": scheduler.over_memory,
         },
-        "model": engine.model.info(),
-        "slots": {"total": engine.model.hot_slots, "used": len(engine.tiers.resident)},
+        "model": model.info(),
+        "slots": {"total": model.hot_slots, "used": len(tiers.resident)},
         "kv": {
-            "cells_total": engine.model.context_size,
+            "cells_total": model.context_size,
             # shared prefix cells count once, however many sessions share them
-            "cells_used": sum(s.n_kv - s.prefix_len * s.shares_hot for s in engine.tiers.resident.values())
-            + engine.tiers.prefixes.hot_cells(),
+            "cells_used": sum(s.n_kv - s.prefix_len * s.shares_hot for s in tiers.resident.values())
+            + tiers.prefixes.hot_cells(),
         },
         "sessions": {
-            "open": len(engine.sessions.by_id),
-            "max": engine.config.max_sessions,
-            "generating": len(engine.running),
-            "waiting": len(engine.waiting),
-            "evicted": len(engine.sessions.evicted),
+            "open": len(tiers.sessions.by_id),
+            "max": config.max_sessions,
+            "generating": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "evicted": len(tiers.sessions.evicted),
         },
-        "batch_size": engine.model.batch.capacity,
-        "checkpoint": engine.config.checkpoint,
-        "counters": engine.counters.as_dict() | {"frame_errors": dict(engine.frame_errors)},
+        "batch_size": model.batch.capacity,
+        "checkpoint": config.checkpoint,
+        "counters": counters.as_dict() | {"frame_errors": dict(frame_errors)},
         "scheduler": {
-            "policy": engine.config.scheduling,
-            "step_cap_ms": round(cap * 1000.0, 2) if (cap := engine.step_time_cap()) else None,
-            "cost_model": engine.cost.as_dict(),
+            "policy": config.scheduling,
+            "step_cap_ms": round(cap * 1000.0, 2) if (cap := scheduler.step_time_cap()) else None,
+            "cost_model": scheduler.cost.as_dict(),
         },
-        "tasks": {task: engine.task_stats[task].as_dict(engine.queue_depth(task)) for task in engine.config.tasks},
-    } | engine.tiers.usage()
+        "tasks": {task: scheduler.task_stats[task].as_dict(scheduler.queue_depth(task)) for task in config.tasks},
+    } | tiers.usage()

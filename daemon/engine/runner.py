@@ -1,0 +1,41 @@
+"""The runner: one step's plan through llama.cpp, as one batch; then one token sampled per finished chunk."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvpool.daemon.engine.cost_model import StepShape
+from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.step_plan import Work
+from kvpool.daemon.llama.model import Model
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    rc: int  # llama_decode's answer: 0 done, 1 no room in the unified KV (nothing changed), else a failure
+    tokens: list[int | None]  # per work item, the token sampled for it (None: its chunk left pending tokens)
+    batch_tokens: int  # tokens fed in the batch
+    shape: StepShape  # what the cost model predicts a step's time from
+    seconds: float  # decode plus sampling: what the cost model predicts
+
+
+class Runner:
+    def __init__(self, model: Model):
+        self.model = model
+
+    def run(self, plan: list[Work[Generation]]) -> StepOutcome:
+        batch = self.model.batch
+        batch.clear()
+        rows = []
+        for work in plan:
+            s = work.item.session
+            assert s.slot is not None  # the scheduler runs only generations whose session is hot
+            rows.append(batch.add(s.slot, s.tokens[s.n_kv : s.n_kv + work.n_tokens], s.n_kv, work.completes))
+        shape = StepShape.of([(w.item.position, w.n_tokens, w.completes) for w in plan])
+        started = time.perf_counter()
+        rc = self.model.decode()
+        if rc != 0:
+            return StepOutcome(rc, [], batch.n, shape, 0.0)
+        tokens = [w.item.sampler.sample(row) if w.completes else None for w, row in zip(plan, rows, strict=True)]
+        return StepOutcome(0, tokens, batch.n, shape, time.perf_counter() - started)
