@@ -22,6 +22,14 @@ NonNegative = Annotated[int, Meta(ge=0)]
 Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 
 
+def one_of(*values: str) -> Any:
+    """A string key that takes one of ``values``; its error names them."""
+    words = ", ".join(f'"{v}"' for v in values)
+    return Annotated[
+        str, Meta(pattern=f"^({'|'.join(map(re.escape, values))})$", description=f"must be one of {words}")
+    ]
+
+
 def sequence_count(hot_slots: int, prefix_slots: int) -> int:
     """llama.cpp sequence ids the daemon uses: the hot slots, one per shared prefix, and one scratch sequence
     when sharing is on. The model sizes its context with it, and the memory plan too (every sequence id widens
@@ -89,21 +97,34 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # The warm tier: a POSIX shared-memory segment of this many bytes ("512MiB", "2GiB" or a number).
     cache_pool_size: Annotated[int, Meta(ge=1 << 20)] = 256 << 20
     # Its name in /dev/shm; empty means one derived from the address, so daemons never share by accident.
-    pool_name: Annotated[str, Meta(pattern=r"^(/[A-Za-z0-9_.-]{1,200})?$")] = ""
+    pool_name: Annotated[
+        str,
+        Meta(
+            pattern=r"^(/[A-Za-z0-9_.-]{1,200})?$",
+            description="must start with '/' followed by up to 200 letters, digits, '_', '.' or '-', "
+            "e.g. /kvpool-main (or be empty)",
+        ),
+    ] = ""
     pool_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o600
     # When sessions are snapshotted: after every completed generation (a crash loses no completed turn), or
     # only when they leave their hot slot (cheaper; a crash loses what was never hibernated).
-    checkpoint: Annotated[str, Meta(pattern=r"^(after_generate|on_evict)$")] = "after_generate"
+    checkpoint: one_of("after_generate", "on_evict") = "after_generate"
     # "budgets": earliest deadline first, chunked prefill, admission control, preemption of best-effort work.
     # "fcfs": first come first served with whole-batch prefill chunks and no admission control (to compare).
-    scheduling: Annotated[str, Meta(pattern=r"^(budgets|fcfs)$")] = "budgets"
+    scheduling: one_of("budgets", "fcfs") = "budgets"
     # The memory plan (weights + hot KV + compute + pool + runtime) may not exceed this; 0 = no limit.
     memory_limit: NonNegative = 0
     # Above this resident memory (psutil), new sessions are refused with OVERLOADED; 0 = never.
     memory_high_water: NonNegative = 0
     # "127.0.0.1:PORT" serves /health and /metrics on the loopback; empty = no HTTP listener.
-    http: Annotated[str, Meta(pattern=r"^((127\.0\.0\.1|localhost|\[::1\]):\d{1,5})?$")] = ""
-    log_format: Annotated[str, Meta(pattern=r"^(text|json)$")] = "text"
+    http: Annotated[
+        str,
+        Meta(
+            pattern=r"^((127\.0\.0\.1|localhost|\[::1\]):\d{1,5})?$",
+            description="must be a loopback address and port, e.g. 127.0.0.1:9101 (or be empty)",
+        ),
+    ] = ""
+    log_format: one_of("text", "json") = "text"
     # Also log to this file, rotated at log_max_bytes (3 old files kept); empty = stderr only.
     log_file: str = ""
     log_max_bytes: Annotated[int, Meta(ge=1 << 16)] = 10 << 20
@@ -115,10 +136,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     session_timeout: Annotated[float, Meta(ge=0)] = 3600.0
     # llama.cpp's weight repacking for faster CPU kernels (its extra buffer types): "auto" uses it unless this CPU
     # advertises AMX that a probe decode in a child process shows it cannot run; "on" / "off" force it.
-    cpu_repack: Annotated[str, Meta(pattern=r"^(auto|on|off)$")] = "auto"
+    cpu_repack: one_of("auto", "on", "off") = "auto"
     # CPU threads for decoding; 0 means one per core.
     threads: Annotated[int, Meta(ge=0, le=1024)] = 0
-    log_level: Annotated[str, Meta(pattern=r"^(debug|info|warning|error)$")] = "info"
+    log_level: one_of("debug", "info", "warning", "error") = "info"
     tasks: dict[str, TaskProfile] = msgspec.field(default_factory=_default_tasks)
 
 
@@ -140,7 +161,8 @@ def load_config(
             raise ConfigError(f"Config file {path} does not exist; pass an existing file to --config.") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from None
-    raw.update(_from_environment(environ or {}))
+    from_env = _from_environment(environ or {})
+    raw.update(from_env)
     flagged = {key: value for key, value in (overrides or {}).items() if value is not None}
     raw.update(flagged)
     try:
@@ -154,7 +176,7 @@ def load_config(
     try:
         config = msgspec.convert(raw | {"tasks": {}}, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc, raw, "", source, flagged)) from None
+        raise ConfigError(_explain(exc, raw, "", source, flagged, from_env)) from None
     if not isinstance(tasks_raw, dict):
         raise ConfigError(f"{source}: `tasks` must be a table of [tasks.NAME] profiles.")
     tasks: dict[str, TaskProfile] = {}
@@ -165,7 +187,7 @@ def load_config(
         try:
             tasks[name] = msgspec.convert(table, TaskProfile)
         except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(exc, table, f"tasks.{name}", source, {})) from None
+            raise ConfigError(_explain(exc, table, f"tasks.{name}", source, {}, {})) from None
     if "default" not in tasks:
         raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
     return msgspec.structs.replace(config, tasks=tasks)
@@ -218,7 +240,14 @@ def _parse_sizes(table: dict[str, Any], keys: tuple[str, ...], prefix: str) -> N
                 raise ValueError(f"`{prefix}{key}`: {exc}") from None
 
 
-def _explain(exc: msgspec.ValidationError, raw: Any, prefix: str, source: str, flagged: dict[str, Any]) -> str:
+def _explain(
+    exc: msgspec.ValidationError,
+    raw: Any,
+    prefix: str,
+    source: str,
+    flagged: dict[str, Any],
+    from_env: dict[str, Any],
+) -> str:
     """Turn msgspec's "Expected `int` >= 1 - at `$.hot_slots`" into "`hot_slots` = 0 is not allowed: ..."."""
     why, sep, where = str(exc).partition(" - at `$")
     keys = [k for k in where.rstrip("`").split(".") if k] if sep else []
@@ -232,4 +261,35 @@ def _explain(exc: msgspec.ValidationError, raw: Any, prefix: str, source: str, f
         value = value.get(k) if isinstance(value, dict) else None
     key = ".".join([prefix, *keys]).strip(".")
     origin = f"--{keys[0].replace('_', '-')}" if keys and keys[0] in flagged else source
-    return f"{origin}: `{key}` = {value!r} is not allowed: {why}."
+    if keys and keys[0] in from_env:
+        origin = f"{ENV_PREFIX}{keys[0].upper()}"
+    return f"{origin}: `{key}` = {value!r} is not allowed: {_in_words(why, TaskProfile if prefix else Config, keys)}."
+
+
+_KINDS = {"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false", "object": "a table"}
+_BOUNDS = {">=": "at least", "<=": "at most", ">": "more than", "<": "less than"}
+
+
+def _in_words(why: str, struct: type, keys: list[str]) -> str:
+    """msgspec's "Expected `int` >= 1" as a sentence: "it must be a whole number of at least 1"."""
+    if why.startswith("Expected `str` matching regex") and (words := _described(struct, keys)):
+        return f"it {words}"
+    if bound := re.fullmatch(r"Expected `(\w+)` (>=|<=|>|<) (\S+)", why):
+        kind, op, limit = bound.groups()
+        return f"it must be {_KINDS.get(kind, kind)} of {_BOUNDS[op]} {limit}"
+    if wrong := re.fullmatch(r"Expected `(\w+)`, got `(\w+)`", why):
+        want, got = wrong.groups()
+        return f"it must be {_KINDS.get(want, want)}, not {_KINDS.get(got, got)}"
+    return why
+
+
+def _described(struct: type, keys: list[str]) -> str:
+    """The sentence a key's schema gives for its values (Meta description), or "" when it has none."""
+    if len(keys) != 1:
+        return ""
+    info = msgspec.inspect.type_info(struct)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for field in info.fields:
+        if field.name == keys[0] and isinstance(field.type, msgspec.inspect.Metadata):
+            return str((field.type.extra_json_schema or {}).get("description", ""))
+    return ""

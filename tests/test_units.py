@@ -95,6 +95,30 @@ def test_bad_config_names_key_and_value(tmp_path: Path, text: str, expected: str
     assert expected in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "environ", "sentence"),
+    [
+        ({"pool_name": "kvh-1"}, {}, "--pool-name: `pool_name` = 'kvh-1' is not allowed: it must start with '/'"),
+        ({"http": "0.0.0.0:80"}, {}, "it must be a loopback address and port, e.g. 127.0.0.1:9101"),
+        (
+            {},
+            {"KVPOOL_CHECKPOINT": "never"},
+            "KVPOOL_CHECKPOINT: `checkpoint` = 'never' is not allowed: "
+            'it must be one of "after_generate", "on_evict"',
+        ),
+        ({"hot_slots": 0}, {}, "`hot_slots` = 0 is not allowed: it must be a whole number of at least 1."),
+        ({"context_size": "big"}, {}, "it must be a whole number, not text."),
+    ],
+)
+def test_config_errors_say_what_is_expected_in_words(
+    overrides: dict[str, object], environ: dict[str, str], sentence: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides, environ)
+    assert sentence in str(err.value)
+    assert "Expected" not in str(err.value) and "regex" not in str(err.value)
+
+
 def test_flags_override_the_file_and_are_named_in_errors(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text("hot_slots = 8\ncontext_size = 1024\n")
