@@ -6,16 +6,14 @@
                 print(chunk.text, end="")
 
 One reader task receives every reply and hands it to the queue of its request id, so any number of
-coroutines can use one client at once.
+coroutines can use one client at once. What both clients must decide alike is in core.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -23,11 +21,10 @@ import zmq.asyncio
 
 from kvpool import protocol as p
 
-from .address import default_address, ipc_path
-from .client import HEARTBEAT_S, RETRIES
-from .errors import DaemonUnavailable, RequestTimeout
-from .framing import encode_request
-from .restarts import RestartWatch
+from . import core
+from .address import default_address
+from .core import HEARTBEAT_S, ClientCore
+from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
 
@@ -38,15 +35,12 @@ class AsyncClient:
         self._context = zmq.asyncio.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._ids = itertools.count(1)
+        self._core = ClientCore(self.address)
         self._queues: dict[int, asyncio.Queue[p.AnyReply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
-        self._watch = RestartWatch()
-        self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self.daemon_version = ""
         self.model = ""
-        self._max_frame = 0  # the daemon's max_message_bytes, from its hello
 
     @classmethod
     async def connect(
@@ -54,29 +48,20 @@ class AsyncClient:
     ) -> AsyncClient:
         """Connect and say hello (None: $KVPOOL_ADDRESS, else the daemon's default address)."""
         client = cls(address, timeout=timeout)
-        path = ipc_path(client.address)
-        if path is not None and not path.exists():
-            raise DaemonUnavailable(
-                f"No kvpoold is listening at {client.address} (the socket file does not exist); "
-                "start it with `kvpoold` or set KVPOOL_ADDRESS."
-            )
+        core.check_socket_exists(client.address)
         client._sock.connect(client.address)
         client._reader = asyncio.get_running_loop().create_task(client._read())
         try:
-            hello = expect(
-                await client._call(p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True), connect_timeout),
-                p.HelloReply,
-            )
+            hello = expect(await client._call(core.hello(name), connect_timeout), p.HelloReply)
         except RequestTimeout:
             await client.close()
-            raise DaemonUnavailable(
-                f"No kvpoold answered at {client.address} within {connect_timeout:g} s; is it running?"
-            ) from None
+            raise core.no_answer(client.address, connect_timeout) from None
         except BaseException:
             await client.close()
             raise
         client.daemon_version, client.model = hello.daemon_version, hello.model
-        client._max_frame = hello.max_message_bytes
+        client._core.max_frame = hello.max_message_bytes
+        client._core.heartbeat_on = True
         client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client
 
@@ -122,51 +107,40 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            frame = await self._sock.recv()
-            try:
-                reply = p.decode_reply(frame)
-            except Exception:  # one unreadable frame must not silence every later reply
+            reply = self._core.read(await self._sock.recv())
+            if reply is None:
                 continue
-            now = time.monotonic()
-            self._watch.heard(reply, now)
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
 
     async def _send(self, message: p.Request) -> int:
-        request_id = next(self._ids)
-        message.id = request_id
-        frame = encode_request(message, self._max_frame)
+        request_id, frame = self._core.prepare(message)
         self._queues[request_id] = asyncio.Queue()
-        self._sent_at[request_id] = time.monotonic()
         await self._sock.send(frame)
         return request_id
 
     async def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
         started = time.monotonic()
         deadline = started + (self.timeout if timeout is None else timeout)
-        queue = self._queues[request_id]
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise KvpoolError(f"Request {request_id} is no longer awaited: its stream was closed.")
         while True:
-            sent = self._sent_at.get(request_id, started)
-            if self._watch.lost(sent):  # it went down with the old daemon
-                raise DaemonUnavailable(
-                    f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
-                    "and send the turn again."
-                )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeout(
-                    f"kvpoold at {self.address} did not answer within the timeout; it may be overloaded or hung."
-                )
+            remaining = self._core.check(request_id, started, deadline)
             try:
                 return await asyncio.wait_for(queue.get(), min(remaining, HEARTBEAT_S))
             except TimeoutError:
                 continue
 
+    def _done(self, request_id: int) -> None:
+        self._queues.pop(request_id, None)
+        self._core.done(request_id)
+
     async def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
         """As the sync client: requests that are safe to repeat are resent (a bounded number of times) when the
         daemon restarted under them."""
-        attempts = 1 if isinstance(message, p.Hello | p.OpenSession) else RETRIES + 1
+        attempts = core.attempts_for(message)
         for attempt in range(attempts):
             request_id = await self._send(message)
             try:
@@ -176,9 +150,68 @@ class AsyncClient:
                     raise
                 await asyncio.sleep(HEARTBEAT_S)  # let ZeroMQ reconnect
             finally:
-                self._queues.pop(request_id, None)
-                self._sent_at.pop(request_id, None)
+                self._done(request_id)
         raise AssertionError("unreachable")
+
+
+class AsyncStream:
+    """The chunks of one generation, as they arrive: an async iterator (``await anext(stream)`` reads one chunk,
+    ``async for`` the rest). The request is sent when the first chunk is asked for. ``final`` holds the final
+    message once it came; ``aclose()`` (or leaving an ``async with`` block) early cancels the generation."""
+
+    def __init__(self, session: AsyncSession, request: p.Generate):
+        self._session = session
+        self._client = session.client
+        self._request = request
+        self._id: int | None = None
+        self._closed = False
+        self.final: p.Final | None = None
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> p.Chunk:
+        if self._id is None and not self._closed:
+            self._id = await self._client._send(self._request)
+        while not self._closed:
+            assert self._id is not None
+            try:
+                reply = raise_if_error(await self._client._next(self._id))
+            except BaseException:
+                await self.aclose()
+                raise
+            if isinstance(reply, p.Final):
+                self.final = self._session.final = reply
+                await self.aclose()
+            elif isinstance(reply, p.Chunk):
+                return reply
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop reading; a generation still running is cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._id is None:
+            return
+        self._client._done(self._id)
+        if self.final is None:
+            with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
+                await self._session.cancel()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # Dropped unfinished (a `break` out of `async for`): cancel on the loop it ran on, as an async generator's
+        # finaliser would.
+        if getattr(self, "_closed", True) or self._id is None or self.final is not None:
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: the client is gone with it
+            asyncio.get_running_loop().create_task(self.aclose())
 
 
 class AsyncSession:
@@ -190,31 +223,17 @@ class AsyncSession:
         self.context_size = context_size
         self.final: p.Final | None = None  # the final message of the last generation
 
-    async def generate(self, prompt: str | list[int] = "", **params: Any) -> AsyncIterator[p.Chunk]:
+    def generate(self, prompt: str | list[int] = "", **params: Any) -> AsyncStream:
         """Stream the continuation of ``prompt``; same parameters as the sync Session.generate()."""
-        request = generate_request(self.id, self.token, prompt, params)
-        request_id = await self.client._send(request)
-        final: p.Final | None = None  # this generation's own: self.final may already belong to a newer one
-        try:
-            while final is None:
-                reply = raise_if_error(await self.client._next(request_id))
-                if isinstance(reply, p.Final):
-                    final = self.final = reply
-                elif isinstance(reply, p.Chunk):
-                    yield reply
-        finally:
-            self.client._queues.pop(request_id, None)
-            self.client._sent_at.pop(request_id, None)
-            if final is None:  # the caller stopped early (use contextlib.aclosing to make that prompt)
-                with contextlib.suppress(Exception):
-                    await self.cancel()
+        return AsyncStream(self, generate_request(self.id, self.token, prompt, params))
 
     async def complete(self, prompt: str | list[int] = "", **params: Any) -> Completion:
         collector = Collector()
-        async for chunk in self.generate(prompt, **params):
+        stream = self.generate(prompt, **params)
+        async for chunk in stream:
             collector.add(chunk)
-        assert self.final is not None
-        return collector.result(self.final)
+        assert stream.final is not None
+        return collector.result(stream.final)
 
     async def history(self, start: int = 0) -> list[int]:
         reply = await self.client._call(p.History(session=self.id, token=self.token, start=start))

@@ -8,27 +8,22 @@ called from another thread while a generation streams. Every wait is bounded by 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from kvpool import protocol as p
 
-from .address import default_address, ipc_path
-from .errors import DaemonUnavailable, RequestTimeout
-from .framing import encode_request
-from .restarts import RestartWatch
+from . import core
+from .address import default_address
+from .core import HEARTBEAT_S, ClientCore
+from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
-HEARTBEAT_S = 0.25  # the daemon stops the generations of a client it has not heard from for a second
-DAEMON_SILENCE_S = 3.0  # no reply, not even to heartbeats, for this long: the daemon died or is restarting
-RETRIES = 3  # resends of a request that is safe to repeat, after the daemon fell silent
 
 
 class Client:
@@ -45,12 +40,8 @@ class Client:
         ``curve``: (daemon public key, client public key, client secret key) for a tcp:// daemon."""
         self.address = address or default_address()
         self.timeout = timeout
-        path = ipc_path(self.address)
-        if path is not None and not path.exists():
-            raise DaemonUnavailable(
-                f"No kvpoold is listening at {self.address} (the socket file does not exist); "
-                "start it with `kvpoold` or set KVPOOL_ADDRESS."
-            )
+        core.check_socket_exists(self.address)
+        self._core = ClientCore(self.address)
         self._context = zmq.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -58,30 +49,20 @@ class Client:
             self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = curve
         self._sock.connect(self.address)
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
         self._inboxes: dict[int, deque[p.AnyReply]] = {}
-        self._watch = RestartWatch()
-        self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
-        self._heartbeat_on = False  # silence means death only once pings are flowing
-        self._max_frame = 0  # the daemon's max_message_bytes, from its hello
         try:
-            hello = expect(
-                self._call(p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True), connect_timeout),
-                p.HelloReply,
-            )
+            hello = expect(self._call(core.hello(name), connect_timeout), p.HelloReply)
         except RequestTimeout:
             self.close()
-            raise DaemonUnavailable(
-                f"No kvpoold answered at {self.address} within {connect_timeout:g} s; is it running?"
-            ) from None
+            raise core.no_answer(self.address, connect_timeout) from None
         except BaseException:
             self.close()
             raise
         self.daemon_version = hello.daemon_version
         self.model = hello.model
-        self._max_frame = hello.max_message_bytes
+        self._core.max_frame = hello.max_message_bytes
         self._closed = threading.Event()
-        self._heartbeat_on = True
+        self._core.heartbeat_on = True
         self._heartbeat = threading.Thread(target=self._beat, name="kvpool-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -132,12 +113,9 @@ class Client:
                     self._sock.send(ping)
 
     def _send(self, message: p.Request) -> int:
-        request_id = next(self._ids)
-        message.id = request_id
-        frame = encode_request(message, self._max_frame)
         with self._lock:
+            request_id, frame = self._core.prepare(message)
             self._inboxes[request_id] = deque()
-            self._sent_at[request_id] = time.monotonic()
             self._sock.send(frame)
         return request_id
 
@@ -147,28 +125,13 @@ class Client:
         deadline = started + (self.timeout if timeout is None else timeout)
         while True:
             with self._lock:
-                inbox = self._inboxes[request_id]
+                inbox = self._inboxes.get(request_id)
+                if inbox is None:
+                    raise KvpoolError(f"Request {request_id} is no longer awaited: its stream was closed.")
                 if inbox:
                     return inbox.popleft()
-                now = time.monotonic()
-                sent = self._sent_at.get(request_id, started)
-                if self._watch.lost(sent):
-                    raise DaemonUnavailable(
-                        f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
-                        "and send the turn again (Session.history() tells whether it was kept)."
-                    )
-                if self._heartbeat_on and now - max(self._watch.last_heard, started) > DAEMON_SILENCE_S:
-                    raise DaemonUnavailable(
-                        f"kvpoold at {self.address} stopped answering heartbeats (it died or is restarting); "
-                        "resume the session and send the turn again (Session.history() tells whether it was kept)."
-                    )
-                remaining_ms = (deadline - now) * 1000
-                if remaining_ms <= 0:
-                    raise RequestTimeout(
-                        f"kvpoold at {self.address} did not answer within the timeout; it may "
-                        "be overloaded or hung (see `kvpool status`)."
-                    )
-                if self._sock.poll(min(POLL_SLICE_MS, remaining_ms)):
+                remaining = self._core.check(request_id, started, deadline)
+                if self._sock.poll(min(POLL_SLICE_MS, remaining * 1000)):
                     self._drain()
             time.sleep(0)  # let a thread waiting for the lock in
 
@@ -178,9 +141,9 @@ class Client:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            now = time.monotonic()
-            reply = p.decode_reply(frame)
-            self._watch.heard(reply, now)
+            reply = self._core.read(frame)
+            if reply is None:
+                continue
             inbox = self._inboxes.get(reply.id)
             if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
                 inbox.append(reply)
@@ -188,12 +151,12 @@ class Client:
     def _done(self, request_id: int) -> None:
         with self._lock:
             self._inboxes.pop(request_id, None)
-            self._sent_at.pop(request_id, None)
+            self._core.done(request_id)
 
     def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
         """One request, one reply. When the daemon stops answering (a restart), requests that can safely be
         sent twice are sent again, a bounded number of times, while ZeroMQ reconnects underneath."""
-        attempts = 1 if isinstance(message, p.Hello | p.OpenSession) else RETRIES + 1
+        attempts = core.attempts_for(message)
         for attempt in range(attempts):
             request_id = self._send(message)
             try:
@@ -207,31 +170,53 @@ class Client:
 
 
 class Stream:
-    """The chunks of one generation, as they arrive; ``final`` holds the final message once it came."""
+    """The chunks of one generation, as they arrive: an iterator (``next(stream)`` reads one chunk, a ``for`` loop
+    the rest); ``final`` holds the final message once it came. Closing it early (``close()``, leaving a ``with``
+    block, or dropping it) stops the generation, so the session is free again."""
 
     def __init__(self, session: Session, request_id: int):
         self._session = session
         self._client = session.client
         self._id = request_id
+        self._closed = False
         self.final: p.Final | None = None
 
-    def __iter__(self) -> Iterator[p.Chunk]:
-        try:
-            while self.final is None:
-                reply = raise_if_error(self._client._next(self._id))
-                if isinstance(reply, p.Final):
-                    self.final = reply
-                elif isinstance(reply, p.Chunk):
-                    yield reply
-        finally:
-            if self.final is None:
-                self._abandon()
-            self._client._done(self._id)
+    def __iter__(self) -> Stream:
+        return self
 
-    def _abandon(self) -> None:
-        """The caller stopped reading early: stop the generation so the session is free again."""
-        with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
-            self._session.cancel()
+    def __next__(self) -> p.Chunk:
+        while not self._closed:
+            try:
+                reply = raise_if_error(self._client._next(self._id))
+            except BaseException:
+                self.close()
+                raise
+            if isinstance(reply, p.Final):
+                self.final = reply
+                self.close()
+            elif isinstance(reply, p.Chunk):
+                return reply
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading; a generation still running is cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.final is None:
+            with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
+                self._session.cancel()
+        self._client._done(self._id)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and not self._client._sock.closed:
+            self.close()
 
 
 class Session:
