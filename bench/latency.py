@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -99,7 +100,7 @@ def run_setup(model: str, args: tuple[str, ...], seconds: float) -> dict[str, ob
         voice_out, _ = voice.communicate(timeout=seconds * 4 + 600)
         vision_out, _ = vision.communicate(timeout=seconds * 4 + 600)
         with Client(daemon.address) as client:
-            status = client.status()
+            status = msgspec.to_builtins(client.status())
     turns = json.loads(voice_out.strip().splitlines()[-1])
     ttfts = [t["ttft_ms"] for t in turns if t["ttft_ms"] is not None]
     refused = sum(1 for t in turns if t["refused"])

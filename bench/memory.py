@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import psutil
 
 HERE = Path(__file__).resolve().parent
@@ -171,7 +172,7 @@ def main() -> int:
             task = [sys.executable, str(HERE / "memory_task.py"), daemon.address]
             kvpool, parts = hold([task] * n, [daemon.proc.pid])
             with Client(daemon.address) as client:
-                status = client.status()
+                status = msgspec.to_builtins(client.status())
             # the weights every decode has read, as resident in the only process mapping the file
             weights = pss([daemon.proc.pid]) - pss_besides(daemon.proc.pid, os.path.realpath(model))
         llama, _ = hold([me("llama", model) for _ in range(n)], [])

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import default_model, private_daemon  # noqa: E402
@@ -53,7 +55,7 @@ def measure(model: str, args: tuple[str, ...], sessions: int) -> dict[str, Any]:
             answer = s.complete(f"\nDriver: {QUESTIONS[i % len(QUESTIONS)]}\nAssistant:", max_tokens=8, temperature=0)
             ttft.append(answer.ttft_ms)
             tokens.append(answer.tokens)
-        status = c.status()
+        status = msgspec.to_builtins(c.status())
         infos = c.sessions()
     prefixes = status["prefixes"]
     return {

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -65,10 +66,10 @@ class MoveSamples:
     def __init__(self, client: Client):
         self.client = client
         self.samples: dict[str, list[float]] = {k: [] for k in self.KINDS}
-        self.last = client.status()["moves"]
+        self.last = msgspec.to_builtins(client.status().moves)
 
     def take(self) -> None:
-        now = self.client.status()["moves"]
+        now = msgspec.to_builtins(self.client.status().moves)
         for kind in self.KINDS:
             count = now[f"{kind}_large_count"] - self.last[f"{kind}_large_count"]
             if count == 1:
@@ -155,7 +156,7 @@ def main() -> int:
             row = measure_context(warm.address, cold.address, target, args.repeat, samples)
             rows.append(row)
             print(f"measured {target}: {row}", file=sys.stderr, flush=True)
-        moves = client.status()["moves"]
+        moves = msgspec.to_builtins(client.status().moves)
     # Snapshots of 1 MiB or more (the daemon counts them apart): small ones (the 10-token sessions used to push
     # the measured one out) cost fixed microseconds each, which is not bandwidth.
     # Medians of the per-move bandwidths (a move the OS preempted is an outlier, not a bandwidth), and the

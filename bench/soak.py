@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import psutil
 import zmq
 
@@ -123,7 +124,7 @@ def main() -> int:
             t.join(args.seconds + 600)
         rss_end = process.memory_info().rss
         with Client(d.address) as client:
-            status = client.status()
+            status = msgspec.to_builtins(client.status())
         socket_file = Path(d.address.removeprefix("ipc://"))
     leaked_shm = {p.name for p in Path("/dev/shm").iterdir()} - shm_before
     leaked_sockets = [str(socket_file)] if socket_file.exists() else []

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import default_model, private_daemon  # noqa: E402
@@ -165,7 +167,7 @@ def daemon_counters(address: str) -> dict[str, float]:
     from kvpool.client import Client
 
     with Client(address) as client:
-        return client.status()["counters"]
+        return msgspec.to_builtins(client.status().counters)
 
 
 def measure(address: str, model: str, n: int, with_llama: bool, repack: bool) -> dict[str, float]:

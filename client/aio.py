@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from kvpool import protocol as p
+from kvpool.protocol.status import DaemonStatus
 
 from . import core
 from .address import default_address
@@ -65,7 +66,7 @@ class AsyncClient:
         client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> DaemonStatus:
         return expect(await self._call(p.Status()), p.StatusReply).status
 
     async def sessions(self) -> list[p.SessionInfo]:

@@ -13,6 +13,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
+from kvpool.protocol.status import DaemonStatus, PrefixStatus
+
 from .client import Client
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
 
@@ -65,71 +69,78 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
     status = client.status()
     if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
+        print(json.dumps(msgspec.to_builtins(status), indent=2, sort_keys=True))
         return 0
     print(format_status(status))
     return 0
 
 
-def format_status(status: dict[str, Any]) -> str:
+def format_status(status: DaemonStatus) -> str:
     """The status as a person reads it: daemon, tiers and counters, then one latency row per task."""
     out: list[str] = []
-    model, slots, kv, sessions, c, pool = (status[k] for k in ("model", "slots", "kv", "sessions", "counters", "pool"))
+    model, slots, kv, sessions, c, pool = (
+        status.model,
+        status.slots,
+        status.kv,
+        status.sessions,
+        status.counters,
+        status.pool,
+    )
     rows: list[tuple[str, Any]] = [
-        ("daemon", f"kvpoold {status['daemon_version']} (pid {status['pid']}, up {status['uptime_s']:.0f} s)"),
-        ("model", f"{model['description']} ({model['path']})"),
-        ("slots", f"{slots['used']}/{slots['total']} used"),
-        ("kv cells", f"{kv['cells_used']}/{kv['cells_total']} used"),
+        ("daemon", f"kvpoold {status.daemon_version} (pid {status.pid}, up {status.uptime_s:.0f} s)"),
+        ("model", f"{model.description} ({model.path}), cpu_repack {'on' if model.cpu_repack else 'off'}"),
+        ("slots", f"{slots.used}/{slots.total} used"),
+        ("kv cells", f"{kv.cells_used}/{kv.cells_total} used"),
         (
             "pool",
-            f"{_bytes(pool['used_bytes'])} used, {_bytes(pool['free_bytes'])} free, largest free extent "
-            f"{_bytes(pool['largest_free_extent_bytes'])} ({pool['name']})",
+            f"{_bytes(pool.used_bytes)} used, {_bytes(pool.free_bytes)} free, largest free extent "
+            f"{_bytes(pool.largest_free_extent_bytes)} ({pool.name})",
         ),
-        ("spill", f"{_bytes(status['spill']['used_bytes'])} of {_bytes(status['spill']['max_bytes'])}"),
-        ("tiers", _counts(status["sessions_by_tier"])),
-        ("prefixes", _prefixes(status["prefixes"])),
-        ("sessions", f"{sessions['open']} open (max {sessions['max']}), {sessions['generating']} generating"),
-        ("tokens", f"{c['generated_tokens']} generated, {c['prompt_tokens']} prompt, {c['decode_calls']} decodes"),
-        ("requests", _counts(c["requests"])),
-        ("errors", _counts(c["errors"] | c["frame_errors"])),
+        ("spill", f"{_bytes(status.spill.used_bytes)} of {_bytes(status.spill.max_bytes)}"),
+        ("tiers", _counts(status.sessions_by_tier)),
+        ("prefixes", _prefixes(status.prefixes)),
+        ("sessions", f"{sessions.open} open (max {sessions.max}), {sessions.generating} generating"),
+        ("tokens", f"{c.generated_tokens} generated, {c.prompt_tokens} prompt, {c.decode_calls} decodes"),
+        ("requests", _counts(c.requests)),
+        ("errors", _counts(c.errors | c.frame_errors)),
     ]
     for name, value in rows:
         out.append(f"{name:>9}  {value}")
-    scheduler = status["scheduler"]
-    cap = scheduler["step_cap_ms"]
-    out.append(f"{'schedule':>9}  {scheduler['policy']}, step cap {f'{cap:.0f} ms' if cap else 'none'}")
+    scheduler = status.scheduler
+    cap = scheduler.step_cap_ms
+    out.append(f"{'schedule':>9}  {scheduler.policy}, step cap {f'{cap:.0f} ms' if cap else 'none'}")
     out.append(
         f"\n{'task':<10} {'ttft p50/p95/p99 ms':>21} {'tpot p50 ms':>11} {'missed':>6} {'late tok':>8} "
         f"{'preempt':>7} {'queue':>5}  refusals"
     )
-    for task, t in status["tasks"].items():
-        ttft, tpot = t["ttft_ms"], t["tpot_ms"]
-        pct = f"{ttft['p50']:.0f}/{ttft['p95']:.0f}/{ttft['p99']:.0f}" if ttft["count"] else "-"
-        per_token = f"{tpot['p50']:.0f}" if tpot["count"] else "-"
+    for task, t in status.tasks.items():
+        ttft, tpot = t.ttft_ms, t.tpot_ms
+        pct = f"{ttft.p50:.0f}/{ttft.p95:.0f}/{ttft.p99:.0f}" if ttft.count else "-"
+        per_token = f"{tpot.p50:.0f}" if tpot.count else "-"
         out.append(
-            f"{task:<10} {pct:>21} {per_token:>11} {t['deadline_misses']:>6} {t['late_tokens']:>8} "
-            f"{t['preemptions']:>7} {t['queue_depth']:>5}  {_counts(t['refusals'])}"
+            f"{task:<10} {pct:>21} {per_token:>11} {t.deadline_misses:>6} {t.late_tokens:>8} "
+            f"{t.preemptions:>7} {t.queue_depth:>5}  {_counts(t.refusals)}"
         )
     return "\n".join(out)
 
 
-def _prefixes(info: dict[str, Any]) -> str:
-    if not info["enabled"]:
+def _prefixes(info: PrefixStatus) -> str:
+    if not info.enabled:
         return "sharing off"
     return (
-        f"{info['count']} shared ({info['hot']} hot, {info['users']} sessions on them), {info['hits']} hits, "
-        f"{info['tokens_saved']} prompt tokens not computed, {_bytes(info['pool_bytes_saved'])} of snapshots saved"
+        f"{info.count} shared ({info.hot} hot, {info.users} sessions on them), {info.hits} hits, "
+        f"{info.tokens_saved} prompt tokens not computed, {_bytes(info.pool_bytes_saved)} of snapshots saved"
     )
 
 
 def cmd_health(client: Client, args: argparse.Namespace) -> int:
     """Exit 0 only when the daemon answers and its engine loop is stepping."""
     status = client.status()
-    idle = status["engine_idle_s"]
+    idle = status.engine_idle_s
     healthy = idle < args.max_engine_silence
     print(
-        f"kvpoold pid {status['pid']}: {'healthy' if healthy else 'UNHEALTHY'} (engine loop last passed "
-        f"{idle:.1f} s ago, {status['sessions']['open']} sessions, {status['sessions']['generating']} generating)"
+        f"kvpoold pid {status.pid}: {'healthy' if healthy else 'UNHEALTHY'} (engine loop last passed "
+        f"{idle:.1f} s ago, {status.sessions.open} sessions, {status.sessions.generating} generating)"
     )
     return 0 if healthy else EXIT_REFUSED
 

@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from kvpool import protocol as p
+from kvpool.protocol.status import DaemonStatus
 
 from . import core
 from .address import default_address
@@ -68,7 +69,7 @@ class Client:
 
     # ------------------------------------------------------------------ public API
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DaemonStatus:
         return expect(self._call(p.Status()), p.StatusReply).status
 
     def sessions(self) -> list[p.SessionInfo]:

@@ -301,7 +301,7 @@ def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers
         "created" if pool.created else "attached",
         pool.size,
         recovered,
-        usage["used_bytes"],
+        usage.used_bytes,
         spill.path,
     )
     return tiers

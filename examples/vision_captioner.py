@@ -49,13 +49,13 @@ def main() -> int:
                 print(f"[vision] frame {i}:{result.text}", flush=True)
                 ttfts.append(result.ttft_ms)
                 tokens += result.usage.completion_tokens
-            shared = client.status()["prefixes"]
+            shared = client.status().prefixes
     except KvpoolError as exc:
         print(f"[vision] error: {exc}", file=sys.stderr)
         return 1
     print(
         summary("vision", ttfts, tokens, time.monotonic() - started)
-        + f", {shared['tokens_saved']} prompt tokens shared instead of computed",
+        + f", {shared.tokens_saved} prompt tokens shared instead of computed",
         flush=True,
     )
     return 0

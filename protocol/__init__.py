@@ -18,6 +18,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from .status import DaemonStatus
+
 PROTOCOL_VERSION = 1
 
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
@@ -172,7 +174,7 @@ class HistoryReply(Reply, tag="history"):
 
 
 class StatusReply(Reply, tag="status"):
-    status: dict[str, Any]
+    status: DaemonStatus
 
 
 class SessionInfo(Struct, kw_only=True):

@@ -62,8 +62,8 @@ def test_voice_first_token_comes_before_a_long_vision_prefill_ends(start_daemon:
     budgets = start_daemon("--context-size", "8192", "--batch-size", "64", config=CONFIG)
     assert first_chunks_order(budgets) == [20, 10]
     with budgets.client() as client:
-        voice = client.status()["tasks"]["voice"]
-        assert voice["ttft_ms"]["count"] == 1 and voice["deadline_misses"] == 0
+        voice = client.status().tasks["voice"]
+        assert voice.ttft_ms.count == 1 and voice.deadline_misses == 0
     # The control: first come first served makes the voice prompt wait behind the whole vision prompt.
     fcfs = start_daemon(
         "--context-size", "8192", "--batch-size", "64", "--scheduling", "fcfs", config=CONFIG, name="fcfs"
@@ -101,7 +101,7 @@ def test_preempted_best_effort_generation_resumes_exactly(start_daemon: Start) -
         raw.close()
     with daemon.client() as client:
         status = client.status()
-        assert status["tasks"]["background"]["preemptions"] >= 1
+        assert status.tasks["background"].preemptions >= 1
         alone = client.open_session("background").complete("long story", max_tokens=1500, temperature=0.7, seed=42)
     # the first chunk was read before the voice request; the rest came around the preemption
     assert alone.tokens[1:] == preempted_tokens
@@ -115,7 +115,7 @@ def test_unmeetable_budget_is_refused_with_the_estimate(start_daemon: Start) -> 
             voice.complete("x" * 500, max_tokens=2, deadline_ms=0.001)
         assert refused.value.detail["estimate_ms"] > refused.value.detail["budget_ms"] == 0.001
         assert voice.complete("fine", max_tokens=2).usage.completion_tokens == 2  # nothing was lost
-        assert client.status()["tasks"]["voice"]["refusals"] == {"BUDGET_UNMEETABLE": 1}
+        assert client.status().tasks["voice"].refusals == {"BUDGET_UNMEETABLE": 1}
         # best-effort work is never refused for its budget
         background = client.open_session("background")
         assert background.complete("x" * 500, max_tokens=2, deadline_ms=0.001).usage.completion_tokens == 2

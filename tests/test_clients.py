@@ -66,7 +66,7 @@ def test_closing_a_stream_early_cancels_the_generation(daemon: DaemonProcess, ki
     with daemon.client() as watcher:
 
         def generating() -> int:
-            return watcher.status()["sessions"]["generating"]
+            return watcher.status().sessions.generating
 
         if kind == "sync":
             with daemon.client() as client, client.open_session() as s:

@@ -55,13 +55,13 @@ def run_workers(daemon: DaemonProcess, plans: list[list[dict[str, object]]]) -> 
 def test_concurrent_processes_match_isolated_runs_and_share_decodes(daemon: DaemonProcess) -> None:
     plans = [turns_for(i) for i in range(4)]
     with daemon.client() as client:
-        before = client.status()["counters"]
+        before = client.status().counters
     together = run_workers(daemon, plans)
     with daemon.client() as client:
-        after = client.status()["counters"]
+        after = client.status().counters
 
-    generated = after["generated_tokens"] - before["generated_tokens"]
-    decodes = after["decode_calls"] - before["decode_calls"]
+    generated = after.generated_tokens - before.generated_tokens
+    decodes = after.decode_calls - before.decode_calls
     assert generated == sum(t["max_tokens"] for plan in plans for t in plan)  # tiny model: no early EOS
     # Batching: sessions that generate at the same time share llama_decode calls.
     assert decodes < generated, f"{decodes} decode calls for {generated} tokens: nothing was batched"

@@ -37,7 +37,7 @@ def test_multi_turn_session_keeps_its_context(daemon: DaemonProcess) -> None:
             replay = fresh.complete(turn1 + first.tokens + turn2, max_tokens=8, temperature=0.0)
         assert replay.tokens == second.tokens
         status = client.status()
-        assert status["sessions"]["open"] == 1 and status["slots"]["used"] == 1
+        assert status.sessions.open == 1 and status.slots.used == 1
 
 
 def test_cancel_stops_within_one_step(daemon: DaemonProcess) -> None:
@@ -89,16 +89,16 @@ def test_closing_a_session_frees_it_everywhere(start_daemon: Start) -> None:
         for s in (a, b, c):  # three sessions on two slots: one of them is hibernated to the pool
             assert s.complete("hi", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
         status = client.status()
-        assert status["slots"] == {"total": 2, "used": 2}
-        assert status["sessions_by_tier"] == {"hot": 2, "pool": 1}
+        assert (status.slots.total, status.slots.used) == (2, 2)
+        assert status.sessions_by_tier == {"hot": 2, "pool": 1}
         a.close()
         b.close()
-        assert client.status()["slots"]["used"] <= 1
+        assert client.status().slots.used <= 1
         with pytest.raises(UnknownSession):
             a.complete("gone", max_tokens=1)
         c.close()
         status = client.status()
-        assert client.sessions() == [] and status["pool"]["used_bytes"] == 0 and status["slots"]["used"] == 0
+        assert client.sessions() == [] and status.pool.used_bytes == 0 and status.slots.used == 0
 
 
 def test_session_limits_from_task_profiles(start_daemon: Start) -> None:
@@ -162,7 +162,7 @@ def test_second_daemon_on_the_same_address_is_refused(start_daemon: Start, tiny_
     assert second.returncode == 1
     assert "already serving" in second.stderr and str(first.proc.pid) in second.stderr
     with first.client() as client:
-        assert client.status()["pid"] == first.proc.pid
+        assert client.status().pid == first.proc.pid
 
 
 @pytest.mark.parametrize(

@@ -69,8 +69,8 @@ def test_hibernate_and_restore_are_exact_past_the_sliding_window(start_daemon: C
         for turn in turns:
             for s in (a, b):  # each turn of one evicts the other from the only slot
                 hibernated[s.id].append(s.complete(turn, max_tokens=8, temperature=0.0).tokens)
-        moves = client.status()["moves"]
-        assert moves["restores_pool"] >= 4 and a.complete(" ok", max_tokens=1).usage.context_tokens > 600
+        moves = client.status().moves
+        assert moves.restores_pool >= 4 and a.complete(" ok", max_tokens=1).usage.context_tokens > 600
     one_slot.stop()
     two_slots = start_daemon("--hot-slots", "2", "--context-size", "4096", "--threads", "2", model=None, name="two")
     with two_slots.client(timeout=300.0) as client:
@@ -79,7 +79,7 @@ def test_hibernate_and_restore_are_exact_past_the_sliding_window(start_daemon: C
             with client.open_session() as s:
                 resident = [s.complete(turn, max_tokens=8, temperature=0.0).tokens for turn in turns]
             assert resident == hibernated[s_id]
-        assert client.status()["moves"]["hibernations"] == 0
+        assert client.status().moves.hibernations == 0
 
 
 @pytest.mark.parametrize("repeat", [5, 12], ids=["prefix-inside-window", "prefix-longer-than-window"])
@@ -124,13 +124,13 @@ def test_prefix_sharing_is_exact_through_hibernation_past_the_sliding_window(
     with shared.client(timeout=300.0) as client:
         result = turns(client)
         status = client.status()
-        assert status["prefixes"]["hits"] == 2 and status["moves"]["restores_pool"] >= 6
-        assert status["prefixes"]["pool_bytes_saved"] > 0
+        assert status.prefixes.hits == 2 and status.moves.restores_pool >= 6
+        assert status.prefixes.pool_bytes_saved > 0
     shared.stop()
     alone = start_daemon("--hot-slots", "3", *common, model=None, config="prefix_slots = 0\n", name="alone")
     with alone.client(timeout=300.0) as client:
         assert turns_alone(client) == result
-        assert client.status()["moves"]["hibernations"] == 0
+        assert client.status().moves.hibernations == 0
 
 
 def test_shared_prefix_comes_back_from_the_pool_after_a_crash(start_daemon: Callable[..., DaemonProcess]) -> None:
@@ -169,8 +169,8 @@ def test_shared_prefix_comes_back_from_the_pool_after_a_crash(start_daemon: Call
     crashed.start()
     with crashed.client(timeout=300.0) as client:
         after = next_turns(client, ids)
-        info = client.status()["prefixes"]
-        assert info["restores"] >= 1 and info["hits"] == 1  # loaded from the pool, then shared with the newcomer
+        info = client.status().prefixes
+        assert info.restores >= 1 and info.hits == 1  # loaded from the pool, then shared with the newcomer
     assert "4711" in after[0] and "Alvarez" in after[1] and "Elm" in after[2]
     reference = start_daemon(*common, model=None, config="prefix_slots = 0\n", name="reference")
     with reference.client(timeout=300.0) as client:

@@ -56,7 +56,7 @@ def test_ready_comes_after_the_socket_is_bound_and_the_model_loaded(
     assert first["MAINPID"] == str(daemon.proc.pid)
     # At READY the daemon already answers: nothing is loaded lazily after it.
     with daemon.client(connect_timeout=2.0) as client:
-        assert client.status()["model"]["n_vocab"] == 259
+        assert client.status().model.n_vocab == 259
     pings = [messages(sock) for _ in range(3)]
     assert all(p.get("WATCHDOG") == "1" for p in pings)
     daemon.proc.terminate()
@@ -234,7 +234,7 @@ def test_memory_high_water_refuses_new_sessions(start_daemon: Start) -> None:
     with daemon.client() as client:
         with pytest.raises(Overloaded, match="memory_high_water"):
             client.open_session()
-        assert client.status()["memory"]["over_high_water"] is True
+        assert client.status().memory.over_high_water is True
 
 
 def test_top_redraws_the_live_view(daemon: DaemonProcess) -> None:

@@ -108,7 +108,7 @@ def test_sessions_and_snapshots_survive_reattach(pool_name: str) -> None:
     assert index is not None
     write_snapshot(pool, index, b"first state", [1, 2, 3])
     write_snapshot(pool, index, b"second, longer state", [1, 2, 3, 4, 5])
-    used = pool.usage()["used_bytes"]
+    used = pool.usage().used_bytes
     pool.close()
 
     again = open_pool(pool_name)
@@ -119,9 +119,9 @@ def test_sessions_and_snapshots_survive_reattach(pool_name: str) -> None:
     assert snap is not None and snap.version == 2 and again.verify(snap)
     assert bytes(again.view(snap.offset, snap.state_bytes)) == b"second, longer state"
     assert again.tokens(snap) == [1, 2, 3, 4, 5]
-    assert again.usage()["used_bytes"] == used  # the free list was rebuilt from the table
+    assert again.usage().used_bytes == used  # the free list was rebuilt from the table
     again.release(index)
-    assert again.usage()["used_bytes"] == 0
+    assert again.usage().used_bytes == 0
     again.close()
 
 
@@ -138,7 +138,7 @@ def test_uncommitted_write_leaves_the_last_snapshot(pool_name: str) -> None:
     again = open_pool(pool_name)
     snap = again.committed(index)
     assert snap is not None and bytes(again.view(snap.offset, snap.state_bytes)) == b"committed"
-    assert again.usage()["used_bytes"] == again.allocator.rounded(9 + 4)  # the orphan extent is free again
+    assert again.usage().used_bytes == again.allocator.rounded(9 + 4)  # the orphan extent is free again
     again.close()
 
 
@@ -160,7 +160,7 @@ def test_disk_tier_record_and_eviction_tombstone(pool_name: str) -> None:
     assert index is not None
     write_snapshot(pool, index, b"state", [1])
     snap = pool.commit(index, TIER_DISK, None, 5, 1, 0, 123, 9)
-    assert snap.tier == TIER_DISK and snap.version == 2 and pool.usage()["used_bytes"] == 0
+    assert snap.tier == TIER_DISK and snap.version == 2 and pool.usage().used_bytes == 0
     pool.mark_evicted(index)
     (entry,) = pool.entries()
     assert entry.snapshot is None and entry.session == "s1"
@@ -180,15 +180,15 @@ def test_a_damaged_record_costs_only_its_own_session(pool_name: str, damage: str
     newest = int(np.argmax(records["version"]))
     records["offset"][newest] = pool.size + 4096 if damage == "past the area" else good_snap.offset
     del records  # a view into the mapping: it must go before the pool is closed
-    used = pool.usage()["used_bytes"] - pool.allocator.rounded(bad_snap.length)
+    used = pool.usage().used_bytes - pool.allocator.rounded(bad_snap.length)
     pool.close()
     again = open_pool(pool_name)  # attaches: the other sessions are not lost with the damaged one
     snaps = {e.session: e.snapshot for e in again.entries()}
-    assert again.verify(snaps["good"]) and again.usage()["used_bytes"] == used
+    assert again.verify(snaps["good"]) and again.usage().used_bytes == used
     damaged = snaps["bad"]
     assert damaged is not None and not (again.in_bounds(damaged) and again.verify(damaged))
     again.release(bad)  # its bytes were never its own: nothing is freed twice
-    assert again.usage()["used_bytes"] == used and again.verify(snaps["good"])
+    assert again.usage().used_bytes == used and again.verify(snaps["good"])
     again.close()
 
 
@@ -206,7 +206,7 @@ def attach_after_crash_in_mark_evicted(pool_name: str) -> tuple[Pool, int]:
 @pytest.mark.parametrize("how", ["settled at attach", "reused by claim"])
 def test_a_tombstone_left_by_a_crash_gives_its_extent_back(pool_name: str, how: str) -> None:
     again, index = attach_after_crash_in_mark_evicted(pool_name)
-    assert again.usage()["used_bytes"] > 0  # the tombstone's record still counts at attach
+    assert again.usage().used_bytes > 0  # the tombstone's record still counts at attach
     if how == "settled at attach":
         again.settle()  # what recovery does first
         (entry,) = again.entries()
@@ -216,7 +216,7 @@ def test_a_tombstone_left_by_a_crash_gives_its_extent_back(pool_name: str, how: 
             if i != index:
                 assert again.claim(f"other{i}", "t", "default") is not None
         assert again.claim("s2", "t", "default") == index
-    assert again.usage()["used_bytes"] == 0  # its extent was freed, not leaked
+    assert again.usage().used_bytes == 0  # its extent was freed, not leaked
     again.close()
 
 
@@ -235,7 +235,7 @@ def test_overlapping_records_keep_the_one_whose_checksum_matches(pool_name: str)
     again = open_pool(pool_name)
     snaps = {e.session: e.snapshot for e in again.entries()}
     assert again.unowned == {bad} and again.verify(snaps["good"]) and not again.verify(snaps["bad"])
-    assert again.usage()["used_bytes"] == again.allocator.rounded(good_snap.length)
+    assert again.usage().used_bytes == again.allocator.rounded(good_snap.length)
     again.close()
 
 

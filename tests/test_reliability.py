@@ -52,10 +52,10 @@ def test_a_dead_clients_generation_stops_and_its_session_stays(start_daemon: Sta
             proc.kill()
             proc.wait(WAIT_S)
     with daemon.client() as client:
-        wait_until(lambda: client.status()["sessions"]["generating"] == 0, "the generation to stop")
+        wait_until(lambda: client.status().sessions.generating == 0, "the generation to stop")
         status = client.status()
         # it stopped because its client fell silent, long before its 1,000,000 tokens or its 32,768-token context
-        assert status["counters"]["clients_lost"] == 1 and status["counters"]["finished"] == {"cancelled": 1}
+        assert status.counters.clients_lost == 1 and status.counters.finished == {"cancelled": 1}
         session = client.resume_session(ids["id"], ids["token"])  # the session survived its client
         listed = {s.session: s for s in client.sessions()}
         assert listed[session.id].context_tokens < 32768
@@ -71,7 +71,7 @@ def test_a_slow_reader_that_is_alive_is_not_cut_off(daemon: DaemonProcess) -> No
             if received == 1:
                 time.sleep(1.5)  # the reader pauses longer than the silence limit; its heartbeats keep going
         assert stream.final is not None and stream.final.finish_reason == "length" and received == 30
-        assert client.status()["counters"]["clients_lost"] == 0
+        assert client.status().counters.clients_lost == 0
 
 
 INTRUDER = """
@@ -140,10 +140,10 @@ def test_a_client_that_stops_reading_stalls_nobody(start_daemon: Start) -> None:
             # Meanwhile the others are served normally, and the flood is cut off once its queue is full.
             for _ in range(3):
                 assert s.complete("still here", max_tokens=8, temperature=0.0).usage.completion_tokens == 8
-            wait_until(lambda: client.status()["counters"]["clients_not_reading"] == 1, "the flood to be cut")
+            wait_until(lambda: client.status().counters.clients_not_reading == 1, "the flood to be cut")
             status = client.status()
-            assert status["sessions"]["generating"] == 0
-            assert status["memory"]["rss_bytes"] < 1 << 30
+            assert status.sessions.generating == 0
+            assert status.memory.rss_bytes < 1 << 30
     finally:
         stuck.close(0)
 

@@ -44,7 +44,7 @@ def reference(start_daemon: Start, n: int, turns: range, name: str = "ref", **kw
     with daemon.client() as client:
         sessions = {i: client.open_session() for i in range(n)}
         result = run_turns(client, sessions, turns, **kw)
-        assert client.status()["moves"]["hibernations"] == 0
+        assert client.status().moves.hibernations == 0
     daemon.stop()
     return result
 
@@ -55,9 +55,9 @@ def test_32_sessions_on_2_slots_are_exact(start_daemon: Start) -> None:
         sessions = {i: client.open_session() for i in range(32)}
         result = run_turns(client, sessions, range(3))
         status = client.status()
-        assert status["moves"]["hibernations"] >= 32 * 3 - 2
-        assert status["moves"]["restores_pool"] >= 32 * 2 - 2
-        assert status["sessions_by_tier"] == {"hot": 2, "pool": 30}
+        assert status.moves.hibernations >= 32 * 3 - 2
+        assert status.moves.restores_pool >= 32 * 2 - 2
+        assert status.sessions_by_tier == {"hot": 2, "pool": 30}
         listed = {s.session: s for s in client.sessions()}
         assert all(info.snapshot_bytes > 0 for info in listed.values())
     assert result == reference(start_daemon, 32, range(3))
@@ -82,7 +82,7 @@ def test_sigkill_mid_generation_loses_no_completed_turn(start_daemon: Start) -> 
 
     daemon.start()  # the same pool, the same address
     with daemon.client() as client:
-        assert client.status()["sessions"]["open"] == 4
+        assert client.status().sessions.open == 4
         after = run_turns(client, resume_all(client, ids), range(2, 3))
     expected = reference(start_daemon, 4, range(3))
     assert {i: turns for i, turns in after.items()} == {i: [t[2]] for i, t in expected.items()}
@@ -95,11 +95,11 @@ def test_clean_restart_keeps_resident_sessions(start_daemon: Start) -> None:
         sessions = {i: client.open_session() for i in range(3)}
         ids = {i: (s.id, s.token) for i, s in sessions.items()}
         run_turns(client, sessions, range(2))
-        assert client.status()["sessions_by_tier"] == {"hot": 3}
+        assert client.status().sessions_by_tier == {"hot": 3}
         assert daemon.stop() == 0
         daemon.start()
         # The same client and session objects go on: ZeroMQ reconnects to the restarted daemon by itself.
-        assert client.status()["sessions_by_tier"] == {"pool": 3}
+        assert client.status().sessions_by_tier == {"pool": 3}
         after = run_turns(client, sessions, range(2, 3))
     with daemon.client() as other_process:
         assert resume_all(other_process, ids)[0].id == ids[0][0]
@@ -118,10 +118,10 @@ def test_pool_full_spills_to_disk_and_restores_exactly(start_daemon: Start) -> N
         sessions = {i: client.open_session() for i in range(8)}
         first = {i: s.complete(LONG + prompt_of(i, 0), max_tokens=4, **GREEDY).tokens for i, s in sessions.items()}
         status = client.status()
-        assert status["moves"]["spills"] > 0 and status["sessions_by_tier"].get("disk", 0) > 0
-        assert status["spill"]["used_bytes"] > 0
+        assert status.moves.spills > 0 and status.sessions_by_tier.get("disk", 0) > 0
+        assert status.spill.used_bytes > 0
         second = {i: s.complete(prompt_of(i, 1), max_tokens=6, **GREEDY).tokens for i, s in sessions.items()}
-        assert client.status()["moves"]["restores_disk"] > 0
+        assert client.status().moves.restores_disk > 0
     ref = start_daemon("--hot-slots", "8", "--context-size", "8192", name="ref")
     with ref.client() as client:
         for i in range(8):
@@ -139,7 +139,7 @@ def test_both_tiers_full_evicts_to_the_right_client_only(start_daemon: Start) ->
         for s in sessions:
             s.complete(LONG, max_tokens=2, **GREEDY)
         status = owner.status()
-        assert status["moves"]["evictions"] > 0 and status["sessions"]["evicted"] > 0
+        assert status.moves.evictions > 0 and status.sessions.evicted > 0
         evicted = [s for s in sessions if s.id not in {i.session for i in owner.sessions()}]
         assert evicted and sessions[-1] not in evicted  # the least recently used go first
         victim = evicted[0]
@@ -186,7 +186,7 @@ def test_corrupted_snapshots_are_reported_for_that_session_only(start_daemon: St
         with pytest.raises(SessionCorrupt, match="checksum"):
             victim.complete("again", max_tokens=2)
         assert other.complete("still fine", max_tokens=3, **GREEDY).usage.completion_tokens == 3
-        assert client.status()["moves"]["checksum_failures"] == 1
+        assert client.status().moves.checksum_failures == 1
 
         # The same for a snapshot on disk: fill the pool so that sessions spill, then damage one file.
         spilled = [client.open_session() for _ in range(6)]
@@ -219,7 +219,7 @@ def test_pool_of_another_model_is_refused(start_daemon: Start, short_tmp: Path) 
     daemon.args.append("--reset-pool")
     daemon.start()
     with daemon.client() as client:
-        assert client.status()["sessions"]["open"] == 0
+        assert client.status().sessions.open == 0
 
 
 def test_sessions_expire_in_every_tier(start_daemon: Start) -> None:
@@ -228,12 +228,12 @@ def test_sessions_expire_in_every_tier(start_daemon: Start) -> None:
         a, b = client.open_session(), client.open_session()
         a.complete("a", max_tokens=2)
         b.complete("b", max_tokens=2)  # a is now in the pool, b is hot
-        assert client.status()["sessions_by_tier"] == {"pool": 1, "hot": 1}
+        assert client.status().sessions_by_tier == {"pool": 1, "hot": 1}
         end = time.monotonic() + 30
-        while client.status()["sessions"]["open"] and time.monotonic() < end:
+        while client.status().sessions.open and time.monotonic() < end:
             time.sleep(0.2)  # polling a bounded wait for the daemon's 1 s timeout
         status = client.status()
-        assert status["sessions"]["open"] == 0 and status["pool"]["used_bytes"] == 0
+        assert status.sessions.open == 0 and status.pool.used_bytes == 0
 
 
 def test_idle_time_counts_from_the_last_turn_across_restarts(start_daemon: Start) -> None:
@@ -288,12 +288,12 @@ def test_a_snapshot_that_cannot_fit_beside_its_predecessor_spills_nobody_else(st
         for s in (b, c):
             s.complete("small", max_tokens=2, **GREEDY)
         before = client.status()
-        assert before["spill"]["used_bytes"] == 0
+        assert before.spill.used_bytes == 0
         big.complete("y" * 400, max_tokens=2, **GREEDY)
         after = client.status()
-        assert after["moves"]["checkpoints"] == before["moves"]["checkpoints"] + 1
-        assert after["spill"]["used_bytes"] > 600_000  # the big snapshot went to disk
-        assert after["moves"]["spills"] == before["moves"]["spills"] == 0  # nobody else was moved for it
+        assert after.moves.checkpoints == before.moves.checkpoints + 1
+        assert after.spill.used_bytes > 600_000  # the big snapshot went to disk
+        assert after.moves.spills == before.moves.spills == 0  # nobody else was moved for it
         small = {i.session: i for i in client.sessions() if i.session in (b.id, c.id)}
         assert all(i.snapshot_bytes > 0 for i in small.values()) and len(small) == 2
 
@@ -324,8 +324,8 @@ def test_restore_into_a_full_kv_hibernates_instead_of_failing(start_daemon: Star
         a.complete(text + "a", max_tokens=4, **GREEDY)  # no cells left: b is hibernated
         second_b = b.complete("!", max_tokens=4, **GREEDY).tokens  # a free slot, but no free cells
         status = client.status()
-        assert status["moves"]["checksum_failures"] == 0 and status["moves"]["restores_pool"] >= 1
-        assert status["moves"]["restores_without_room"] >= 1
+        assert status.moves.checksum_failures == 0 and status.moves.restores_pool >= 1
+        assert status.moves.restores_without_room >= 1
     ref = start_daemon("--hot-slots", "1", "--context-size", "512", name="ref")
     with ref.client() as client:
         s = client.open_session()
@@ -341,7 +341,7 @@ def test_with_spilling_disabled_a_full_pool_evicts_the_oldest_idle_session(start
         sessions = [client.open_session() for _ in range(8)]
         for s in sessions:
             assert s.complete(LONG, max_tokens=2, **GREEDY).usage.completion_tokens == 2
-        assert client.status()["moves"]["evictions"] > 0
+        assert client.status().moves.evictions > 0
         with pytest.raises(SessionEvicted):
             sessions[0].complete("more", max_tokens=2)
         assert sessions[-1].complete("more", max_tokens=2, **GREEDY).usage.completion_tokens == 2

@@ -37,4 +37,5 @@ def calibrate_on_slot(model: Model, slot: int, cost: CostModel) -> None:
         log.exception("cost model calibration failed; starting from the prior")
         model.forget_sequence(slot)
         return
-    log.info("cost model calibrated: %s", {k: v for k, v in cost.as_dict().items() if k != "calibration"})
+    fitted = cost.status()
+    log.info("cost model calibrated: small steps %s, large steps %s", fitted.small_steps, fitted.large_steps)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.protocol.status import CalibrationPoint, CostFit, CostModelStatus
+
 FORGET = 0.995  # weight of the past per update: about the last 200 steps count
 SMALL_STEP = 32  # tokens: steps up to this size use the small-step fit
 
@@ -54,14 +56,14 @@ class _LinearFit:
         # Noise can push a marginal cost below zero; predictions must still grow with the work.
         self.usable = np.concatenate([self.theta[:1], np.maximum(self.theta[1:], 0.0)])
 
-    def as_dict(self) -> dict[str, float]:
+    def status(self) -> CostFit:
         fixed, per_token, per_output, per_attention = (float(x) for x in self.theta)
-        return {
-            "fixed_ms": round(fixed * 1e3, 3),
-            "per_token_ms": round(per_token * 1e3, 4),
-            "per_output_ms": round(per_output * 1e3, 4),
-            "per_10k_attention_ms": round(per_attention * 1e3, 4),
-        }
+        return CostFit(
+            fixed_ms=round(fixed * 1e3, 3),
+            per_token_ms=round(per_token * 1e3, 4),
+            per_output_ms=round(per_output * 1e3, 4),
+            per_10k_attention_ms=round(per_attention * 1e3, 4),
+        )
 
 
 class CostModel:
@@ -73,7 +75,7 @@ class CostModel:
     def __init__(self) -> None:
         self.small, self.large = _LinearFit(), _LinearFit()
         self.updates = 0
-        self.calibration: list[dict[str, float]] = []
+        self.calibration: list[CalibrationPoint] = []
 
     def _fit(self, shape: StepShape) -> _LinearFit:
         return self.small if shape.tokens <= SMALL_STEP else self.large
@@ -86,14 +88,14 @@ class CostModel:
         self._fit(shape).update(shape.features(), seconds)
         self.updates += 1
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "small_steps": self.small.as_dict(),
-            "large_steps": self.large.as_dict(),
-            "small_step_tokens": SMALL_STEP,
-            "updates": self.updates,
-            "calibration": self.calibration,
-        }
+    def status(self) -> CostModelStatus:
+        return CostModelStatus(
+            small_steps=self.small.status(),
+            large_steps=self.large.status(),
+            small_step_tokens=SMALL_STEP,
+            updates=self.updates,
+            calibration=list(self.calibration),
+        )
 
 
 # Shapes measured at start: (tokens already in the sequence, tokens fed).
@@ -110,5 +112,5 @@ def calibrate(model: CostModel, run: Callable[[int, int], float], repeat: int = 
         for start, n in CALIBRATION:
             seconds = run(start, n)
             model.update(StepShape.of([(start, n, True)]), seconds)
-            model.calibration.append({"context": start, "tokens": n, "ms": round(seconds * 1e3, 3)})
+            model.calibration.append(CalibrationPoint(context=start, tokens=n, ms=round(seconds * 1e3, 3)))
     model.calibration = model.calibration[-len(CALIBRATION) :]

@@ -32,6 +32,7 @@ from kvpool.daemon.llama.model import Model
 from kvpool.daemon.ops.counters import EngineCounters
 from kvpool.daemon.ops.status import status_of
 from kvpool.protocol import ErrorCode, FinishReason
+from kvpool.protocol.status import DaemonStatus
 
 log = logging.getLogger("kvpool.engine")
 
@@ -348,7 +349,7 @@ class Engine:
 
     # ------------------------------------------------------------------ status
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DaemonStatus:
         return status_of(
             daemon_version=self.daemon_version,
             started=self.started,

@@ -22,6 +22,7 @@ from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model, SamplingParams
 from kvpool.protocol import ErrorCode, FinishReason
+from kvpool.protocol.status import DaemonStatus
 
 log = logging.getLogger("kvpool.engine")
 
@@ -37,7 +38,7 @@ class RequestHandlers:
         tiers: Tiers,
         scheduler: Scheduler,
         finish: Finish,
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[], DaemonStatus],
         daemon_version: str,
     ):
         self.model, self.config, self.tiers, self.scheduler = model, config, tiers, scheduler

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL, payload_bytes
@@ -26,7 +27,6 @@ from kvpool.daemon.llama.model import Model
 from kvpool.protocol import ErrorCode
 
 log = logging.getLogger("kvpool.tiers")
-LARGE_SNAPSHOT = 1 << 20
 
 
 class SessionCorrupt(RequestRefused):
@@ -37,16 +37,6 @@ class SessionCorrupt(RequestRefused):
         )
 
 
-def timed(counts: dict[str, float], move: str, nbytes: int, seconds: float) -> None:
-    """Add a move's bytes and time to the counters (apart for LARGE_SNAPSHOT and up, whose time is the copy)."""
-    counts[f"{move}_seconds"] += seconds
-    counts[f"{move}_bytes"] += nbytes
-    if nbytes >= LARGE_SNAPSHOT:
-        counts[f"{move}_large_seconds"] += seconds
-        counts[f"{move}_large_bytes"] += nbytes
-        counts[f"{move}_large_count"] += 1
-
-
 class SnapshotWriter:
     def __init__(
         self,
@@ -55,7 +45,7 @@ class SnapshotWriter:
         spill: SpillDir,
         sessions: SessionTable,
         prefixes: PrefixCache,
-        counts: dict[str, float],
+        counts: TierCounters,
         evict: Callable[[Session], None],
     ):
         self.model, self.pool, self.spill, self.sessions = model, pool, spill, sessions
@@ -90,8 +80,8 @@ class SnapshotWriter:
         self._note_saved(s, first, state_bytes)
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)
-        self.counts["checkpoints"] += 1
-        timed(self.counts, "checkpoint", state_bytes, time.perf_counter() - started)
+        self.counts.checkpoints += 1
+        self.counts.checkpoint.add(state_bytes, time.perf_counter() - started)
 
     def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
         """Bytes the new snapshot did not store again because it builds on a prefix (for status)."""
@@ -121,7 +111,7 @@ class SnapshotWriter:
         np.frombuffer(buffer, dtype="<i4", offset=state_bytes)[:] = s.tokens
         self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv, prefix_ref=prefix_links.snapshot_ref(s, first))
         self._note_saved(s, first, state_bytes)
-        self.counts["checkpoints"] += 1
+        self.counts.checkpoints += 1
 
     def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
         """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no
@@ -187,7 +177,7 @@ class SnapshotWriter:
             )
         finally:
             view.release()
-        self.counts["spills"] += 1
+        self.counts.spills += 1
 
     # ------------------------------------------------------------------ cold tier
 

@@ -18,15 +18,17 @@ from collections.abc import Iterable
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
 from kvpool.daemon.kv.prefix.index import shareable_length
 from kvpool.daemon.kv.sessions import Session, SessionTable
-from kvpool.daemon.kv.snapshots import SessionCorrupt, SnapshotWriter, timed
+from kvpool.daemon.kv.snapshots import SessionCorrupt, SnapshotWriter
 from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
 from kvpool.daemon.llama.model import Model
+from kvpool.protocol.status import PrefixStatus, SpillStatus
 
 log = logging.getLogger("kvpool.tiers")
 
@@ -37,28 +39,7 @@ class Tiers:
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.resident: dict[int, Session] = {}
         self.prefixes = PrefixCache(model, pool, config)
-        self.counts: dict[str, float] = {
-            "hibernations": 0,
-            "restores_pool": 0,
-            "restores_disk": 0,
-            "checkpoints": 0,
-            "spills": 0,
-            "evictions": 0,
-            "checksum_failures": 0,
-            "restores_without_room": 0,  # llama.cpp had no cells for a restore: idle sessions made room
-            # time and bytes of pool checkpoints (state copy + checksum) and restores (checksum + copy back)
-            "checkpoint_seconds": 0.0,
-            "checkpoint_bytes": 0,
-            "restore_pool_seconds": 0.0,
-            "restore_pool_bytes": 0,
-            # the same for snapshots of LARGE_SNAPSHOT bytes or more, whose time is the copy, not fixed costs
-            "checkpoint_large_seconds": 0.0,
-            "checkpoint_large_bytes": 0,
-            "checkpoint_large_count": 0,
-            "restore_pool_large_seconds": 0.0,
-            "restore_pool_large_bytes": 0,
-            "restore_pool_large_count": 0,
-        }
+        self.counts = TierCounters()
         self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.evict)
 
     # ------------------------------------------------------------------ hot tier
@@ -77,7 +58,7 @@ class Tiers:
             # llama.cpp refuses a state it has no free cells for: free cells until it fits (each round takes out
             # another prefix or session, never the prefix this one builds on, so the loop ends).
             while not self._restore(s, slot):
-                self.counts["restores_without_room"] += 1
+                self.counts.restores_without_room += 1
                 if self.free_cells(exclude=[s]):
                     continue
                 if any(r.busy for r in self.resident.values()):
@@ -103,7 +84,7 @@ class Tiers:
         self.free_slots.append(s.slot)
         s.slot = None
         prefix_links.leave_hot(s)
-        self.counts["hibernations"] += 1
+        self.counts.hibernations += 1
 
     def free_cells(self, exclude: list[Session], count: int = 1) -> bool:
         """Make room in the unified KV: first a shared prefix nobody uses (but none the excluded sessions build
@@ -143,7 +124,7 @@ class Tiers:
                 if not self.prefixes.make_hot(prefix):
                     return False
             except PrefixCorrupt as exc:
-                self.counts["checksum_failures"] += 1
+                self.counts.checksum_failures += 1
                 raise SessionCorrupt(s, str(exc)) from None
             ok = self._load_own_cells(s, slot)
             if ok:
@@ -169,7 +150,7 @@ class Tiers:
             except SnapshotCorrupt:
                 intact = False
         if not intact:
-            self.counts["checksum_failures"] += 1
+            self.counts.checksum_failures += 1
             raise SessionCorrupt(s, "its saved tokens fail their checksum")
 
     def _load_own_cells(self, s: Session, slot: int) -> bool:
@@ -181,24 +162,24 @@ class Tiers:
             # then reads it from there. Measured with bench/resume.py, this is faster than verifying on a helper
             # thread while llama.cpp loads (both passes then wait on memory, and the helper first has to wake).
             if not self.pool.verify(snap):
-                self.counts["checksum_failures"] += 1
+                self.counts.checksum_failures += 1
                 raise SessionCorrupt(s, "its pool snapshot fails its checksum")
             state = self.pool.address(snap.offset, snap.state_bytes)
             try:
                 ok = self.model.load_state(slot, state)
             finally:
                 del state  # release the export of the mapping
-            self.counts["restores_pool"] += 1
-            timed(self.counts, "restore_pool", snap.state_bytes, time.perf_counter() - started)
+            self.counts.restores_pool += 1
+            self.counts.restore_pool.add(snap.state_bytes, time.perf_counter() - started)
         else:
             try:
                 payload = self.spill.read(s.id, snap.version)
             except SnapshotCorrupt as exc:
-                self.counts["checksum_failures"] += 1
+                self.counts.checksum_failures += 1
                 raise SessionCorrupt(s, str(exc)) from None
             state = (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0)
             ok = self.model.load_state(slot, state)
-            self.counts["restores_disk"] += 1
+            self.counts.restores_disk += 1
         return ok
 
     # ------------------------------------------------------------------ shared prefixes
@@ -250,7 +231,7 @@ class Tiers:
         """Drop a session for room: its owner gets SESSION_EVICTED from now on."""
         log.warning("evicting session %s (task %s): the pool and the spill directory are full", s.id, s.task)
         self.drop(s, evicted=True)
-        self.counts["evictions"] += 1
+        self.counts.evictions += 1
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -278,19 +259,14 @@ class Tiers:
     def close(self) -> None:
         self.pool.close()
 
-    def usage(self) -> dict[str, object]:
+    def sessions_by_tier(self) -> dict[str, int]:
         by_tier: dict[str, int] = {}
         for s in self.sessions.by_id.values():
             by_tier[s.tier] = by_tier.get(s.tier, 0) + 1
-        return {
-            "pool": self.pool.usage() | {"name": self.pool.name},
-            "spill": {
-                "dir": str(self.spill.path),
-                "used_bytes": self.spill.used_bytes,
-                "max_bytes": self.spill.max_bytes,
-            },
-            "sessions_by_tier": by_tier,
-            "moves": dict(self.counts),
-            "prefixes": self.prefixes.usage()
-            | {"pool_bytes_saved": sum(s.saved_bytes for s in self.sessions.by_id.values() if s.snapshot)},
-        }
+        return by_tier
+
+    def spill_status(self) -> SpillStatus:
+        return SpillStatus(dir=str(self.spill.path), used_bytes=self.spill.used_bytes, max_bytes=self.spill.max_bytes)
+
+    def prefix_status(self) -> PrefixStatus:
+        return self.prefixes.status(sum(s.saved_bytes for s in self.sessions.by_id.values() if s.snapshot))

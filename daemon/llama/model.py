@@ -20,6 +20,7 @@ import llama_cpp as lc
 import numpy as np
 
 from kvpool.daemon.config import sequence_count
+from kvpool.protocol.status import ModelStatus
 
 log = logging.getLogger("kvpool.llama")
 
@@ -321,18 +322,19 @@ class Model:
             digest.update(f.read(1 << 20))
         return digest.hexdigest()[:32]
 
-    def info(self) -> dict[str, object]:
-        return {
-            "path": str(self.path),
-            "description": self.description,
-            "fingerprint": self.fingerprint,
-            "n_vocab": self.n_vocab,
-            "n_params": lc.llama_model_n_params(self._model),
-            "size_bytes": lc.llama_model_size(self._model),
-            "context_size": self.context_size,
-            "context_size_train": lc.llama_model_n_ctx_train(self._model),
-            "sliding_window": lc.llama_model_n_swa(self._model),
-        }
+    def info(self) -> ModelStatus:
+        return ModelStatus(
+            path=str(self.path),
+            description=self.description,
+            fingerprint=self.fingerprint,
+            n_vocab=self.n_vocab,
+            n_params=lc.llama_model_n_params(self._model),
+            size_bytes=lc.llama_model_size(self._model),
+            context_size=self.context_size,
+            context_size_train=lc.llama_model_n_ctx_train(self._model),
+            sliding_window=lc.llama_model_n_swa(self._model),
+            cpu_repack=self.repack,
+        )
 
     def close(self) -> None:
         if self.ctx:

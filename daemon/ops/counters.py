@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvpool.protocol.status import Counters
+
 
 @dataclass
 class EngineCounters:
@@ -20,17 +22,19 @@ class EngineCounters:
     errors: Counter[str] = field(default_factory=Counter)  # by error code
     finished: Counter[str] = field(default_factory=Counter)  # generations by finish reason
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "decode_calls": self.decode_calls,
-            "batch_tokens": self.batch_tokens,
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "busy_seconds": round(self.busy_seconds, 6),
-            "kv_full_events": self.kv_full_events,
-            "clients_lost": self.clients_lost,
-            "clients_not_reading": self.clients_not_reading,
-            "requests": dict(self.requests),
-            "errors": dict(self.errors),
-            "finished": dict(self.finished),
-        }
+    def status(self, frame_errors: Counter[str]) -> Counters:
+        """``frame_errors``: the frames the I/O thread refused, by code (counted on that thread)."""
+        return Counters(
+            decode_calls=self.decode_calls,
+            batch_tokens=self.batch_tokens,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            busy_seconds=round(self.busy_seconds, 6),
+            kv_full_events=self.kv_full_events,
+            clients_lost=self.clients_lost,
+            clients_not_reading=self.clients_not_reading,
+            requests=dict(self.requests),
+            errors=dict(self.errors),
+            finished=dict(self.finished),
+            frame_errors=dict(frame_errors),
+        )

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool.protocol.status import Histogram, LatencySummary, TaskStatus
+
 WINDOW = 2048  # percentiles are over the most recent generations of each task
 BUCKETS_MS = (10, 25, 50, 100, 200, 300, 500, 1000, 2000, 5000, 10000, 30000)  # histogram bounds (for metrics)
 
@@ -25,21 +27,21 @@ class Series:
         self.total += ms
         self.buckets[int(np.searchsorted(BUCKETS_MS, ms))] += 1
 
-    def histogram(self) -> dict[str, object]:
+    def histogram(self) -> Histogram:
         """Counts per bucket of BUCKETS_MS (the last is beyond the largest bound), for Prometheus."""
-        return {"buckets": list(self.buckets), "sum_ms": round(self.total, 3), "count": self.count}
+        return Histogram(buckets=list(self.buckets), sum_ms=round(self.total, 3), count=self.count)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> LatencySummary:
         if not self.recent:
-            return {"count": 0}
+            return LatencySummary(count=0)
         p50, p95, p99 = np.percentile(np.fromiter(self.recent, float), [50, 95, 99])
-        return {
-            "count": self.count,
-            "p50": round(float(p50), 2),
-            "p95": round(float(p95), 2),
-            "p99": round(float(p99), 2),
-            "mean": round(self.total / self.count, 2),
-        }
+        return LatencySummary(
+            count=self.count,
+            p50=round(float(p50), 2),
+            p95=round(float(p95), 2),
+            p99=round(float(p99), 2),
+            mean=round(self.total / self.count, 2),
+        )
 
 
 @dataclass
@@ -52,16 +54,16 @@ class TaskStats:
     refusals: Counter[str] = field(default_factory=Counter)
     preemptions: int = 0
 
-    def as_dict(self, queue_depth: int) -> dict[str, object]:
-        return {
-            "ttft_ms": self.ttft_ms.summary(),
-            "tpot_ms": self.tpot_ms.summary(),
-            "ttft_buckets": self.ttft_ms.histogram(),
-            "tpot_buckets": self.tpot_ms.histogram(),
-            "deadline_misses": self.deadline_misses,
-            "late_tokens": self.late_tokens,
-            "lateness_ms": round(self.lateness_ms, 1),
-            "refusals": dict(self.refusals),
-            "preemptions": self.preemptions,
-            "queue_depth": queue_depth,
-        }
+    def status(self, queue_depth: int) -> TaskStatus:
+        return TaskStatus(
+            ttft_ms=self.ttft_ms.summary(),
+            tpot_ms=self.tpot_ms.summary(),
+            ttft_buckets=self.ttft_ms.histogram(),
+            tpot_buckets=self.tpot_ms.histogram(),
+            deadline_misses=self.deadline_misses,
+            late_tokens=self.late_tokens,
+            lateness_ms=round(self.lateness_ms, 1),
+            refusals=dict(self.refusals),
+            preemptions=self.preemptions,
+            queue_depth=queue_depth,
+        )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from typing import Any
 
 import psutil
 
@@ -15,6 +14,7 @@ from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model
 from kvpool.daemon.ops.counters import EngineCounters
+from kvpool.protocol.status import DaemonStatus, KvStatus, MemoryStatus, SchedulerStatus, SessionCounts, SlotStatus
 
 
 def status_of(
@@ -28,40 +28,46 @@ def status_of(
     scheduler: Scheduler,
     counters: EngineCounters,
     frame_errors: Counter[str],
-) -> dict[str, Any]:
-    return {
-        "daemon_version": daemon_version,
-        "protocol_version": p.PROTOCOL_VERSION,
-        "pid": os.getpid(),
-        "uptime_s": round(time.monotonic() - started, 3),
-        "engine_idle_s": round(time.monotonic() - heartbeat, 3),
-        "memory": {
-            "rss_bytes": psutil.Process().memory_info().rss,
-            "high_water_bytes": config.memory_high_water,
-            "over_high_water": scheduler.over_memory,
-        },
-        "model": model.info(),
-        "slots": {"total": model.hot_slots, "used": len(tiers.resident)},
-        "kv": {
-            "cells_total": model.context_size,
+) -> DaemonStatus:
+    cap = scheduler.step_time_cap()
+    return DaemonStatus(
+        daemon_version=daemon_version,
+        protocol_version=p.PROTOCOL_VERSION,
+        pid=os.getpid(),
+        uptime_s=round(time.monotonic() - started, 3),
+        engine_idle_s=round(time.monotonic() - heartbeat, 3),
+        memory=MemoryStatus(
+            rss_bytes=psutil.Process().memory_info().rss,
+            high_water_bytes=config.memory_high_water,
+            over_high_water=scheduler.over_memory,
+        ),
+        model=model.info(),
+        slots=SlotStatus(total=model.hot_slots, used=len(tiers.resident)),
+        kv=KvStatus(
+            cells_total=model.context_size,
             # shared prefix cells count once, however many sessions share them
-            "cells_used": sum(s.n_kv - s.prefix_len * s.shares_hot for s in tiers.resident.values())
+            cells_used=sum(s.n_kv - s.prefix_len * s.shares_hot for s in tiers.resident.values())
             + tiers.prefixes.hot_cells(),
-        },
-        "sessions": {
-            "open": len(tiers.sessions.by_id),
-            "max": config.max_sessions,
-            "generating": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
-            "evicted": len(tiers.sessions.evicted),
-        },
-        "batch_size": model.batch.capacity,
-        "checkpoint": config.checkpoint,
-        "counters": counters.as_dict() | {"frame_errors": dict(frame_errors)},
-        "scheduler": {
-            "policy": config.scheduling,
-            "step_cap_ms": round(cap * 1000.0, 2) if (cap := scheduler.step_time_cap()) else None,
-            "cost_model": scheduler.cost.as_dict(),
-        },
-        "tasks": {task: scheduler.task_stats[task].as_dict(scheduler.queue_depth(task)) for task in config.tasks},
-    } | tiers.usage()
+        ),
+        sessions=SessionCounts(
+            open=len(tiers.sessions.by_id),
+            max=config.max_sessions,
+            generating=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            evicted=len(tiers.sessions.evicted),
+        ),
+        batch_size=model.batch.capacity,
+        checkpoint=config.checkpoint,
+        counters=counters.status(frame_errors),
+        scheduler=SchedulerStatus(
+            policy=config.scheduling,
+            step_cap_ms=round(cap * 1000.0, 2) if cap else None,
+            cost_model=scheduler.cost.status(),
+        ),
+        tasks={task: scheduler.task_stats[task].status(scheduler.queue_depth(task)) for task in config.tasks},
+        pool=tiers.pool.usage(),
+        spill=tiers.spill_status(),
+        sessions_by_tier=tiers.sessions_by_tier(),
+        moves=tiers.counts.status(),
+        prefixes=tiers.prefix_status(),
+    )

@@ -12,6 +12,7 @@ import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import msgspec
 import psutil
 
 from kvpool.client import Client, KvpoolError
@@ -35,9 +36,9 @@ def health(address: str) -> tuple[bool, dict[str, object]]:
             status = client.status()
     except KvpoolError as exc:
         return False, {"ok": False, "error": str(exc)}
-    silence = status["engine_idle_s"]
+    silence = status.engine_idle_s
     ok = silence < MAX_ENGINE_SILENCE_S
-    return ok, {"ok": ok, "engine_idle_s": silence, "sessions": status["sessions"], "pid": status["pid"]}
+    return ok, {"ok": ok, "engine_idle_s": silence, "sessions": msgspec.to_builtins(status.sessions), "pid": status.pid}
 
 
 class HttpListener:

@@ -45,6 +45,7 @@ from kvpool.daemon.kv.pool.layout import (
     Snapshot,
     payload_bytes,
 )
+from kvpool.protocol.status import PoolStatus
 
 log = logging.getLogger("kvpool.pool")
 
@@ -444,15 +445,16 @@ class Pool:
 
     # ------------------------------------------------------------------ figures
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> PoolStatus:
         a = self.allocator
-        return {
-            "size_bytes": self.size,
-            "area_bytes": a.size,
-            "used_bytes": a.size - a.free_bytes,
-            "free_bytes": a.free_bytes,
-            "largest_free_extent_bytes": a.largest_free,
-            "entries": len(self.table),
-            "entries_used": int(np.count_nonzero(np.isin(self.table["state"], (LIVE, UNSAVED)))),
-            "prefix_entries": int(np.count_nonzero((self.table["state"] == LIVE) & (self.table["kind"] == PREFIX))),
-        }
+        return PoolStatus(
+            name=self.name,
+            size_bytes=self.size,
+            area_bytes=a.size,
+            used_bytes=a.size - a.free_bytes,
+            free_bytes=a.free_bytes,
+            largest_free_extent_bytes=a.largest_free,
+            entries=len(self.table),
+            entries_used=int(np.count_nonzero(np.isin(self.table["state"], (LIVE, UNSAVED)))),
+            prefix_entries=int(np.count_nonzero((self.table["state"] == LIVE) & (self.table["kind"] == PREFIX))),
+        )

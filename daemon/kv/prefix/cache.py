@@ -18,15 +18,16 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import Any
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.counters import PrefixCounters
 from kvpool.daemon.kv.pool.allocator import Extent
 from kvpool.daemon.kv.pool.layout import LIVE, PREFIX, TIER_POOL, EntryInfo, payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, shareable_length
 from kvpool.daemon.llama.model import Model
+from kvpool.protocol.status import PrefixInfo, PrefixStatus
 
 log = logging.getLogger("kvpool.prefixes")
 
@@ -44,14 +45,7 @@ class PrefixCache:
         self.index = PrefixIndex(self.block)
         self.by_id: dict[str, Prefix] = {}
         self.free_seqs = list(reversed(model.prefix_seqs))
-        self.counts = {
-            "hits": 0,  # sessions that started from a shared prefix
-            "tokens_saved": 0,  # prompt tokens those sessions did not compute
-            "made": 0,
-            "hot_evictions": 0,
-            "dropped": 0,
-            "restores": 0,
-        }
+        self.counts = PrefixCounters()
 
     # ------------------------------------------------------------------ lookup and sharing
 
@@ -97,7 +91,7 @@ class PrefixCache:
         prefix.seq = seq
         prefix.lowest_position = self.model.lowest_position(seq)
         prefix.last_used = time.monotonic()
-        self.counts["restores"] += 1
+        self.counts.restores += 1
         return True
 
     def forget_if_damaged(self, prefix: Prefix) -> None:
@@ -120,8 +114,8 @@ class PrefixCache:
 
     def note_hit(self, prefix: Prefix, length: int) -> None:
         prefix.hits += 1
-        self.counts["hits"] += 1
-        self.counts["tokens_saved"] += length
+        self.counts.hits += 1
+        self.counts.tokens_saved += length
 
     # ------------------------------------------------------------------ making prefixes
 
@@ -149,7 +143,7 @@ class PrefixCache:
         self.by_id[prefix.id] = prefix
         self.index.add(prefix)
         self._save(prefix)
-        self.counts["made"] += 1
+        self.counts.made += 1
         log.info("shared prefix %s made from %d tokens of task %s", prefix.id, len(tokens), task)
         return prefix
 
@@ -197,7 +191,7 @@ class PrefixCache:
         self.model.forget_sequence(prefix.seq)
         self.free_seqs.append(prefix.seq)
         prefix.seq = None
-        self.counts["hot_evictions"] += 1
+        self.counts.hot_evictions += 1
         if prefix.snapshot is None:
             self._forget(prefix)
         return True
@@ -233,7 +227,7 @@ class PrefixCache:
             prefix.entry, prefix.snapshot = None, None
         self.by_id.pop(prefix.id, None)
         self.index.remove(prefix, self.by_id.values())
-        self.counts["dropped"] += 1
+        self.counts.dropped += 1
 
     # ------------------------------------------------------------------ restart
 
@@ -263,29 +257,38 @@ class PrefixCache:
     def hot_cells(self) -> int:
         return sum(len(x.tokens) for x in self.by_id.values() if x.seq is not None)
 
-    def usage(self) -> dict[str, Any]:
+    def status(self, pool_bytes_saved: int) -> PrefixStatus:
+        """``pool_bytes_saved``: snapshot bytes sessions did not store again because they build on a prefix."""
         prefixes = list(self.by_id.values())
-        return {
-            "enabled": self.enabled,
-            "count": len(prefixes),
-            "hot": sum(1 for x in prefixes if x.seq is not None),
-            "max": self.max_prefixes,
-            "block_tokens": self.block,
-            "pool_bytes": sum(x.snapshot.length for x in prefixes if x.snapshot is not None),
-            "users": sum(x.users for x in prefixes),
-            "hot_users": sum(x.hot_users for x in prefixes),
-            "shared_cells": sum(len(x.tokens) * max(0, x.hot_users) for x in prefixes if x.seq is not None),
-            "list": [
-                {
-                    "id": x.id,
-                    "task": x.task,
-                    "tokens": len(x.tokens),
-                    "hot": x.seq is not None,
-                    "pool_bytes": x.snapshot.length if x.snapshot is not None else 0,
-                    "users": x.users,
-                    "hot_users": x.hot_users,
-                    "hits": x.hits,
-                }
+        c = self.counts
+        return PrefixStatus(
+            enabled=self.enabled,
+            count=len(prefixes),
+            hot=sum(1 for x in prefixes if x.seq is not None),
+            max=self.max_prefixes,
+            block_tokens=self.block,
+            pool_bytes=sum(x.snapshot.length for x in prefixes if x.snapshot is not None),
+            users=sum(x.users for x in prefixes),
+            hot_users=sum(x.hot_users for x in prefixes),
+            shared_cells=sum(len(x.tokens) * max(0, x.hot_users) for x in prefixes if x.seq is not None),
+            each=[
+                PrefixInfo(
+                    id=x.id,
+                    task=x.task,
+                    tokens=len(x.tokens),
+                    hot=x.seq is not None,
+                    pool_bytes=x.snapshot.length if x.snapshot is not None else 0,
+                    users=x.users,
+                    hot_users=x.hot_users,
+                    hits=x.hits,
+                )
                 for x in sorted(prefixes, key=lambda x: -x.last_used)
             ],
-        } | self.counts
+            hits=c.hits,
+            tokens_saved=c.tokens_saved,
+            made=c.made,
+            hot_evictions=c.hot_evictions,
+            dropped=c.dropped,
+            restores=c.restores,
+            pool_bytes_saved=pool_bytes_saved,
+        )

@@ -1,0 +1,210 @@
+"""The daemon's status, as it travels in a `status` reply: typed, so the CLI, the HTTP listener, the Prometheus
+renderer and the tests read fields, not string keys. Encoded as msgpack maps with these field names."""
+
+from __future__ import annotations
+
+from msgspec import Struct, field
+
+
+class MemoryStatus(Struct, kw_only=True):
+    rss_bytes: int
+    high_water_bytes: int  # memory_high_water (0: none)
+    over_high_water: bool  # new sessions are refused while true
+
+
+class ModelStatus(Struct, kw_only=True):
+    path: str
+    description: str
+    fingerprint: str  # identifies the weights; pools written with another are refused
+    n_vocab: int
+    n_params: int
+    size_bytes: int
+    context_size: int
+    context_size_train: int
+    sliding_window: int  # 0: every layer attends to the whole context
+    cpu_repack: bool = True  # llama.cpp's weight repacking (docs/build.md)
+
+
+class SlotStatus(Struct, kw_only=True):
+    total: int
+    used: int
+
+
+class KvStatus(Struct, kw_only=True):
+    cells_total: int
+    cells_used: int  # shared prefix cells count once, however many sessions share them
+
+
+class SessionCounts(Struct, kw_only=True):
+    open: int
+    max: int
+    generating: int
+    waiting: int
+    evicted: int  # remembered so their owners get SESSION_EVICTED
+
+
+class Counters(Struct, kw_only=True):
+    decode_calls: int = 0  # llama_decode calls that succeeded (one per engine step)
+    batch_tokens: int = 0  # tokens fed through those calls (prompt chunks + decode tokens)
+    prompt_tokens: int = 0  # prompt tokens computed (system prompts included; tokens a shared prefix held are not)
+    generated_tokens: int = 0  # tokens sampled and sent to clients
+    busy_seconds: float = 0.0  # wall time spent inside engine steps that decoded something
+    kv_full_events: int = 0  # llama_decode found no room in the unified KV
+    clients_lost: int = 0  # generations stopped because their client stopped sending heartbeats
+    clients_not_reading: int = 0  # generations stopped because their client's send queue was full
+    requests: dict[str, int] = field(default_factory=dict)  # by op
+    errors: dict[str, int] = field(default_factory=dict)  # error replies by code
+    finished: dict[str, int] = field(default_factory=dict)  # generations by finish reason
+    frame_errors: dict[str, int] = field(default_factory=dict)  # frames the I/O thread refused, by code
+
+
+class CostFit(Struct, kw_only=True):
+    fixed_ms: float
+    per_token_ms: float
+    per_output_ms: float
+    per_10k_attention_ms: float
+
+
+class CalibrationPoint(Struct, kw_only=True):
+    context: int
+    tokens: int
+    ms: float
+
+
+class CostModelStatus(Struct, kw_only=True):
+    small_steps: CostFit
+    large_steps: CostFit
+    small_step_tokens: int
+    updates: int
+    calibration: list[CalibrationPoint]
+
+
+class SchedulerStatus(Struct, kw_only=True):
+    policy: str  # budgets or fcfs
+    step_cap_ms: float | None  # the longest a step may take now (None: no budget in force)
+    cost_model: CostModelStatus
+
+
+class LatencySummary(Struct, kw_only=True):
+    """Over the task's most recent generations; the percentiles are None until there is one."""
+
+    count: int = 0
+    p50: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+
+
+class Histogram(Struct, kw_only=True):
+    buckets: list[int]  # counts per bucket of BUCKETS_MS; the last is beyond the largest bound
+    sum_ms: float
+    count: int
+
+
+class TaskStatus(Struct, kw_only=True):
+    ttft_ms: LatencySummary
+    tpot_ms: LatencySummary
+    ttft_buckets: Histogram
+    tpot_buckets: Histogram
+    deadline_misses: int
+    late_tokens: int
+    lateness_ms: float
+    refusals: dict[str, int]
+    preemptions: int
+    queue_depth: int
+
+
+class PoolStatus(Struct, kw_only=True):
+    name: str
+    size_bytes: int
+    area_bytes: int
+    used_bytes: int
+    free_bytes: int
+    largest_free_extent_bytes: int
+    entries: int
+    entries_used: int
+    prefix_entries: int
+
+
+class SpillStatus(Struct, kw_only=True):
+    dir: str
+    used_bytes: int
+    max_bytes: int
+
+
+class Moves(Struct, kw_only=True):
+    """Moves between the tiers, and the time and bytes of pool checkpoints and restores (apart for snapshots of
+    1 MiB and more, whose time is the copy rather than fixed costs)."""
+
+    hibernations: int = 0
+    restores_pool: int = 0
+    restores_disk: int = 0
+    checkpoints: int = 0
+    spills: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+    restores_without_room: int = 0  # llama.cpp had no cells for a restore: idle sessions made room
+    checkpoint_seconds: float = 0.0
+    checkpoint_bytes: int = 0
+    restore_pool_seconds: float = 0.0
+    restore_pool_bytes: int = 0
+    checkpoint_large_seconds: float = 0.0
+    checkpoint_large_bytes: int = 0
+    checkpoint_large_count: int = 0
+    restore_pool_large_seconds: float = 0.0
+    restore_pool_large_bytes: int = 0
+    restore_pool_large_count: int = 0
+
+
+class PrefixInfo(Struct, kw_only=True):
+    id: str
+    task: str
+    tokens: int
+    hot: bool
+    pool_bytes: int
+    users: int
+    hot_users: int
+    hits: int
+
+
+class PrefixStatus(Struct, kw_only=True):
+    enabled: bool
+    count: int
+    hot: int
+    max: int
+    block_tokens: int
+    pool_bytes: int
+    users: int
+    hot_users: int
+    shared_cells: int
+    each: list[PrefixInfo] = field(name="list")  # one line per prefix, most recently used first
+    hits: int  # sessions that started from a shared prefix
+    tokens_saved: int  # prompt tokens those sessions did not compute
+    made: int
+    hot_evictions: int
+    dropped: int
+    restores: int
+    pool_bytes_saved: int  # snapshot bytes sessions did not store again because they build on a prefix
+
+
+class DaemonStatus(Struct, kw_only=True):
+    daemon_version: str
+    protocol_version: int
+    pid: int
+    uptime_s: float
+    engine_idle_s: float  # since the engine loop last passed (a hung engine grows it)
+    memory: MemoryStatus
+    model: ModelStatus
+    slots: SlotStatus
+    kv: KvStatus
+    sessions: SessionCounts
+    batch_size: int
+    checkpoint: str
+    counters: Counters
+    scheduler: SchedulerStatus
+    tasks: dict[str, TaskStatus]
+    pool: PoolStatus
+    spill: SpillStatus
+    sessions_by_tier: dict[str, int]
+    moves: Moves
+    prefixes: PrefixStatus
