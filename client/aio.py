@@ -178,6 +178,9 @@ class AsyncStream:
             assert self._id is not None
             try:
                 reply = raise_if_error(await self._client._next(self._id))
+            except DaemonUnavailable:
+                await self.aclose(cancel=False)  # the daemon that ran it is gone: nothing to cancel
+                raise
             except BaseException:
                 await self.aclose()
                 raise
@@ -188,7 +191,7 @@ class AsyncStream:
                 return reply
         raise StopAsyncIteration
 
-    async def aclose(self) -> None:
+    async def aclose(self, cancel: bool = True) -> None:
         """Stop reading; a generation still running is cancelled."""
         if self._closed:
             return
@@ -196,7 +199,7 @@ class AsyncStream:
         if self._id is None:
             return
         self._client._done(self._id)
-        if self.final is None:
+        if self.final is None and cancel:
             with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
                 await self._session.cancel()
 

@@ -189,6 +189,9 @@ class Stream:
         while not self._closed:
             try:
                 reply = raise_if_error(self._client._next(self._id))
+            except DaemonUnavailable:
+                self.close(cancel=False)  # the daemon that ran it is gone: nothing to cancel, no retries to wait
+                raise
             except BaseException:
                 self.close()
                 raise
@@ -199,12 +202,12 @@ class Stream:
                 return reply
         raise StopIteration
 
-    def close(self) -> None:
+    def close(self, cancel: bool = True) -> None:
         """Stop reading; a generation still running is cancelled."""
         if self._closed:
             return
         self._closed = True
-        if self.final is None:
+        if self.final is None and cancel:
             with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
                 self._session.cancel()
         self._client._done(self._id)
