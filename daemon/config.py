@@ -112,6 +112,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # "budgets": earliest deadline first, chunked prefill, admission control, preemption of best-effort work.
     # "fcfs": first come first served with whole-batch prefill chunks and no admission control (to compare).
     scheduling: one_of("budgets", "fcfs") = "budgets"
+    # Time a few synthetic steps at start to fit the cost model that budgets and admission use (about 3 s with
+    # Gemma 3 270M on 2 cores). false starts from a cautious prior that every step then refines: for tests and
+    # for daemons whose tasks have no latency budgets.
+    calibrate: bool = True
     # The memory plan (weights + hot KV + compute + pool + runtime) may not exceed this; 0 = no limit.
     memory_limit: NonNegative = 0
     # Above this resident memory (psutil), new sessions are refused with OVERLOADED; 0 = never.

@@ -160,3 +160,13 @@ def test_requests_for_unknown_tasks_are_refused(start_daemon: Start) -> None:
         assert "voice" in reply.message  # it lists the known ones
     finally:
         raw.close()
+
+
+def test_calibration_at_start_can_be_turned_off(start_daemon: Start) -> None:
+    calibrated = start_daemon("--hot-slots", "2", name="calibrated")
+    prior = start_daemon("--hot-slots", "2", config="calibrate = false\n", name="prior")
+    with calibrated.client() as client:
+        assert len(client.status().scheduler.cost_model.calibration) > 0
+    with prior.client() as client:
+        cost = client.status().scheduler.cost_model
+        assert cost.calibration == [] and cost.small_steps.fixed_ms == 10.0  # the prior, untouched by any step

