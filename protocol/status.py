@@ -3,6 +3,8 @@ renderer and the tests read fields, not string keys. Encoded as msgpack maps wit
 
 from __future__ import annotations
 
+from collections import Counter
+
 from msgspec import Struct, field
 
 
@@ -44,6 +46,8 @@ class SessionCounts(Struct, kw_only=True):
 
 
 class Counters(Struct, kw_only=True):
+    """What the engine counts (it keeps one of these and updates it in place)."""
+
     decode_calls: int = 0  # llama_decode calls that succeeded (one per engine step)
     batch_tokens: int = 0  # tokens fed through those calls (prompt chunks + decode tokens)
     prompt_tokens: int = 0  # prompt tokens computed (system prompts included; tokens a shared prefix held are not)
@@ -52,10 +56,10 @@ class Counters(Struct, kw_only=True):
     kv_full_events: int = 0  # llama_decode found no room in the unified KV
     clients_lost: int = 0  # generations stopped because their client stopped sending heartbeats
     clients_not_reading: int = 0  # generations stopped because their client's send queue was full
-    requests: dict[str, int] = field(default_factory=dict)  # by op
-    errors: dict[str, int] = field(default_factory=dict)  # error replies by code
-    finished: dict[str, int] = field(default_factory=dict)  # generations by finish reason
-    frame_errors: dict[str, int] = field(default_factory=dict)  # frames the I/O thread refused, by code
+    requests: dict[str, int] = field(default_factory=Counter)  # by op
+    errors: dict[str, int] = field(default_factory=Counter)  # error replies by code
+    finished: dict[str, int] = field(default_factory=Counter)  # generations by finish reason
+    frame_errors: dict[str, int] = field(default_factory=Counter)  # frames the I/O thread refused, by code
 
 
 class CostFit(Struct, kw_only=True):
@@ -132,9 +136,8 @@ class SpillStatus(Struct, kw_only=True):
     max_bytes: int
 
 
-class Moves(Struct, kw_only=True):
-    """Moves between the tiers, and the time and bytes of pool checkpoints and restores (apart for snapshots of
-    1 MiB and more, whose time is the copy rather than fixed costs)."""
+class MoveCounts(Struct, kw_only=True):
+    """Moves between the tiers (the KV tiers keep one of these, with their timings, and update it in place)."""
 
     hibernations: int = 0
     restores_pool: int = 0
@@ -144,6 +147,12 @@ class Moves(Struct, kw_only=True):
     evictions: int = 0
     checksum_failures: int = 0
     restores_without_room: int = 0  # llama.cpp had no cells for a restore: idle sessions made room
+
+
+class Moves(MoveCounts, kw_only=True):
+    """The moves, and the time and bytes of pool checkpoints and restores (apart for snapshots of 1 MiB and
+    more, whose time is the copy rather than fixed costs)."""
+
     checkpoint_seconds: float = 0.0
     checkpoint_bytes: int = 0
     restore_pool_seconds: float = 0.0
@@ -167,7 +176,18 @@ class PrefixInfo(Struct, kw_only=True):
     hits: int
 
 
-class PrefixStatus(Struct, kw_only=True):
+class PrefixCounts(Struct, kw_only=True):
+    """What prefix sharing counts (the prefix cache keeps one of these and updates it in place)."""
+
+    hits: int = 0  # sessions that started from a shared prefix
+    tokens_saved: int = 0  # prompt tokens those sessions did not compute
+    made: int = 0
+    hot_evictions: int = 0
+    dropped: int = 0
+    restores: int = 0
+
+
+class PrefixStatus(PrefixCounts, kw_only=True):
     enabled: bool
     count: int
     hot: int
@@ -178,12 +198,6 @@ class PrefixStatus(Struct, kw_only=True):
     hot_users: int
     shared_cells: int
     each: list[PrefixInfo] = field(name="list")  # one line per prefix, most recently used first
-    hits: int  # sessions that started from a shared prefix
-    tokens_saved: int  # prompt tokens those sessions did not compute
-    made: int
-    hot_evictions: int
-    dropped: int
-    restores: int
     pool_bytes_saved: int  # snapshot bytes sessions did not store again because they build on a prefix
 
 

@@ -12,8 +12,8 @@ import psutil
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.kv.tiers import Tiers
-from kvpool.daemon.ops.counters import EngineCounters
 from kvpool.protocol import FinishReason
+from kvpool.protocol.status import Counters
 
 log = logging.getLogger("kvpool.engine")
 CLIENT_SILENCE_S = 1.0  # clients ping every 0.25 s while they wait; four missed pings mean the client is gone
@@ -25,7 +25,7 @@ class Housekeeping:
         config: Config,
         scheduler: Scheduler,
         tiers: Tiers,
-        counters: EngineCounters,
+        counters: Counters,
         finish: Callable[..., None],
         last_heard: dict[bytes, float],
         lagging: set[bytes],

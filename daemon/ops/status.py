@@ -6,6 +6,7 @@ import os
 import time
 from collections import Counter
 
+import msgspec
 import psutil
 
 from kvpool import protocol as p
@@ -13,8 +14,15 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model
-from kvpool.daemon.ops.counters import EngineCounters
-from kvpool.protocol.status import DaemonStatus, KvStatus, MemoryStatus, SchedulerStatus, SessionCounts, SlotStatus
+from kvpool.protocol.status import (
+    Counters,
+    DaemonStatus,
+    KvStatus,
+    MemoryStatus,
+    SchedulerStatus,
+    SessionCounts,
+    SlotStatus,
+)
 
 
 def status_of(
@@ -26,7 +34,7 @@ def status_of(
     model: Model,
     tiers: Tiers,
     scheduler: Scheduler,
-    counters: EngineCounters,
+    counters: Counters,
     frame_errors: Counter[str],
 ) -> DaemonStatus:
     cap = scheduler.step_time_cap()
@@ -58,7 +66,14 @@ def status_of(
         ),
         batch_size=model.batch.capacity,
         checkpoint=config.checkpoint,
-        counters=counters.status(frame_errors),
+        # copies: the engine thread goes on counting while the reply is encoded on the I/O thread
+        counters=msgspec.structs.replace(
+            counters,
+            requests=dict(counters.requests),
+            errors=dict(counters.errors),
+            finished=dict(counters.finished),
+            frame_errors=dict(frame_errors),
+        ),
         scheduler=SchedulerStatus(
             policy=config.scheduling,
             step_cap_ms=round(cap * 1000.0, 2) if cap else None,

@@ -19,15 +19,16 @@ import logging
 import secrets
 import time
 
+import msgspec
+
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv import policy
-from kvpool.daemon.kv.counters import PrefixCounters
 from kvpool.daemon.kv.pool.allocator import Extent
 from kvpool.daemon.kv.pool.layout import LIVE, PREFIX, TIER_POOL, EntryInfo, payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, shareable_length
 from kvpool.daemon.llama.model import Model
-from kvpool.protocol.status import PrefixInfo, PrefixStatus
+from kvpool.protocol.status import PrefixCounts, PrefixInfo, PrefixStatus
 
 log = logging.getLogger("kvpool.prefixes")
 
@@ -45,7 +46,7 @@ class PrefixCache:
         self.index = PrefixIndex(self.block)
         self.by_id: dict[str, Prefix] = {}
         self.free_seqs = list(reversed(model.prefix_seqs))
-        self.counts = PrefixCounters()
+        self.counts = PrefixCounts()
 
     # ------------------------------------------------------------------ lookup and sharing
 
@@ -260,8 +261,8 @@ class PrefixCache:
     def status(self, pool_bytes_saved: int) -> PrefixStatus:
         """``pool_bytes_saved``: snapshot bytes sessions did not store again because they build on a prefix."""
         prefixes = list(self.by_id.values())
-        c = self.counts
         return PrefixStatus(
+            **msgspec.structs.asdict(self.counts),
             enabled=self.enabled,
             count=len(prefixes),
             hot=sum(1 for x in prefixes if x.seq is not None),
@@ -284,11 +285,5 @@ class PrefixCache:
                 )
                 for x in sorted(prefixes, key=lambda x: -x.last_used)
             ],
-            hits=c.hits,
-            tokens_saved=c.tokens_saved,
-            made=c.made,
-            hot_evictions=c.hot_evictions,
-            dropped=c.dropped,
-            restores=c.restores,
             pool_bytes_saved=pool_bytes_saved,
         )
