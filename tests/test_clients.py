@@ -17,6 +17,7 @@ import zmq
 from kvpool import protocol as p
 from kvpool.client import Client, DaemonUnavailable
 from kvpool.client.aio import AsyncClient
+from kvpool.client.errors import BadRequest
 
 from .daemon_process import DaemonProcess
 
@@ -172,3 +173,34 @@ def test_an_undecodable_reply_is_counted_and_logged_not_fatal(
 
         assert asyncio.run(asyncio.wait_for(scenario(), WAIT_S)) == 1
     assert "could not be decoded" in caplog.text
+
+
+def test_asyncio_client_runs_sessions_concurrently(daemon: DaemonProcess) -> None:
+    prompts = ["first async prompt", "second async prompt", "third one"]
+    with daemon.client() as client:
+        expected = []
+        for prompt in prompts:
+            with client.open_session() as s:
+                expected.append(s.complete(prompt, max_tokens=16, temperature=0.0).tokens)
+
+    async def one(client: AsyncClient, prompt: str) -> list[int]:
+        async with await client.open_session() as s:
+            tokens: list[int] = []
+            async for chunk in s.generate(prompt, max_tokens=16, temperature=0.0):
+                tokens.extend(chunk.tokens)
+            assert s.final is not None and s.final.finish_reason == "length"
+            return tokens
+
+    async def too_large(client: AsyncClient) -> None:  # refused before sending, as in the sync client
+        async with await client.open_session() as s:
+            with pytest.raises(BadRequest, match="max_message_bytes"):
+                async for _ in s.generate("\U0001f600" * (1 << 20), max_tokens=2):
+                    pass
+
+    async def main() -> list[list[int]]:
+        async with await AsyncClient.connect(daemon.address) as client:
+            assert "llama" in client.model
+            await too_large(client)
+            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == expected

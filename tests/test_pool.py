@@ -1,4 +1,5 @@
-"""The pool's pure parts: the extent allocator (property tests) and the segment layout (no model, no daemon)."""
+"""The pool's pure parts: the extent allocator (property tests) and the segment layout, on real segments (no model,
+no daemon)."""
 
 from __future__ import annotations
 

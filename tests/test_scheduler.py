@@ -1,15 +1,30 @@
-"""The scheduler and the cost model, with a fake clock and a fixed cost model: no model, no daemon."""
+"""The scheduler and the cost model: step plans with a fake clock and a fixed cost model, and the Scheduler's
+admission and preemption on the fake model's tiers. No llama.cpp, no daemon."""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpool import protocol as p
 from kvpool.daemon.engine.cost_model import CostModel, StepShape, calibrate
+from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.scheduler import Budget, Scheduler
 from kvpool.daemon.engine.step_plan import MIN_CHUNK, plan_budgeted, plan_fcfs, steps_for
+from kvpool.daemon.engine.stream_text import StreamText
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.kv.tiers import Tiers
+from kvpool.protocol import ErrorCode
+
+from .fake_model import FakeModel, FakeSampler
+from .kv_in_process import open_session, tiers_on_fake_model
 
 
 @dataclass(eq=False)
@@ -159,3 +174,91 @@ def test_cost_model_learns_a_linear_machine() -> None:
         shape = StepShape.of([(start, n, True)] + [(0, 1, True)] * (outputs - 1))
         expected = run(start, n) + (outputs - 1) * (true["token"] + true["output"] + true["attention"] / 1e4)
         assert math.isclose(model.predict(shape), expected, rel_tol=0.05), (start, n)
+
+
+# ---------------------------------------------------------------- the Scheduler, on the fake model's tiers
+
+
+def generation(s: Session, budget: Budget, prompt: int = 4) -> Generation:
+    """A generate request of ``prompt`` new tokens, admitted with ``budget``."""
+    request = p.Generate(id=1, session=s.id, token=s.token, prompt="x")
+    return Generation(
+        client=b"c",
+        request=request,
+        session=s,
+        sampler=FakeSampler(),  # type: ignore[arg-type]
+        prompt_tokens=prompt,
+        text=StreamText([]),
+        new_tokens=list(range(1000, 1000 + prompt)),
+        arrival=time.monotonic(),
+        ttft_s=budget.ttft_s,
+        tpot_s=budget.tpot_s,
+        best_effort=budget.best_effort,
+        priority=budget.priority,
+    )
+
+
+TASKS = {
+    "default": {},
+    "voice": {"ttft_ms": 300.0, "max_queue": 2},
+    "background": {"best_effort": True},
+}
+
+
+def scheduler_on(tiers: Tiers) -> tuple[Scheduler, list[tuple[Generation, RequestRefused]]]:
+    refused: list[tuple[Generation, RequestRefused]] = []
+    return Scheduler(tiers.config, tiers, 64, lambda g, why: refused.append((g, why))), refused
+
+
+def test_admission_refuses_a_first_token_that_cannot_make_its_budget(tmp_path: Path) -> None:
+    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as tiers:
+        scheduler, _ = scheduler_on(tiers)  # the uncalibrated prior: 10 ms a step and 2 ms a token
+        voice, background = open_session(tiers, "voice"), open_session(tiers, "background")
+        now = time.monotonic()
+        budget = scheduler.admit(voice, None, prompt_tokens=20, received_at=now)
+        assert budget.ttft_s == pytest.approx(0.3) and not budget.best_effort
+        with pytest.raises(RequestRefused) as refused:
+            scheduler.admit(voice, None, prompt_tokens=2000, received_at=now)
+        assert refused.value.code == ErrorCode.BUDGET_UNMEETABLE and refused.value.detail["estimate_ms"] > 300
+        assert scheduler.admit(voice, 100.0, prompt_tokens=20, received_at=now).ttft_s == pytest.approx(0.1)
+        assert scheduler.admit(background, None, prompt_tokens=2000, received_at=now).best_effort  # queued, not refused
+        assert scheduler.task_stats["voice"].refusals == {"BUDGET_UNMEETABLE": 1}
+
+
+def test_admission_caps_a_tasks_queue(tmp_path: Path) -> None:
+    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as tiers:
+        scheduler, _ = scheduler_on(tiers)
+        voices = [open_session(tiers, "voice") for _ in range(3)]
+        for s in voices[:2]:
+            scheduler.add(generation(s, scheduler.admit(s, None, 4, time.monotonic())))
+        assert all(s.busy for s in voices[:2]) and scheduler.in_flight("voice") == 2
+        with pytest.raises(RequestRefused) as refused:
+            scheduler.admit(voices[2], None, 4, time.monotonic())
+        assert refused.value.code == ErrorCode.OVERLOADED
+
+
+def test_a_deadline_bound_request_swaps_out_best_effort_work_that_holds_the_only_slot(tmp_path: Path) -> None:
+    with tiers_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as tiers:
+        scheduler, refused = scheduler_on(tiers)
+        background, voice = open_session(tiers, "background"), open_session(tiers, "voice")
+        slow = generation(background, scheduler.admit(background, None, 8, time.monotonic()), prompt=8)
+        scheduler.add(slow)
+        assert [w.item for w in scheduler.schedule()] == [slow] and background.tier == "hot"
+        compute_fed(slow, 8, tiers.model)  # type: ignore[arg-type]
+        urgent = generation(voice, scheduler.admit(voice, None, 4, time.monotonic()))
+        scheduler.add(urgent)
+        plan = scheduler.schedule()
+        assert [w.item for w in plan] == [urgent] and voice.tier == "hot" and background.tier == "pool"
+        assert scheduler.waiting == [slow] and scheduler.task_stats["background"].preemptions == 1
+        assert not refused
+        scheduler.remove(urgent)  # the voice turn ends; the best-effort one resumes where it stopped
+        voice.busy = False
+        assert [w.item for w in scheduler.schedule()] == [slow] and background.n_kv == 8 and slow.pending_tokens == 1
+
+
+def compute_fed(g: Generation, n: int, model: FakeModel) -> None:
+    """What a step does for ``g``: ``n`` pending tokens into the KV, then (its prompt done) one sampled token."""
+    s = g.session
+    assert s.slot is not None and model.fill(s.slot, s.n_kv, n)
+    s.n_kv += n
+    s.tokens.append(42)

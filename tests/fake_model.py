@@ -1,0 +1,126 @@
+"""An in-process stand-in for the Model surface the KV tiers and the scheduler use, so their logic can be tested
+without a daemon process or llama.cpp: a unified KV of ``context_size`` cells shared by sequence ids, with
+llama.cpp's rules that matter to the tiers (a restore needs free cells, seq_cp shares cells, a saved state names
+the positions it holds). It models bookkeeping, not numbers: the tests of what llama.cpp computes stay on real
+daemons (tests/test_tiers.py, tests/test_prefix.py, tests/test_gemma.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from kvpool.daemon.config import sequence_count
+
+MAGIC = 0x4B565046  # "KVPF": a state this fake wrote
+BYTES_PER_CELL = 64  # what each saved cell costs, like a (small) model's K and V rows
+
+
+class FakeBatch:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+
+
+class FakeModel:
+    fingerprint = "f" * 32
+    kv_layout = "fake"
+    n_swa = 0
+
+    def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):
+        self.context_size = context_size
+        self.hot_slots = hot_slots
+        self.prefix_seqs = list(range(hot_slots, hot_slots + prefix_slots))
+        self.scratch_seq = hot_slots + prefix_slots if prefix_slots else -1
+        self.n_seq = sequence_count(hot_slots, prefix_slots)
+        self.batch = FakeBatch(batch_size)
+        self.cells: list[tuple[int, set[int]] | None] = [None] * context_size  # (position, sequence ids) or free
+        self.loads = 0
+
+    # ------------------------------------------------------------------ the unified KV
+
+    def positions(self, seq: int) -> list[int]:
+        return sorted(pos for cell in self.cells if cell is not None and seq in cell[1] for pos in [cell[0]])
+
+    def used_cells(self) -> int:
+        return sum(cell is not None for cell in self.cells)
+
+    def fill(self, seq: int, first: int, count: int) -> bool:
+        """What a decode of ``count`` tokens at ``first`` leaves in the KV; False (nothing changed) without room."""
+        free = [i for i, cell in enumerate(self.cells) if cell is None]
+        if len(free) < count:
+            return False
+        for i, pos in zip(free, range(first, first + count), strict=False):
+            self.cells[i] = (pos, {seq})
+        return True
+
+    def forget_sequence(self, seq: int) -> None:
+        for i, cell in enumerate(self.cells):
+            if cell is not None and seq in cell[1]:
+                cell[1].discard(seq)
+                if not cell[1]:
+                    self.cells[i] = None
+
+    def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
+        for cell in self.cells:
+            if cell is not None and src in cell[1] and cell[0] >= first and (end < 0 or cell[0] < end):
+                cell[1].add(dst)
+
+    def lowest_position(self, seq: int) -> int:
+        held = self.positions(seq)
+        return held[0] if held else -1
+
+    def highest_position(self, seq: int) -> int:
+        held = self.positions(seq)
+        return held[-1] if held else -1
+
+    # ------------------------------------------------------------------ sequence state
+
+    def state_size(self, seq: int) -> int:
+        return 8 + (4 + BYTES_PER_CELL) * len(self.positions(seq))
+
+    def save_state(self, seq: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
+        held = np.array(self.positions(seq), dtype="<i4")
+        size = self.state_size(seq)
+        if len(dest) < size:
+            return 0
+        out = np.frombuffer(dest, dtype=np.uint8, count=size)
+        out[:8] = np.frombuffer(np.array([MAGIC, len(held)], dtype="<u4").tobytes(), dtype=np.uint8)
+        out[8 : 8 + 4 * len(held)] = np.frombuffer(held.tobytes(), dtype=np.uint8)
+        out[8 + 4 * len(held) :] = (np.repeat(held, BYTES_PER_CELL) % 251).astype(np.uint8)  # the "K and V rows"
+        return size
+
+    def load_state(self, seq: int, src: ctypes.Array[ctypes.c_uint8]) -> bool:
+        data = np.frombuffer(src, dtype=np.uint8)
+        magic, count = np.frombuffer(data[:8].tobytes(), dtype="<u4")
+        if magic != MAGIC or len(data) != 8 + (4 + BYTES_PER_CELL) * int(count):
+            return False
+        held = np.frombuffer(data[8 : 8 + 4 * int(count)].tobytes(), dtype="<i4")
+        rows = data[8 + 4 * int(count) :]
+        if not np.array_equal(rows, (np.repeat(held, BYTES_PER_CELL) % 251).astype(np.uint8)):
+            return False  # llama.cpp would load garbage; the fake refuses it so a test can tell
+        self.forget_sequence(seq)
+        free = [i for i, cell in enumerate(self.cells) if cell is None]
+        if len(free) < len(held):
+            return False
+        for i, pos in zip(free, held.tolist(), strict=False):
+            self.cells[i] = (pos, {seq})
+        self.loads += 1
+        return True
+
+    @contextmanager
+    def cells_from(self, seq: int, first: int) -> Iterator[int]:
+        if not first:
+            yield seq
+            return
+        self.share_cells(seq, self.scratch_seq, first, -1)
+        try:
+            yield self.scratch_seq
+        finally:
+            self.forget_sequence(self.scratch_seq)
+
+
+class FakeSampler:
+    def free(self) -> None:
+        pass

@@ -1,0 +1,97 @@
+"""The configuration: defaults, files, flags and KVPOOL_* variables, and errors in words. Pure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpool.daemon.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_default_config_equals_the_built_in_defaults() -> None:
+    shipped = load_config(ROOT / "configs" / "default.toml")
+    built_in = Config()
+    for name in Config.__struct_fields__:
+        if name != "tasks":
+            assert getattr(shipped, name) == getattr(built_in, name), name
+    assert set(shipped.tasks) >= {"default", "voice", "vision"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("hot_slots = 0", "`hot_slots` = 0"),
+        ("hot_slotz = 2", "unknown key `hot_slotz`"),
+        ("context_size = 'big'", "`context_size` = 'big'"),
+        ("[tasks.default]\n[tasks.voice]\nmax_sessions = -1", "`tasks.voice.max_sessions` = -1"),
+        ("[tasks.default]\n[tasks.voice]\nmax_sesions = 1", "unknown key `max_sesions` in [tasks.voice]"),
+        ("[tasks.voice]", "`default` profile"),
+        ("[tasks.default]\n[tasks.'bad name']", "task name 'bad name'"),
+        ("hot_slots = ", "not valid TOML"),
+        ("log_level = 'loud'", "`log_level` = 'loud'"),
+    ],
+)
+def test_bad_config_names_key_and_value(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(path)
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "environ", "sentence"),
+    [
+        ({"pool_name": "kvh-1"}, {}, "--pool-name: `pool_name` = 'kvh-1' is not allowed: it must start with '/'"),
+        ({"http": "0.0.0.0:80"}, {}, "it must be a loopback address and port, e.g. 127.0.0.1:9101"),
+        (
+            {},
+            {"KVPOOL_CHECKPOINT": "never"},
+            "KVPOOL_CHECKPOINT: `checkpoint` = 'never' is not allowed: "
+            'it must be one of "after_generate", "on_evict"',
+        ),
+        ({"hot_slots": 0}, {}, "`hot_slots` = 0 is not allowed: it must be a whole number of at least 1."),
+        ({"context_size": "big"}, {}, "it must be a whole number, not text."),
+    ],
+)
+def test_config_errors_say_what_is_expected_in_words(
+    overrides: dict[str, object], environ: dict[str, str], sentence: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides, environ)
+    assert sentence in str(err.value)
+    assert "Expected" not in str(err.value) and "regex" not in str(err.value)
+
+
+def test_flags_override_the_file_and_are_named_in_errors(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("hot_slots = 8\ncontext_size = 1024\n")
+    config = load_config(path, {"hot_slots": 2, "context_size": None})
+    assert (config.hot_slots, config.context_size) == (2, 1024)
+    with pytest.raises(ConfigError, match="--max-sessions"):
+        load_config(path, {"max_sessions": 0})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_config_reference_documents_every_key_and_flag() -> None:
+    from kvpool.daemon.config import TaskProfile
+    from kvpool.daemon.main import OVERRIDES
+
+    reference = (ROOT / "docs" / "config.md").read_text()
+    for name in (*Config.__struct_fields__, *TaskProfile.__struct_fields__):
+        if name != "tasks":
+            assert f"`{name}`" in reference, f"docs/config.md does not document `{name}`"
+    for key in OVERRIDES:
+        assert f"`--{key.replace('_', '-')}`" in reference, f"docs/config.md does not document --{key}"
+
+
+def test_example_configs_load() -> None:
+    for path in (ROOT / "configs").glob("*.toml"):
+        config = load_config(path)
+        assert "default" in config.tasks, path
+    edge = load_config(ROOT / "configs" / "edge-2gb.toml")
+    assert edge.cache_pool_size == 192 << 20 and edge.tasks["vision"].best_effort

@@ -1,0 +1,72 @@
+"""The wire protocol: messages round-trip, bad frames are classified, every error code has its exception;
+and telling a request lost to a daemon restart. Pure: no model, no daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvpool import protocol as p
+from kvpool.client.errors import KvpoolError, NotOwner, error_from_code
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_request_round_trips() -> None:
+    messages = [
+        p.Hello(id=1, version=1),
+        p.Status(id=2),
+        p.ListSessions(id=3),
+        p.OpenSession(id=4, task="voice"),
+        p.CloseSession(id=5, session="s", token="t"),
+        p.Cancel(id=6, session="s", token="t"),
+        p.Generate(id=7, session="s", token="t", prompt="hi", stop=["\n"], seed=3),
+    ]
+    for message in messages:
+        assert p.decode_request(p.encode(message)) == message
+
+
+def test_decode_errors_are_classified() -> None:
+    with pytest.raises(p.RequestDecodeError) as bad:
+        p.decode_request(b"\xc1")
+    assert bad.value.code == p.ErrorCode.BAD_REQUEST
+    with pytest.raises(p.RequestDecodeError) as unknown:
+        p.decode_request(msgspec.msgpack.encode({"op": "fly", "id": 8}))
+    assert unknown.value.code == p.ErrorCode.UNKNOWN_OP and unknown.value.request_id == 8
+    with pytest.raises(p.RequestDecodeError) as wrong:
+        p.decode_request(msgspec.msgpack.encode({"op": "generate", "id": 9, "session": "s", "token": "t", "top_k": -1}))
+    assert wrong.value.code == p.ErrorCode.BAD_REQUEST and "top_k" in wrong.value.message
+
+
+def test_a_bool_request_id_is_not_echoed() -> None:
+    # found by the fuzzer: True is an int to Python, but a reply carrying it could not be decoded
+    with pytest.raises(p.RequestDecodeError) as bad:
+        p.decode_request(msgspec.msgpack.encode({"op": "open", "id": True}))
+    assert bad.value.request_id == 0
+    p.decode_reply(p.encode(p.Error(id=bad.value.request_id, code=bad.value.code, message=bad.value.message)))
+
+
+def test_every_error_code_has_an_exception_class() -> None:
+    for code in p.ErrorCode:
+        exc = error_from_code(code, "why.")
+        assert exc.code == code and type(exc) is not KvpoolError
+    assert isinstance(error_from_code("NOT_OWNER", "x"), NotOwner)
+    assert type(error_from_code("FUTURE_CODE", "x")) is KvpoolError
+
+
+def test_a_request_is_lost_to_a_restart_only_if_the_old_daemon_heard_it() -> None:
+    from kvpool import protocol as p
+    from kvpool.client.restarts import RestartWatch
+
+    watch = RestartWatch()
+    watch.heard(p.HelloReply(version=1, daemon_version="x", model="m", instance="old"), now=1.0)
+    watch.heard(p.Chunk(text="a", tokens=[1], instance="old"), now=2.5)  # the old daemon answered request 2
+    # a new daemon answers first with a chunk (before any pong): that chunk is the new daemon's, by its instance
+    watch.heard(p.Chunk(text="b", tokens=[2], instance="new"), now=3.0)
+    assert watch.restarted_at == 3.0 and watch.heard_before_restart == 2.5
+    assert watch.lost(sent=2.0)  # sent before the old daemon's last word: it went down with it
+    assert not watch.lost(sent=2.7)  # sent after: the new daemon got it
+    watch.heard(p.Pong(instance="new"), now=4.0)
+    assert watch.restarted_at == 3.0  # the same daemon again: no new restart
