@@ -69,6 +69,15 @@ class AsyncClient:
     async def status(self) -> DaemonStatus:
         return expect(await self._call(p.Status()), p.StatusReply).status
 
+    async def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
+        """As the sync Client.tokenize()."""
+        reply = await self._call(p.Tokenize(text=text, add_bos=add_bos, special=special))
+        return expect(reply, p.TokensReply).tokens
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """As the sync Client.detokenize()."""
+        return expect(await self._call(p.Detokenize(tokens=list(tokens))), p.TextReply).text
+
     async def sessions(self) -> list[p.SessionInfo]:
         return expect(await self._call(p.ListSessions()), p.SessionsReply).sessions
 

@@ -72,6 +72,15 @@ class Client:
     def status(self) -> DaemonStatus:
         return expect(self._call(p.Status()), p.StatusReply).status
 
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
+        """The model's token ids for ``text`` (``special``: ``<start_of_turn>`` and the like become special
+        tokens), e.g. for a prompt rendered from a chat template, sent as token ids."""
+        return expect(self._call(p.Tokenize(text=text, add_bos=add_bos, special=special)), p.TokensReply).tokens
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (special tokens render as nothing)."""
+        return expect(self._call(p.Detokenize(tokens=list(tokens))), p.TextReply).text
+
     def sessions(self) -> list[p.SessionInfo]:
         return expect(self._call(p.ListSessions()), p.SessionsReply).sessions
 

@@ -85,6 +85,23 @@ class Ping(Request, tag="ping"):
     has its generations stopped. Answered by Pong."""
 
 
+class Tokenize(Request, tag="tokenize"):
+    """Turn ``text`` into the model's token ids. ``special``: text such as ``<start_of_turn>`` (what a chat
+    template writes) becomes the model's special tokens, not their letters; ``add_bos``: start with BOS when the
+    model wants one. A prompt rendered from a chat template is tokenized this way and sent as ``prompt_tokens``."""
+
+    text: Annotated[str, Meta(max_length=1 << 22)]
+    add_bos: bool = False
+    special: bool = True
+
+
+class Detokenize(Request, tag="detokenize"):
+    """The text of ``tokens`` (special tokens such as end-of-turn render as nothing), e.g. what a stop string
+    left in a session beyond the text that was streamed."""
+
+    tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)]
+
+
 class OpenSession(Request, tag="open"):
     """Open a session for ``task``. It starts with ``system_prompt`` (text, or ``system_prompt_tokens``), else
     with its task's configured one; sessions that start alike share those tokens' KV (computed once)."""
@@ -144,7 +161,18 @@ class Generate(SessionRequest, tag="generate"):
 
 
 AnyRequest = (
-    Hello | Status | ListSessions | OpenSession | ResumeSession | CloseSession | Cancel | Generate | Ping | History
+    Hello
+    | Status
+    | ListSessions
+    | OpenSession
+    | ResumeSession
+    | CloseSession
+    | Cancel
+    | Generate
+    | Ping
+    | History
+    | Tokenize
+    | Detokenize
 )
 
 
@@ -166,6 +194,14 @@ class HelloReply(Reply, tag="hello"):
 
 class Pong(Reply, tag="pong"):
     pass
+
+
+class TokensReply(Reply, tag="tokens"):
+    tokens: list[int]
+
+
+class TextReply(Reply, tag="text"):
+    text: str
 
 
 class HistoryReply(Reply, tag="history"):
@@ -240,6 +276,9 @@ class Final(Reply, tag="final"):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    # The generation ended with the model's end-of-generation token (its last chunk's token): the session holds
+    # it, though no text stands for it. False for the other ends (a stop string's tokens stay in the session too).
+    eog: bool = False
 
 
 class Error(Reply, tag="error"):
@@ -260,6 +299,8 @@ AnyReply = (
     | Error
     | Pong
     | HistoryReply
+    | TokensReply
+    | TextReply
 )
 
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)

@@ -25,6 +25,12 @@ class ModelStatus(Struct, kw_only=True):
     context_size_train: int
     sliding_window: int  # 0: every layer attends to the whole context
     cpu_repack: bool = True  # llama.cpp's weight repacking (docs/build.md)
+    # The GGUF's chat template (tokenizer.chat_template; "" when it has none) and the texts of its BOS and EOS
+    # tokens, which templates write as bos_token / eos_token.
+    chat_template: str = ""
+    architecture: str = ""  # general.architecture, e.g. gemma3: picks a chat template when the GGUF has none
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 class SlotStatus(Struct, kw_only=True):

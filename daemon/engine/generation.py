@@ -32,6 +32,7 @@ class Generation:
     best_effort: bool = False
     priority: int = 0
     late_tokens: int = 0  # tokens that came later than tpot_s after the previous one
+    ended_by_eog: bool = False  # its last token was the model's end-of-generation token
 
     @property
     def pending_tokens(self) -> int:
@@ -96,4 +97,5 @@ class Generation:
                 total_ms=ms(self.arrival, now),
                 decode_tokens_per_s=round(tps, 3),
             ),
+            eog=self.ended_by_eog,
         )

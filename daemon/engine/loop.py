@@ -221,6 +221,7 @@ class Engine:
         if g.completion_tokens == 1:
             self._record_first_token(g, now)
         if self.model.is_end_of_generation(token):
+            g.ended_by_eog = True
             self.send(g.client, p.Chunk(id=g.request.id, text=g.text.flush(), tokens=[token]))
             self.finish(g, FinishReason.STOP, now, flushed=True)
             return

@@ -54,6 +54,8 @@ class RequestHandlers:
             p.CloseSession: self.close,
             p.Cancel: self.cancel,
             p.History: self.history,
+            p.Tokenize: self.tokenize,
+            p.Detokenize: self.detokenize,
             p.Generate: self.generate,
         }
 
@@ -154,6 +156,12 @@ class RequestHandlers:
         s.last_used = time.monotonic()
         self.pool.touch(s.entry)
         return self._opened(r.id, s)
+
+    def tokenize(self, client: bytes, r: p.Tokenize, received_at: float) -> p.Reply:
+        return p.TokensReply(id=r.id, tokens=self.model.tokenize(r.text, add_bos=r.add_bos, special=r.special))
+
+    def detokenize(self, client: bytes, r: p.Detokenize, received_at: float) -> p.Reply:
+        return p.TextReply(id=r.id, text=self.model.detokenize(self._checked_tokens(r.tokens)))
 
     def history(self, client: bytes, r: p.History, received_at: float) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
