@@ -181,3 +181,72 @@ def test_shared_prefix_comes_back_from_the_pool_after_a_crash(start_daemon: Call
     reference = start_daemon(*common, model=None, config="prefix_slots = 0\n", name="reference")
     with reference.client(timeout=300.0) as client:
         assert next_turns(client, first_turns(client)) == after
+
+
+def test_the_gemma_chat_template_renders_as_llama_cpp_renders_it() -> None:
+    """The published Gemma 3 template the gateway ships (for an instruction-tuned GGUF without its template),
+    rendered as the gateway does, against llama.cpp's C++ Gemma formatter: system folded into the first user
+    turn, <start_of_turn>/<end_of_turn>, BOS once."""
+    from kvpool.daemon.llama.default_model import resolve_model_path
+    from kvpool.daemon.llama.model import Model
+    from kvpool.gateway.chat_template import ChatTemplate, template_for
+
+    model = Model(resolve_model_path(""), context_size=256, hot_slots=1, batch_size=32, threads=2)
+    try:
+        status = model.info()
+        messages = [
+            ("system", "You are a terse assistant."),
+            ("user", "What is the capital of France?"),
+            ("assistant", "Paris."),
+            ("user", "And of Italy?"),
+        ]
+        template, _ = template_for("gemma3", status.chat_template)
+        ours = ChatTemplate(template, status.bos_token, status.eos_token).render(
+            [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True
+        )
+        # llama.cpp's C++ formatter of the Gemma family, chosen by name (the packaged GGUF has no template)
+        reference = model.apply_builtin_chat_template("gemma", messages, add_assistant=True)
+        tokens = model.tokenize(ours, add_bos=False, special=True)
+    finally:
+        model.close()
+    assert status.architecture == "gemma3" and status.bos_token == "<bos>"
+    assert ours.startswith("<bos>") and ours.count("<bos>") == 1
+    assert ours.removeprefix("<bos>") == reference
+    assert ours.endswith("<start_of_turn>model\n") and "You are a terse assistant.\n\nWhat is" in ours
+    assert tokens.count(2) == 1 and tokens[0] == 2  # one BOS (id 2), from the template's own text
+
+
+def test_a_chat_through_the_gateway_answers_with_the_template(
+    start_daemon: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    import openai
+
+    from .gateway_process import GatewayProcess
+
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048", "--threads", "2", model=None)
+    gateway = GatewayProcess(short_tmp / "gw", daemon.address).start()
+    try:
+        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        (model,) = c.models.list().data
+        # The packaged model is a base model without a chat template: the gateway renders a transcript for it.
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        first = c.chat.completions.create(
+            model=model.id, messages=messages, temperature=0, max_tokens=24, prompt_cache_key="france"
+        )
+        answer = first.choices[0].message.content or ""
+        assert "Paris" in answer and first.choices[0].finish_reason == "stop"  # ended where "User:" would follow
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "What is the capital of Italy?"},
+        ]
+        second = c.chat.completions.create(
+            model=model.id, messages=messages, temperature=0, max_tokens=24, prompt_cache_key="france"
+        )
+        assert "Rome" in (second.choices[0].message.content or "")
+        assert first.usage is not None and second.usage is not None
+        assert (
+            second.usage.prompt_tokens_details.cached_tokens
+            == first.usage.prompt_tokens + first.usage.completion_tokens
+        )
+    finally:
+        gateway.stop()

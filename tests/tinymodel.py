@@ -28,6 +28,13 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+# A small chat template in the GGUF, as real models carry one (tokenizer.chat_template).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
 def build_tiny_model(path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
@@ -58,6 +65,7 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, N_EMBD, scale=np.sqrt(N_EMBD)))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))

@@ -1,0 +1,52 @@
+"""The gateway's settings, from its flags (and KVPOOL_GATEWAY_* variables)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class GatewayConfigError(Exception):
+    """A setting the gateway refuses to start with; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    daemon: str | None = None  # kvpoold's address (None: $KVPOOL_ADDRESS, else its default)
+    api_key: str = ""
+    health_path: str = "/health"
+    log_file: str = ""
+    state_file: Path | None = None  # the conversation map (None: kept in memory only)
+    max_body_bytes: int = 4 << 20
+    timeout: float = 300.0  # per answer from the daemon
+    chat_template: str = "auto"  # auto (the GGUF's, else a transcript), a shipped name, or a Jinja file
+
+    def check(self) -> None:
+        if not self.health_path.startswith("/") or self.health_path.startswith("/v1/"):
+            raise GatewayConfigError(f"--health-check {self.health_path!r}: give a path such as /health, outside /v1/.")
+        if not is_loopback(self.host) and not self.api_key:
+            raise GatewayConfigError(
+                f"--host {self.host} would expose the gateway beyond this machine without a key: pass --api-key "
+                "(or set KVPOOL_GATEWAY_API_KEY), or bind to 127.0.0.1."
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_state_file() -> Path:
+    """$STATE_DIRECTORY (systemd), else $XDG_STATE_HOME/kvpool, else ~/.local/state/kvpool; then gateway.json."""
+    if state := os.environ.get("STATE_DIRECTORY"):
+        return Path(state.split(":")[0]) / "gateway-conversations.json"
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return base / "kvpool" / "gateway-conversations.json"

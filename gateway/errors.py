@@ -1,0 +1,52 @@
+"""kvpool's errors as OpenAI-style error bodies with an HTTP status: ``{"error": {"message", "type", "code",
+"param"}}``. Every daemon error code has its status; the message is the daemon's sentence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from kvpool.protocol import ErrorCode
+
+# daemon error code -> (HTTP status, OpenAI error type)
+STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.UNKNOWN_OP: (400, "invalid_request_error"),
+    ErrorCode.VERSION_MISMATCH: (502, "server_error"),
+    ErrorCode.UNKNOWN_TASK: (400, "invalid_request_error"),
+    ErrorCode.UNKNOWN_SESSION: (404, "invalid_request_error"),
+    ErrorCode.NOT_OWNER: (403, "permission_error"),
+    ErrorCode.SESSION_BUSY: (409, "conflict_error"),
+    ErrorCode.CONFLICT: (409, "conflict_error"),
+    ErrorCode.SESSION_EVICTED: (409, "conflict_error"),
+    ErrorCode.SESSION_CORRUPT: (409, "conflict_error"),
+    ErrorCode.POOL_FULL: (429, "insufficient_quota"),
+    ErrorCode.QUOTA_EXCEEDED: (429, "insufficient_quota"),
+    ErrorCode.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
+    ErrorCode.BUDGET_UNMEETABLE: (429, "rate_limit_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.SHUTTING_DOWN: (503, "server_error"),
+    ErrorCode.INTERNAL: (500, "server_error"),
+}
+RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a restart
+
+
+class HttpError(Exception):
+    """An error to answer with: ``status``, an OpenAI error ``type`` and ``code``, and a sentence."""
+
+    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error", param: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.code, self.kind, self.param = status, message, code, kind, param
+
+    @classmethod
+    def from_kvpool(cls, code: str | None, message: str) -> HttpError:
+        status, kind = STATUS.get(code or "", (500, "server_error"))
+        return cls(status, message, (code or "internal").lower(), kind)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param or None}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)

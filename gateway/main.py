@@ -1,0 +1,68 @@
+"""`kvpool-gateway`: serve kvpoold's model through an OpenAI-compatible HTTP API (Starlette on Uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config import GatewayConfig, GatewayConfigError, default_state_file
+
+
+def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="kvpool-gateway", description=__doc__)
+    ap.add_argument("--host", default=env("KVPOOL_GATEWAY_HOST", "127.0.0.1"), help="address to listen on")
+    ap.add_argument("--port", type=int, default=int(env("KVPOOL_GATEWAY_PORT", "8080")))
+    ap.add_argument("--daemon", default=None, help="kvpoold's address (default: $KVPOOL_ADDRESS, else its default)")
+    ap.add_argument("--api-key", default=env("KVPOOL_GATEWAY_API_KEY", ""), help="required as Authorization: Bearer")
+    ap.add_argument("--health-check", default="/health", help="path of the health check")
+    ap.add_argument("--log-file", default="", help="also log to this file")
+    ap.add_argument("--state-file", default=None, help="where conversations are mapped to sessions")
+    ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    ap.add_argument(
+        "--chat-template",
+        default="auto",
+        help="auto (the GGUF's own; a transcript for a GGUF without one), gemma3, chatml, transcript, or a .jinja file",
+    )
+    args = ap.parse_args(argv)
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        daemon=args.daemon,
+        api_key=args.api_key,
+        health_path=args.health_check,
+        log_file=args.log_file,
+        state_file=Path(args.state_file) if args.state_file else default_state_file(),
+        max_body_bytes=args.max_body_bytes,
+        chat_template=args.chat_template,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    try:
+        config.check()
+        import uvicorn
+
+        from .app import build_app
+    except GatewayConfigError as exc:
+        print(f"kvpool-gateway: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"kvpool-gateway: {exc.name} is missing: pip install 'kvpool[gateway]'.", file=sys.stderr)
+        return 2
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if config.log_file:
+        handlers.append(logging.FileHandler(config.log_file))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers)
+    logging.getLogger("kvpool.gateway").info("serving kvpoold through http://%s:%d/v1", config.host, config.port)
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

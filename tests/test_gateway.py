@@ -1,0 +1,222 @@
+"""The OpenAI-compatible gateway: the real `openai` client, a real kvpool-gateway process, a real kvpoold (tiny
+model, with the chat template the suite's GGUF carries)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from .daemon_process import DaemonProcess
+from .gateway_process import GatewayProcess
+
+Start = Callable[..., DaemonProcess]
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def start_gateway(short_tmp: Path) -> Iterator[Callable[..., GatewayProcess]]:
+    started: list[GatewayProcess] = []
+
+    def start(daemon_address: str, *args: str, name: str = "gw", wait_for: str = "/metrics") -> GatewayProcess:
+        gateway = GatewayProcess(short_tmp / name, daemon_address, *args)
+        started.append(gateway)
+        return gateway.start(wait_for)
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+@pytest.fixture
+def served(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> GatewayProcess:
+    return start_gateway(daemon.address)
+
+
+def client_of(gateway: GatewayProcess, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
+
+
+def chat(c: openai.OpenAI, messages: list[dict[str, str]], **kw: object) -> openai.types.chat.ChatCompletion:
+    return c.chat.completions.create(model="tiny", messages=messages, **GREEDY, **kw)  # type: ignore[arg-type]
+
+
+def test_models_and_a_chat_answer_streamed_or_not(served: GatewayProcess) -> None:
+    c = client_of(served)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    plain = chat(c, messages)
+    assert plain.choices[0].finish_reason == "length" and plain.usage is not None
+    assert plain.usage.completion_tokens == 8 and plain.usage.prompt_tokens > 10
+    stream = c.chat.completions.create(
+        model="tiny", messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(pieces) == plain.choices[0].message.content and finish == "length"
+    assert usage is not None and usage.completion_tokens == 8 and usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_completions_streamed_or_not(served: GatewayProcess) -> None:
+    c = client_of(served)
+    plain = c.completions.create(model="tiny", prompt="once upon a time", **GREEDY)
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in c.completions.create(model="tiny", prompt="once upon a time", stream=True, **GREEDY)
+        if chunk.choices
+    )
+    assert plain.usage is not None and plain.usage.completion_tokens == 8
+    assert streamed == plain.choices[0].text
+
+
+def converse(c: openai.OpenAI, key: str | None, turns: int, between: Callable[[], None] = lambda: None) -> list:
+    """A conversation of ``turns`` turns, resent whole each time; returns each turn's (answer, usage)."""
+    messages = [{"role": "system", "content": "a robot"}, {"role": "user", "content": "turn 0"}]
+    out = []
+    for k in range(turns):
+        if k:
+            between()
+        extra = {"prompt_cache_key": key} if key else {}
+        reply = chat(c, messages, **extra)
+        answer = reply.choices[0].message.content or ""
+        out.append((answer, reply.usage))
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"turn {k + 1}"}]
+    return out
+
+
+def test_a_conversation_reuses_its_earlier_turns(served: GatewayProcess) -> None:
+    turns = converse(client_of(served), "robot-1", 8)
+    for k in range(1, 8):
+        previous = turns[k - 1][1]
+        cached = turns[k][1].prompt_tokens_details.cached_tokens
+        assert cached == previous.prompt_tokens + previous.completion_tokens, f"turn {k}"
+    assert turns[0][1].prompt_tokens_details.cached_tokens == 0
+    # the same conversation again, under its own name, answers the same; without a name nothing is reused
+    assert [a for a, _ in converse(client_of(served), "robot-2", 8)] == [a for a, _ in turns]
+    assert all(u.prompt_tokens_details.cached_tokens == 0 for _, u in converse(client_of(served), None, 3))
+
+
+def test_reuse_survives_a_daemon_kill_and_a_gateway_restart(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    gateway = start_gateway(daemon.address)
+    c = client_of(gateway)
+    restarts = iter(["daemon", "gateway", "daemon"])
+
+    def restart() -> None:
+        which = next(restarts, None)
+        if which == "daemon":
+            daemon.stop(signal.SIGKILL)
+            daemon.start()
+        elif which == "gateway":
+            gateway.stop()
+            gateway.start()
+
+    turns = converse(c, "survivor", 4, between=restart)
+    for k in range(1, 4):
+        previous = turns[k - 1][1]
+        assert turns[k][1].prompt_tokens_details.cached_tokens == previous.prompt_tokens + previous.completion_tokens
+    assert [a for a, _ in converse(c, "never-restarted", 4)] == [a for a, _ in turns]
+
+
+def test_an_edited_history_answers_as_a_fresh_conversation(served: GatewayProcess) -> None:
+    c = client_of(served)
+    converse(c, "editable", 3)
+    edited = [{"role": "system", "content": "a robot"}, {"role": "user", "content": "something else entirely"}]
+    again = chat(c, edited, prompt_cache_key="editable")
+    fresh = chat(c, edited)
+    assert again.choices[0].message.content == fresh.choices[0].message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_two_conversations_interleaved_stay_apart(served: GatewayProcess) -> None:
+    c = client_of(served)
+    alone = converse(c, "alone", 3)
+    histories = {
+        key: [{"role": "system", "content": "a robot"}, {"role": "user", "content": "turn 0"}] for key in ("x", "y")
+    }
+    answers: dict[str, list[str]] = {"x": [], "y": []}
+    for k in range(3):
+        for key in ("x", "y"):
+            reply = chat(c, histories[key], prompt_cache_key=key)
+            answer = reply.choices[0].message.content or ""
+            answers[key].append(answer)
+            histories[key] += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"turn {k + 1}"}]
+    assert answers["x"] == answers["y"] == [a for a, _ in alone]
+
+
+def test_errors_are_openai_errors_with_the_right_status(served: GatewayProcess) -> None:
+    c = client_of(served)
+    hello = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        c.chat.completions.create(model="gpt-4", messages=hello)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="`n` > 1"):
+        chat(c, hello, n=2)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        chat(c, hello, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        chat(c, [{"role": "user", "content": "x " * 3000}])  # longer than the session's context
+    url = served.url + "/v1/chat/completions"
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+    wrong_type = httpx.post(url, json={"model": "tiny", "messages": "hello"})
+    assert wrong_type.status_code == 400 and "messages" in wrong_type.json()["error"]["message"]
+    too_large = httpx.post(url, content=b"x" * (5 << 20), headers={"content-type": "application/json"})
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "too_large"
+    assert httpx.get(served.url + "/health").json()["ok"] is True
+
+
+def test_an_api_key_is_required_when_set(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> None:
+    gateway = start_gateway(daemon.address, "--api-key", "s3cret")
+    with pytest.raises(openai.AuthenticationError):
+        client_of(gateway, api_key="wrong").models.list()
+    assert [m.id for m in client_of(gateway, api_key="s3cret").models.list().data] == ["tiny"]
+
+
+def test_binding_beyond_loopback_without_a_key_is_refused(short_tmp: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool.gateway.main", "--host", "0.0.0.0", "--daemon", "ipc:///nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 2 and "without a key" in done.stderr and "--api-key" in done.stderr
+
+
+def test_a_daemon_that_is_down_is_a_503(short_tmp: Path, start_gateway: Callable[..., GatewayProcess]) -> None:
+    gateway = start_gateway(f"ipc://{short_tmp / 'no-daemon.sock'}")
+    reply = httpx.post(
+        gateway.url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert reply.status_code == 503 and "kvpoold" in reply.json()["error"]["message"]
+    assert reply.headers.get("retry-after") == "1"
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_its_generation(
+    daemon: DaemonProcess, served: GatewayProcess
+) -> None:
+    c = client_of(served)
+    stream = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "go on"}], max_tokens=1800, stream=True
+    )
+    next(iter(stream))
+    with daemon.client() as watcher:
+        assert watcher.status().sessions.generating == 1
+        stream.close()
+        deadline = time.monotonic() + WAIT_S
+        while watcher.status().sessions.generating and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling interval of a bounded wait
+        status = watcher.status()
+        assert status.sessions.generating == 0 and status.counters.finished.get("cancelled") == 1
