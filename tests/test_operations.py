@@ -211,11 +211,14 @@ def test_example_tasks_run_end_to_end(start_daemon: Start) -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-def test_systemd_unit_verifies_and_is_hardened(tmp_path: Path) -> None:
-    unit = (ROOT / "systemd" / "kvpoold.service").read_text()
-    kvpoold = shutil.which("kvpoold") or str(Path(sys.executable).with_name("kvpoold"))
-    local = tmp_path / "kvpoold.service"
-    local.write_text(unit.replace("/usr/local/bin/kvpoold", kvpoold))
+@pytest.mark.parametrize("name", ["kvpoold", "kvpool-gateway"])
+def test_systemd_unit_verifies_and_is_hardened(tmp_path: Path, name: str) -> None:
+    for other in ("kvpoold", "kvpool-gateway"):  # the gateway's unit requires the daemon's
+        program = shutil.which(other) or str(Path(sys.executable).with_name(other))
+        text = (ROOT / "systemd" / f"{other}.service").read_text()
+        (tmp_path / f"{other}.service").write_text(text.replace(f"/usr/local/bin/{other}", program))
+    unit = (ROOT / "systemd" / f"{name}.service").read_text()
+    local = tmp_path / f"{name}.service"
     verify = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", str(local)], capture_output=True, text=True, timeout=60
     )
