@@ -7,7 +7,12 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"kvpool.daemon": ROOT / "daemon", "kvpool.client": ROOT / "client", "kvpool.protocol": ROOT / "protocol"}
+PACKAGES = {
+    "kvpool.daemon": ROOT / "daemon",
+    "kvpool.client": ROOT / "client",
+    "kvpool.protocol": ROOT / "protocol",
+    "kvpool.gateway": ROOT / "gateway",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -74,7 +79,7 @@ def test_only_the_model_module_imports_llama_cpp() -> None:
     assert importers == {"kvpool.daemon.llama.model"}
 
 
-def test_the_client_and_the_protocol_never_import_the_daemon() -> None:
+def test_the_client_the_gateway_and_the_protocol_never_import_the_daemon() -> None:
     known = modules()
     for name, path in known.items():
         if not name.startswith("kvpool.daemon"):
