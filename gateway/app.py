@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 from prometheus_client.exposition import generate_latest
 from starlette.applications import Starlette
@@ -59,7 +60,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.metrics = GatewayMetrics()
-        self.turns = Turns(ConversationStore(config.state_file), self.metrics)
+        self.turns = Turns(ConversationStore(config.state_file), self.metrics, reuse=config.reuse)
         self._client: AsyncClient | None = None
         self._model: Model | None = None
 
@@ -158,7 +159,8 @@ async def generate(turn: Turn, stop: list[str], params: dict[str, Any]) -> Async
                 yield chunk.text
         turn.final = stream.final
     finally:
-        await stream.aclose()  # a reader that stopped early cancels the generation
+        with anyio.CancelScope(shield=True):  # a client that went away cancels this body: finish the cleanup
+            await stream.aclose()  # a reader that stopped early cancels the generation
 
 
 def finish_reason(turn: Turn) -> str:
@@ -347,7 +349,10 @@ def build_app(config: GatewayConfig) -> Starlette:
             except KvpoolError as exc:  # the status line went out already: the error travels as an event
                 yield sse(HttpError.from_kvpool(exc.code, str(exc)).body())
             finally:
-                await context.__aexit__(None, None, None)
+                # The client may close the connection as soon as it has [DONE], and Starlette then cancels
+                # this body: the conversation's record must still be brought up to date.
+                with anyio.CancelScope(shield=True):
+                    await context.__aexit__(None, None, None)
                 gateway.metrics.latency.labels(route_name).observe(time.monotonic() - started)
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

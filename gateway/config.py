@@ -23,6 +23,7 @@ class GatewayConfig:
     state_file: Path | None = None  # the conversation map (None: kept in memory only)
     max_body_bytes: int = 4 << 20
     timeout: float = 300.0  # per answer from the daemon
+    reuse: bool = True  # False (--no-reuse): every request on a fresh session, closed when it ends
     chat_template: str = "auto"  # auto (the GGUF's, else a transcript), a shipped name, or a Jinja file
 
     def check(self) -> None:

@@ -57,6 +57,10 @@ class ConversationStore:
         if self._by_key.pop(key, None) is not None:
             self._save()
 
+    def items(self) -> list[tuple[str, Mapping]]:
+        """Least recently stored first."""
+        return list(self._by_key.items())
+
     def __len__(self) -> int:
         return len(self._by_key)
 

@@ -24,6 +24,9 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
     ap.add_argument("--state-file", default=None, help="where conversations are mapped to sessions")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument(
+        "--no-reuse", action="store_true", help="run every request on a fresh session (nothing kept between turns)"
+    )
+    ap.add_argument(
         "--chat-template",
         default="auto",
         help="auto (the GGUF's own; a transcript for a GGUF without one), gemma3, chatml, transcript, or a .jinja file",
@@ -39,6 +42,7 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         state_file=Path(args.state_file) if args.state_file else default_state_file(),
         max_body_bytes=args.max_body_bytes,
         chat_template=args.chat_template,
+        reuse=not args.no_reuse,
     )
 
 

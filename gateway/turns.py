@@ -10,7 +10,9 @@
   with, a cancelled answer, a session that is gone) gets a new session, so an answer always comes from exactly
   the conversation sent.
 - Requests on one conversation take turns (a lock per name), so two at once never interleave in a session.
-- A request without a name runs on a session of its own, closed when it ends.
+- A request without a name continues the idle session (among those the gateway keeps for such requests) whose
+  text is the longest prefix of its rendering, so a client that resends its history without naming it still
+  gets its earlier turns back; else it starts one. The least recently used beyond ANONYMOUS_MAX are closed.
 """
 
 from __future__ import annotations
@@ -51,10 +53,18 @@ class Turn:
         self.generated.extend(chunk.tokens)
 
 
+ANONYMOUS_MAX = 256  # sessions kept for requests without a name; the least recently used is closed beyond
+
+
 class Turns:
-    def __init__(self, store: ConversationStore, metrics: GatewayMetrics):
+    def __init__(self, store: ConversationStore, metrics: GatewayMetrics, reuse: bool = True):
+        """``reuse`` False: every request runs on a fresh session, closed when it ends (to measure against, or
+        where conversations must not be kept)."""
         self.store = store
         self.metrics = metrics
+        self.reuse = reuse
+        self.anonymous = ConversationStore(None)  # session id -> what it holds, for requests without a name
+        self._busy: set[str] = set()  # anonymous sessions in a turn now
         self._locks: dict[str, asyncio.Lock] = {}
 
     @contextlib.asynccontextmanager
@@ -62,24 +72,69 @@ class Turns:
         self, client: AsyncClient, key: str | None, rendered: str, task: str, *, special: bool, add_bos: bool
     ) -> AsyncIterator[Turn]:
         """The session this request runs on and the tokens it must send; one turn at a time per conversation.
-        On the way out, the conversation's mapping is brought up to date (from the turn's final message)."""
-        lock = self._locks.setdefault(key, asyncio.Lock()) if key else contextlib.nullcontext()
-        async with lock:
-            turn = await self._begin(client, key, rendered, task, special, add_bos)
+        On the way out, what the session stands for is brought up to date (from the turn's final message)."""
+        if not self.reuse:
+            turn = await self._fresh(client, rendered, task, special, add_bos, keep=False)
             try:
                 yield turn
             finally:
-                if turn.keep and key:
-                    await self._remember(client, key, turn)
-                else:
-                    with contextlib.suppress(KvpoolError):
-                        await turn.session.close()
+                await self._close_session(turn.session)
+            return
+        if key is None:
+            async with self._anonymous_turn(client, rendered, task, special, add_bos) as turn:
+                yield turn
+            return
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            turn = await self._begin(client, self.store, key, rendered, task, special, add_bos)
+            try:
+                yield turn
+            finally:
+                await self._remember(client, self.store, key, turn)
+
+    @contextlib.asynccontextmanager
+    async def _anonymous_turn(
+        self, client: AsyncClient, rendered: str, task: str, special: bool, add_bos: bool
+    ) -> AsyncIterator[Turn]:
+        """A request without a name continues the idle anonymous session whose text is the longest prefix of its
+        rendering (a client resending its history), else starts one; the session is then known by its id."""
+        candidates = [
+            (m.text_chars, session_id)
+            for session_id, m in self.anonymous.items()
+            if session_id not in self._busy
+            and 0 < m.text_chars < len(rendered)
+            and digest(rendered[: m.text_chars]) == m.text_hash
+        ]
+        matched = max(candidates)[1] if candidates else None
+        if matched is not None:
+            self._busy.add(matched)
+            turn = await self._begin(client, self.anonymous, matched, rendered, task, special, add_bos)
+            self.anonymous.forget(matched)
+            self._busy.discard(matched)
+        else:
+            turn = await self._fresh(client, rendered, task, special, add_bos, keep=True)
+        self._busy.add(turn.session.id)
+        try:
+            yield turn
+        finally:
+            self._busy.discard(turn.session.id)
+            await self._remember(client, self.anonymous, turn.session.id, turn)
+            while len(self.anonymous) > ANONYMOUS_MAX:
+                oldest = next(iter(self.anonymous.items()))
+                self.anonymous.forget(oldest[0])
+                await self._close(client, oldest[1])
 
     async def _begin(
-        self, client: AsyncClient, key: str | None, rendered: str, task: str, special: bool, add_bos: bool
+        self,
+        client: AsyncClient,
+        store: ConversationStore,
+        key: str,
+        rendered: str,
+        task: str,
+        special: bool,
+        add_bos: bool,
     ) -> Turn:
-        mapping = self.store.get(key) if key else None
-        if key and mapping is not None:
+        mapping = store.get(key)
+        if mapping is not None:
             if (
                 mapping.text_chars
                 and len(rendered) > mapping.text_chars
@@ -88,7 +143,7 @@ class Turns:
                 try:
                     session = await client.resume_session(mapping.session, mapping.token)
                 except GONE:
-                    self.store.forget(key)
+                    store.forget(key)
                 else:
                     tokens = await client.tokenize(rendered[mapping.text_chars :], add_bos=False, special=special)
                     if tokens[:1] == [mapping.eog_token]:
@@ -98,25 +153,31 @@ class Turns:
                         return Turn(session, tokens, mapping.held, rendered, keep=True)
             self.metrics.reused.labels("edited").inc()
             await self._close(client, mapping)
+        return await self._fresh(client, rendered, task, special, add_bos, keep=True)
+
+    async def _fresh(
+        self, client: AsyncClient, rendered: str, task: str, special: bool, add_bos: bool, keep: bool
+    ) -> Turn:
         tokens = await client.tokenize(rendered, add_bos=add_bos, special=special)
         session = await client.open_session(task, system_prompt="")
         self.metrics.reused.labels("new").inc()
-        return Turn(session, tokens, 0, rendered, keep=bool(key))
+        return Turn(session, tokens, 0, rendered, keep=keep)
 
-    async def _remember(self, client: AsyncClient, key: str, turn: Turn) -> None:
+    async def _remember(self, client: AsyncClient, store: ConversationStore, key: str, turn: Turn) -> None:
         """What the session stands for now: the rendering plus the text of what was generated. A cancelled or
         failed answer leaves nothing to continue from."""
         final = turn.final
+        known = Mapping(turn.session.id, turn.session.token)  # the session, with nothing to continue from
         if final is None or final.finish_reason not in (p.FinishReason.LENGTH, p.FinishReason.STOP):
-            self.store.put(key, Mapping(turn.session.id, turn.session.token))  # known session, no continuation
+            store.put(key, known)
             return
         try:
             generated = await client.detokenize(turn.generated) if turn.generated else ""
         except KvpoolError:
-            self.store.put(key, Mapping(turn.session.id, turn.session.token))
+            store.put(key, known)
             return
         text = turn.rendered + generated
-        self.store.put(
+        store.put(
             key,
             Mapping(
                 turn.session.id,
@@ -130,5 +191,9 @@ class Turns:
 
     async def _close(self, client: AsyncClient, mapping: Mapping) -> None:
         with contextlib.suppress(KvpoolError):
-            session = await client.resume_session(mapping.session, mapping.token)
+            await self._close_session(await client.resume_session(mapping.session, mapping.token))
+
+    @staticmethod
+    async def _close_session(session: AsyncSession) -> None:
+        with contextlib.suppress(KvpoolError):
             await session.close()

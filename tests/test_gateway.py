@@ -103,9 +103,26 @@ def test_a_conversation_reuses_its_earlier_turns(served: GatewayProcess) -> None
         cached = turns[k][1].prompt_tokens_details.cached_tokens
         assert cached == previous.prompt_tokens + previous.completion_tokens, f"turn {k}"
     assert turns[0][1].prompt_tokens_details.cached_tokens == 0
-    # the same conversation again, under its own name, answers the same; without a name nothing is reused
+    # the same conversation again, under its own name, answers the same
     assert [a for a, _ in converse(client_of(served), "robot-2", 8)] == [a for a, _ in turns]
-    assert all(u.prompt_tokens_details.cached_tokens == 0 for _, u in converse(client_of(served), None, 3))
+
+
+def test_a_conversation_without_a_name_is_found_by_its_history(served: GatewayProcess) -> None:
+    turns = converse(client_of(served), None, 4)
+    for k in range(1, 4):
+        previous = turns[k - 1][1]
+        assert turns[k][1].prompt_tokens_details.cached_tokens == previous.prompt_tokens + previous.completion_tokens
+    assert [a for a, _ in converse(client_of(served), "named", 4)] == [a for a, _ in turns]
+
+
+def test_no_reuse_computes_every_turn_in_full(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    gateway = start_gateway(daemon.address, "--no-reuse")
+    turns = converse(client_of(gateway), "ignored", 3)
+    assert all(u.prompt_tokens_details.cached_tokens == 0 for _, u in turns)
+    with daemon.client() as client:
+        assert client.sessions() == []  # every session was closed with its request
 
 
 def test_reuse_survives_a_daemon_kill_and_a_gateway_restart(
@@ -220,3 +237,31 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_generation(
             time.sleep(0.05)  # polling interval of a bounded wait
         status = watcher.status()
         assert status.sessions.generating == 0 and status.counters.finished.get("cancelled") == 1
+
+
+def test_a_streamed_conversation_reuses_its_earlier_turns(served: GatewayProcess) -> None:
+    """A client reads [DONE] and sends its next turn at once: the gateway must have recorded the turn by then
+    (its stream is cancelled when the client closes the connection)."""
+    c = client_of(served)
+    messages = [{"role": "user", "content": "turn 0"}]
+    usages = []
+    for k in range(4):
+        stream = c.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            prompt_cache_key="streamed",
+            **GREEDY,
+        )
+        pieces, usage = [], None
+        for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            usage = chunk.usage or usage
+        assert usage is not None
+        usages.append(usage)
+        messages += [{"role": "assistant", "content": "".join(pieces)}, {"role": "user", "content": f"turn {k + 1}"}]
+    for k in range(1, 4):
+        previous = usages[k - 1]
+        assert usages[k].prompt_tokens_details.cached_tokens == previous.prompt_tokens + previous.completion_tokens
