@@ -31,38 +31,33 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(Struct, kw_only=True):
+class _Request(Struct, kw_only=True):
+    """What chat and text completions share."""
+
     model: str
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    prompt_cache_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Request, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    seed: Seed | None = None
-    stop: Stop | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    prompt_cache_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
-    user: str | None = None
 
 
-class CompletionRequest(Struct, kw_only=True):
-    model: str
+class CompletionRequest(_Request, kw_only=True):
     prompt: str | list[str]
     max_tokens: MaxTokens | None = 16  # OpenAI's default for completions
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    seed: Seed | None = None
-    stop: Stop | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
     echo: bool = False
-    prompt_cache_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
-    user: str | None = None
 
 
 class Unsupported(ValueError):
