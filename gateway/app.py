@@ -21,10 +21,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool.client.aio import AsyncClient
+from kvpool.client.chat_template import ChatTemplate, TemplateError, template_for
 from kvpool.client.errors import DaemonUnavailable, KvpoolError, RequestTimeout
 from kvpool.protocol.status import ModelStatus
 
-from .chat_template import ChatTemplate, TemplateError, template_for
 from .config import GatewayConfig
 from .conversations import ConversationStore
 from .errors import HttpError

@@ -13,23 +13,27 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvpool.client.conversation import Held
+
 log = logging.getLogger("kvpool.gateway")
 MAX_CONVERSATIONS = 4096  # the oldest mapping goes first beyond this (the daemon's sessions expire on their own)
 
 
 @dataclass(frozen=True)
 class Mapping:
-    """A conversation's session and what it holds: ``held`` tokens, standing for the first ``text_chars``
-    characters of the conversation as the chat template renders it (their sha256 is ``text_hash``).
-    ``eog_token``: the end-of-generation token the last answer ended with, which the session holds already
-    when the template writes it again after the answer (-1: none)."""
+    """A conversation's session, and what it stands for (None: nothing to continue from)."""
 
     session: str
     token: str
-    held: int = 0
-    text_chars: int = 0
-    text_hash: str = ""
-    eog_token: int = -1
+    held: Held | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"session": self.session, "token": self.token, "held": asdict(self.held) if self.held else None}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, object]) -> Mapping:
+        held = raw.get("held")
+        return cls(str(raw["session"]), str(raw["token"]), Held(**held) if isinstance(held, dict) else None)
 
 
 class ConversationStore:
@@ -39,7 +43,7 @@ class ConversationStore:
         if path is not None and path.exists():
             try:
                 raw = json.loads(path.read_text(encoding="utf-8"))
-                self._by_key = {k: Mapping(**v) for k, v in raw.items()}  # a damaged file is ignored whole
+                self._by_key = {k: Mapping.from_json(v) for k, v in raw.items()}  # a damaged file: ignored whole
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("ignoring the conversation map %s (%s): conversations start over", path, exc)
 
@@ -70,7 +74,7 @@ class ConversationStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
-            partial.write_text(json.dumps({k: asdict(v) for k, v in self._by_key.items()}), encoding="utf-8")
+            partial.write_text(json.dumps({k: v.to_json() for k, v in self._by_key.items()}), encoding="utf-8")
             os.replace(partial, self.path)
         except OSError as exc:  # the mapping stays in memory; only a gateway restart would lose it
             log.warning("could not save the conversation map to %s: %s", self.path, exc)

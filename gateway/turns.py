@@ -1,11 +1,9 @@
 """Stateless in, stateful inside: each request's whole conversation becomes one turn on a kvpool session.
 
-- A conversation named by ``prompt_cache_key`` (or ``X-Session-Id``) keeps its session. The gateway remembers
-  the text that session stands for: the conversation as the chat template rendered it, plus the text of every
-  token generated (a stop string's included: the session holds it). When the next request's rendering begins
-  with that text, only the rest is tokenized and sent, with ``after=`` (so a retried request can never apply
-  twice); the tokens the session held are ``cached_tokens``. Comparing text, not tokens, keeps the reuse when
-  an answer's tokens would tokenize differently when sent back.
+- A conversation named by ``prompt_cache_key`` (or ``X-Session-Id``) keeps its session, and the gateway
+  remembers what the session stands for (kvpool.client.conversation). When the next request's rendering
+  continues it, only the rest is tokenized and sent, with ``after=`` (so a retried request can never apply
+  twice); the tokens the session held are ``cached_tokens``.
 - Anything else (the first turn, an edited or cut history, a stop string the next rendering does not continue
   with, a cancelled answer, a session that is gone) gets a new session, so an answer always comes from exactly
   the conversation sent.
@@ -19,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession
+from kvpool.client.conversation import after_answer
 from kvpool.client.errors import KvpoolError, NotOwner, SessionCorrupt, SessionEvicted, UnknownSession
 
 from .conversations import ConversationStore, Mapping
@@ -33,10 +31,6 @@ from .metrics import GatewayMetrics
 
 log = logging.getLogger("kvpool.gateway")
 GONE = (UnknownSession, SessionEvicted, SessionCorrupt, NotOwner)  # the mapping names a session that is no more
-
-
-def digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
 
 
 @dataclass
@@ -98,11 +92,9 @@ class Turns:
         """A request without a name continues the idle anonymous session whose text is the longest prefix of its
         rendering (a client resending its history), else starts one; the session is then known by its id."""
         candidates = [
-            (m.text_chars, session_id)
+            (m.held.text_chars, session_id)
             for session_id, m in self.anonymous.items()
-            if session_id not in self._busy
-            and 0 < m.text_chars < len(rendered)
-            and digest(rendered[: m.text_chars]) == m.text_hash
+            if session_id not in self._busy and m.held is not None and m.held.rest(rendered) is not None
         ]
         matched = max(candidates)[1] if candidates else None
         if matched is not None:
@@ -135,22 +127,17 @@ class Turns:
     ) -> Turn:
         mapping = store.get(key)
         if mapping is not None:
-            if (
-                mapping.text_chars
-                and len(rendered) > mapping.text_chars
-                and digest(rendered[: mapping.text_chars]) == mapping.text_hash
-            ):
+            rest = mapping.held.rest(rendered) if mapping.held is not None else None
+            if mapping.held is not None and rest is not None:
                 try:
                     session = await client.resume_session(mapping.session, mapping.token)
                 except GONE:
                     store.forget(key)
                 else:
-                    tokens = await client.tokenize(rendered[mapping.text_chars :], add_bos=False, special=special)
-                    if tokens[:1] == [mapping.eog_token]:
-                        tokens = tokens[1:]  # the session holds the end of the answer already
+                    tokens = mapping.held.trim(await client.tokenize(rest, add_bos=False, special=special))
                     if tokens:
                         self.metrics.reused.labels("continued").inc()
-                        return Turn(session, tokens, mapping.held, rendered, keep=True)
+                        return Turn(session, tokens, mapping.held.tokens, rendered, keep=True)
             self.metrics.reused.labels("edited").inc()
             await self._close(client, mapping)
         return await self._fresh(client, rendered, task, special, add_bos, keep=True)
@@ -164,30 +151,14 @@ class Turns:
         return Turn(session, tokens, 0, rendered, keep=keep)
 
     async def _remember(self, client: AsyncClient, store: ConversationStore, key: str, turn: Turn) -> None:
-        """What the session stands for now: the rendering plus the text of what was generated. A cancelled or
-        failed answer leaves nothing to continue from."""
-        final = turn.final
-        known = Mapping(turn.session.id, turn.session.token)  # the session, with nothing to continue from
-        if final is None or final.finish_reason not in (p.FinishReason.LENGTH, p.FinishReason.STOP):
-            store.put(key, known)
-            return
+        """What the session stands for now (nothing to continue from after a cancelled or failed answer)."""
         try:
             generated = await client.detokenize(turn.generated) if turn.generated else ""
         except KvpoolError:
-            store.put(key, known)
-            return
-        text = turn.rendered + generated
-        store.put(
-            key,
-            Mapping(
-                turn.session.id,
-                turn.session.token,
-                held=final.usage.context_tokens,
-                text_chars=len(text),
-                text_hash=digest(text),
-                eog_token=turn.generated[-1] if final.eog and turn.generated else -1,
-            ),
-        )
+            turn.final = None
+            generated = ""
+        held = after_answer(turn.rendered, generated, turn.generated, turn.final)
+        store.put(key, Mapping(turn.session.id, turn.session.token, held))
 
     async def _close(self, client: AsyncClient, mapping: Mapping) -> None:
         with contextlib.suppress(KvpoolError):

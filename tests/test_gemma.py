@@ -187,9 +187,9 @@ def test_the_gemma_chat_template_renders_as_llama_cpp_renders_it() -> None:
     """The published Gemma 3 template the gateway ships (for an instruction-tuned GGUF without its template),
     rendered as the gateway does, against llama.cpp's C++ Gemma formatter: system folded into the first user
     turn, <start_of_turn>/<end_of_turn>, BOS once."""
+    from kvpool.client.chat_template import ChatTemplate, template_for
     from kvpool.daemon.llama.default_model import resolve_model_path
     from kvpool.daemon.llama.model import Model
-    from kvpool.gateway.chat_template import ChatTemplate, template_for
 
     model = Model(resolve_model_path(""), context_size=256, hot_slots=1, batch_size=32, threads=2)
     try:
