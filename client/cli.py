@@ -1,4 +1,4 @@
-"""`kvpool`: the command line for a running kvpoold (status, generate, sessions).
+"""`kvpool`: the command line for a running kvpoold (status, sessions, health, top, generate, chat).
 
 Exit codes: 0 ok; 1 the daemon refused the request (its code and message are printed); 2 bad usage;
 3 no daemon answered (down, wrong address, or timed out).
@@ -48,6 +48,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print finish reason, usage and timings to stderr")
+    chat = sub.add_parser("chat", help="an interactive multi-turn chat on one session, in the model's chat format")
+    chat.add_argument("--system", default="", help="a system message to start the conversation with")
+    chat.add_argument("--task", default="default")
+    chat.add_argument("--resume", metavar="ID:TOKEN", help="pick a conversation up again")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    chat.add_argument(
+        "--chat-template", default="auto", help="auto (the GGUF's own, else a transcript), gemma3, chatml, transcript"
+    )
     return ap.parse_args(argv)
 
 
@@ -229,12 +239,22 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
 
 
+def cmd_chat(client: Client, args: argparse.Namespace) -> int:
+    try:
+        from .chat import run
+    except ImportError as exc:
+        print(f"kvpool: {exc.name} is missing: pip install 'kvpool[chat]'.", file=sys.stderr)
+        return 2
+    return run(client, args)
+
+
 COMMANDS = {
     "status": cmd_status,
     "sessions": cmd_sessions,
     "generate": cmd_generate,
     "health": cmd_health,
     "top": cmd_top,
+    "chat": cmd_chat,
 }
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""`kvpool chat`, driven through a pseudo-terminal as a person would type, against a real daemon."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .daemon_process import DaemonProcess
+
+WAIT_S = 30.0
+
+
+class Terminal:
+    """A program on a pseudo-terminal: type lines, read what it printed, with bounded waits."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+        os.close(slave)
+        self.screen = ""
+
+    def read_until(self, pattern: str) -> str:
+        """Everything printed until ``pattern`` (a regex) appears; the screen is consumed up to its end."""
+        deadline = time.monotonic() + WAIT_S
+        while not (match := re.search(pattern, self.screen)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{pattern!r} did not appear; the terminal shows:\n{self.screen}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    self.screen += os.read(self.master, 4096).decode("utf-8", errors="replace")
+                except OSError:  # the program ended and closed the terminal
+                    if not re.search(pattern, self.screen):
+                        raise TimeoutError(f"the program ended before {pattern!r}:\n{self.screen}") from None
+        shown, self.screen = self.screen[: match.end()], self.screen[match.end() :]
+        return shown
+
+    def type(self, line: str) -> str:
+        """Type a line and return what the program printed until its next prompt."""
+        os.write(self.master, (line + "\n").encode())
+        return self.read_until(r"\n> ")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(WAIT_S)
+        os.close(self.master)
+
+
+def chat_command(daemon: DaemonProcess, *args: str) -> list[str]:
+    cli = [sys.executable, "-m", "kvpool.client.cli", "--address", daemon.address]
+    return [*cli, "chat", "--max-tokens", "8", *args]
+
+
+def test_a_chat_in_the_terminal_reuses_its_turns_and_resumes_after_a_restart(
+    start_daemon: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048")
+    env = {**os.environ, "XDG_STATE_HOME": str(short_tmp / "state")}
+    term = Terminal(chat_command(daemon, "--system", "You are a robot."), env)
+    try:
+        banner = term.read_until(r"\n> ")
+        first_session = re.search(r"session (\w+):(\w+)", banner)
+        assert first_session
+        term.type("hello there")
+        stats = term.type("/stats")
+        assert re.search(r"time to first token \d+ ms, [\d.]+ tokens/s, 0 of \d+ prompt tokens cached", stats)
+        term.type("and again")
+        cached, total = map(int, re.search(r"(\d+) of (\d+) prompt tokens cached", term.type("/stats")).groups())
+        assert 0 < cached < total  # the second turn computed only its new part
+        os.write(term.master, b"/quit\n")
+        farewell = term.read_until(r"--resume (\w+:\w+)\s")
+        resume = re.search(r"--resume (\w+:\w+)", farewell).group(1)
+        assert term.proc.wait(WAIT_S) == 0
+    finally:
+        term.close()
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    term = Terminal(chat_command(daemon, "--resume", resume), env)
+    try:
+        assert resume in term.read_until(r"\n> ")
+        term.type("one more")
+        cached, total = map(int, re.search(r"(\d+) of (\d+) prompt tokens cached", term.type("/stats")).groups())
+        assert cached > 0  # the conversation came back from the pool, with its transcript
+        renewed = term.type("/reset")
+        assert re.search(r"new conversation: session \w+", renewed) and resume.split(":")[0] not in renewed
+        term.type("fresh start")
+        assert re.search(r" 0 of \d+ prompt tokens cached", term.type("/stats"))
+    finally:
+        term.close()
