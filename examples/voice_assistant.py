@@ -1,7 +1,8 @@
 """Voice assistant task: short turns in one multi-turn session (the daemon keeps the conversation).
 
-Reads one user turn per line from --script FILE or stdin, prints each answer as it streams, and a latency
-summary at the end. The default model is a base model, so the conversation is a plain-text transcript.
+Reads one user turn per line from --script FILE or stdin, prints each answer, and a latency summary at the end.
+The conversation is in the model's chat format (kvpool.client.chat_session: the GGUF's chat template; the
+default model is a base model without one, so a plain transcript), and each turn computes only its new part.
 
     python examples/voice_assistant.py --script examples/data/voice_turns.txt
 """
@@ -16,9 +17,10 @@ from pathlib import Path
 from latency import summary
 
 from kvpool.client import Client, KvpoolError
+from kvpool.client.chat_session import ChatSession
 from kvpool.client.errors import BudgetUnmeetable
 
-PREAMBLE = "A friendly voice assistant on a home robot answers each question in one short sentence.\n"
+PREAMBLE = "A friendly voice assistant on a home robot answers each question in one short sentence."
 
 
 def main() -> int:
@@ -34,18 +36,16 @@ def main() -> int:
     refused = 0
     started = time.monotonic()
     try:
-        with Client(args.address, name="voice-assistant") as client, client.open_session(args.task) as session:
-            prompt = PREAMBLE
+        with Client(args.address, name="voice-assistant") as client:
+            chat = ChatSession(client, task=args.task, system=PREAMBLE, max_tokens=args.max_tokens, stop=["\n"])
             for line in lines:
                 question = line.strip()
                 if not question:
                     continue
                 print(f"[voice] user: {question}", flush=True)
-                text = f"{prompt}User: {question}\nAssistant:"
                 for attempt in range(3):
                     try:
-                        stream = session.generate(text, max_tokens=args.max_tokens, temperature=0.0, stop=["\n"])
-                        answer = "".join(chunk.text for chunk in stream)
+                        reply = chat.say(question)
                         break
                     except BudgetUnmeetable as exc:  # told at once that it would be late: say so, try again
                         print(
@@ -57,13 +57,11 @@ def main() -> int:
                     print("[voice] assistant: (too busy right now)", flush=True)
                     refused += 1
                     continue
-                print(f"[voice] assistant:{answer}", flush=True)
-                assert stream.final is not None
-                ttfts.append(stream.final.timings.ttft_ms)
-                tokens += stream.final.usage.completion_tokens
-                # The session already holds everything said so far, including the newline that stopped the
-                # answer (the token that completes a stop string stays in the context).
-                prompt = "" if stream.final.finish_reason == "stop" else "\n"
+                print(f"[voice] assistant: {reply.text.strip()}", flush=True)
+                assert reply.final is not None
+                ttfts.append(reply.final.timings.ttft_ms)
+                tokens += reply.final.usage.completion_tokens
+            chat.close()
     except KvpoolError as exc:
         print(f"[voice] error: {exc} {exc.detail or ''}", file=sys.stderr)
         return 1
