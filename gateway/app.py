@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -17,7 +18,7 @@ import msgspec
 from prometheus_client.exposition import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool.client.aio import AsyncClient
@@ -191,7 +192,7 @@ def build_app(config: GatewayConfig) -> Starlette:
             async def run(request: Request) -> Response:
                 started = time.monotonic()
                 try:
-                    if name.startswith("/v1") and config.api_key:
+                    if (name.startswith("/v1") or name == "/status") and config.api_key:
                         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
                         if not hmac.compare_digest(given.encode(), config.api_key.encode()):
                             raise HttpError(
@@ -366,6 +367,21 @@ def build_app(config: GatewayConfig) -> Starlette:
             status_code=200 if ok else 503,
         )
 
+    page = (Path(__file__).parent / "static" / "index.html").read_text(encoding="utf-8")
+
+    @route("/")
+    async def index(request: Request) -> Response:
+        """The status page: the daemon's live state and a chat box, all through this gateway's own API."""
+        return HTMLResponse(page)
+
+    @route("/status")
+    async def status(request: Request) -> Response:
+        daemon_status = await (await gateway.client()).status()
+        model = await gateway.model()
+        conversations = len(gateway.turns.store)
+        body = {"model": model.id, "conversations": conversations, "daemon": msgspec.to_builtins(daemon_status)}
+        return JSONResponse(body)
+
     @route("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type="text/plain; version=0.0.4")
@@ -381,6 +397,8 @@ def build_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route(config.health_path, health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/", index, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gateway

@@ -1,0 +1,91 @@
+"""The gateway's status page in a real headless browser (Debian's chromium, driven by its chromedriver through
+Selenium): its script fills in the daemon's live state, and its chat box talks to the model through the
+gateway's own API, reusing the conversation's earlier turns."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from .daemon_process import DaemonProcess
+from .gateway_process import GatewayProcess
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+WAIT_S = 30.0
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)",
+)
+
+
+@pytest.fixture
+def browser(short_tmp: Path) -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={short_tmp / 'chromium'}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
+    daemon: DaemonProcess, browser: object, short_tmp: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    gateway = GatewayProcess(short_tmp / "gw", daemon.address).start()
+    try:
+        driver = browser
+        wait = WebDriverWait(driver, WAIT_S)  # type: ignore[arg-type]
+        driver.get(gateway.url + "/")  # type: ignore[attr-defined]
+
+        def shown(element_id: str) -> Callable[[object], str | bool]:
+            return lambda d: d.find_element(By.ID, element_id).text.strip() or False  # type: ignore[attr-defined]
+
+        assert re.fullmatch(r"\d+/4", wait.until(shown("slots")))  # the daemon fixture has 4 hot slots
+        assert re.fullmatch(r"\d+/2048", wait.until(shown("cells")))
+        assert wait.until(shown("model")) == "tiny"
+
+        def say(text: str) -> str:
+            box = driver.find_element(By.ID, "chat-input")  # type: ignore[attr-defined]
+            box.send_keys(text)
+            driver.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
+            before = driver.find_element(By.ID, "chat-usage").text  # type: ignore[attr-defined]
+            return wait.until(lambda d: (u := d.find_element(By.ID, "chat-usage").text) != before and u)
+
+        first = say("hello page")
+        assert re.match(r"\d+ prompt tokens, 0 cached, \d+ generated", first)
+        second = say("and once more")
+        cached = int(re.search(r"(\d+) cached", second).group(1))
+        assert cached > 0  # the page's conversation kept its session
+        answers = driver.find_elements(By.CSS_SELECTOR, "#chat-log .assistant")  # type: ignore[attr-defined]
+        assert len(answers) == 2 and all(a.text for a in answers)
+        # the latency plot is drawn from the daemon's per-task histogram once the chat's turns are counted
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#plot rect.bar"))
+        count = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#tasks tbody").text or False)
+        assert re.search(r"default\s+2\b", count)
+    finally:
+        gateway.stop()
