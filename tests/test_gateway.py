@@ -265,3 +265,75 @@ def test_a_streamed_conversation_reuses_its_earlier_turns(served: GatewayProcess
     for k in range(1, 4):
         previous = usages[k - 1]
         assert usages[k].prompt_tokens_details.cached_tokens == previous.prompt_tokens + previous.completion_tokens
+
+
+def test_a_full_queue_is_a_429_with_retry_after(
+    start_daemon: Start, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    daemon = start_daemon("--context-size", "4096", config="[tasks.default]\nmax_queue = 1\n")
+    gateway = start_gateway(daemon.address)
+    c = client_of(gateway)
+    busy = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "go on"}], max_tokens=1800, stream=True
+    )
+    next(iter(busy))  # generating: the task's one place is taken
+    try:
+        reply = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "me too"}], "max_tokens": 2},
+            timeout=WAIT_S,
+        )
+        assert reply.status_code == 429 and reply.headers.get("retry-after") == "1"
+        assert reply.json()["error"]["code"] == "overloaded" and "max_queue" in reply.json()["error"]["message"]
+    finally:
+        busy.close()
+
+
+def test_a_conversation_changed_behind_the_gateways_back_is_a_409(
+    daemon: DaemonProcess, served: GatewayProcess
+) -> None:
+    import json
+
+    c = client_of(served)
+    first = chat(c, [{"role": "user", "content": "hi"}], prompt_cache_key="shared")
+    mapping = json.loads(served.state_file.read_text())["shared"]
+    with daemon.client() as other:  # another program, holding the session's capability token, adds a turn
+        other.resume_session(mapping["session"], mapping["token"]).complete("sneaky", max_tokens=2)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.choices[0].message.content}]
+    with pytest.raises(openai.ConflictError, match="another request changed it"):
+        chat(c, [*history, {"role": "user", "content": "next"}], prompt_cache_key="shared")
+
+
+def test_two_requests_on_one_conversation_at_once_take_turns(served: GatewayProcess) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = client_of(served)
+    history = [{"role": "user", "content": "both at once"}]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda _: chat(c, history, prompt_cache_key="twice"), range(2)))
+    answers = {r.choices[0].message.content for r in replies}
+    assert len(answers) == 1  # the same history gives the same answer, whichever ran first
+    # the conversation goes on from that answer, on a session that holds exactly it
+    follow = chat(c, [*history, {"role": "assistant", "content": answers.pop()}, {"role": "user", "content": "go"}],
+                  prompt_cache_key="twice")  # fmt: skip
+    assert follow.usage is not None and follow.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_conversation_whose_session_expired_starts_over(
+    start_daemon: Start, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    daemon = start_daemon("--session-timeout", "1")
+    gateway = start_gateway(daemon.address)
+    c = client_of(gateway)
+    first = chat(c, [{"role": "user", "content": "remember me"}], prompt_cache_key="fleeting")
+    with daemon.client() as watcher:
+        deadline = time.monotonic() + WAIT_S
+        while watcher.sessions() and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling interval of a bounded wait for the daemon's expiry
+        assert watcher.sessions() == []
+    history = [
+        {"role": "user", "content": "remember me"},
+        {"role": "assistant", "content": first.choices[0].message.content},
+    ]
+    again = chat(c, [*history, {"role": "user", "content": "still there?"}], prompt_cache_key="fleeting")
+    assert again.usage is not None and again.usage.prompt_tokens_details.cached_tokens == 0

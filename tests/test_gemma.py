@@ -243,6 +243,15 @@ def test_a_chat_through_the_gateway_answers_with_the_template(
             model=model.id, messages=messages, temperature=0, max_tokens=24, prompt_cache_key="france"
         )
         assert "Rome" in (second.choices[0].message.content or "")
+        streamed = c.chat.completions.create(
+            model=model.id, messages=messages, temperature=0, max_tokens=24, stream=True
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+        assert text == second.choices[0].message.content  # greedy: the stream equals the plain answer
+        completion = c.completions.create(
+            model=model.id, prompt="Question: What is the capital of France?\nAnswer:", temperature=0, max_tokens=4
+        )
+        assert "Paris" in completion.choices[0].text
         assert first.usage is not None and second.usage is not None
         assert (
             second.usage.prompt_tokens_details.cached_tokens
