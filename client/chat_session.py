@@ -19,7 +19,8 @@ from kvpool import protocol as p
 
 from .chat_template import ChatTemplate, template_for  # needs jinja2: pip install 'kvpool[chat]'
 from .client import Client, Session
-from .conversation import Held, after_answer
+from .conversation import REFUSALS, Held, after_answer
+from .errors import KvpoolError
 
 
 def default_save_dir() -> Path:
@@ -135,14 +136,24 @@ class ChatSession:
         first: float | None = None
         answer, generated = [], []
         params = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stop": self.stops}
-        with session.generate(tokens, after=held, **params) as stream:
-            for chunk in stream:
-                generated.extend(chunk.tokens)
-                if chunk.text:
-                    first = first or time.monotonic()
-                    answer.append(chunk.text)
-                    if on_text is not None:
-                        on_text(chunk.text)
+        try:
+            with session.generate(tokens, after=held, **params) as stream:
+                for chunk in stream:
+                    generated.extend(chunk.tokens)
+                    if chunk.text:
+                        first = first or time.monotonic()
+                        answer.append(chunk.text)
+                        if on_text is not None:
+                            on_text(chunk.text)
+        except KvpoolError as exc:
+            # A refusal (over budget, overloaded) comes before anything was applied: the turn can be sent again.
+            # Anything else may have left part of it in the session, which then stands for nothing known.
+            if generated or exc.code not in REFUSALS:
+                c.held, c.empty = None, False
+            raise
+        except BaseException:
+            c.held, c.empty = None, False
+            raise
         final = stream.final
         reply_text = "".join(answer)
         c.messages = [*messages, {"role": "assistant", "content": reply_text}]

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 
 from kvpool import protocol as p
 
+# Daemon error codes that come before a turn applied anything to its session: it can be sent again as it was.
+REFUSALS = frozenset(
+    {"BUDGET_UNMEETABLE", "OVERLOADED", "QUOTA_EXCEEDED", "CONTEXT_OVERFLOW", "BAD_REQUEST", "SHUTTING_DOWN"}
+)
+
 
 def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()

@@ -3,6 +3,7 @@ a health path and /metrics. Every request is checked (key, size, JSON, fields) b
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import jinja2
 import msgspec
 from prometheus_client.exposition import generate_latest
 from starlette.applications import Starlette
@@ -23,6 +25,7 @@ from starlette.routing import Route
 
 from kvpool.client.aio import AsyncClient
 from kvpool.client.chat_template import ChatTemplate, TemplateError, template_for
+from kvpool.client.conversation import REFUSALS
 from kvpool.client.errors import DaemonUnavailable, KvpoolError, RequestTimeout
 from kvpool.protocol.status import ModelStatus
 
@@ -64,18 +67,30 @@ class Gateway:
         self.turns = Turns(ConversationStore(config.state_file), self.metrics, reuse=config.reuse)
         self._client: AsyncClient | None = None
         self._model: Model | None = None
+        self._connecting = asyncio.Lock()  # concurrent first requests share one connection
 
     async def client(self) -> AsyncClient:
-        if self._client is None:
-            self._client = await AsyncClient.connect(self.config.daemon, timeout=self.config.timeout, name="gateway")
+        async with self._connecting:
+            if self._client is None:
+                self._client = await AsyncClient.connect(
+                    self.config.daemon, timeout=self.config.timeout, name="gateway"
+                )
+                status = await self._client.status()
+                # Sessions kept for requests without a name: a quarter of what the daemon may hold.
+                self.turns.anonymous_max = max(1, status.sessions.max // 4)
         return self._client
 
     async def model(self) -> Model:
         if self._model is None:
             status = (await (await self.client()).status()).model
             name = status.path.rsplit("/", 1)[-1].removesuffix(".gguf") or "kvpool"
-            source, stops = template_for(self.config.chat_template, status.chat_template)
-            template = ChatTemplate(source, status.bos_token, status.eos_token, tuple(stops))
+            try:
+                source, stops = template_for(self.config.chat_template, status.chat_template)
+                template = ChatTemplate(source, status.bos_token, status.eos_token, tuple(stops))
+            except (TemplateError, jinja2.TemplateError) as exc:
+                raise HttpError(
+                    500, f"The chat template cannot be used ({exc}); fix --chat-template.", "template", "server_error"
+                ) from None
             self._model = Model(name, status, template)
         return self._model
 
@@ -159,6 +174,10 @@ async def generate(turn: Turn, stop: list[str], params: dict[str, Any]) -> Async
             if chunk.text:
                 yield chunk.text
         turn.final = stream.final
+    except KvpoolError as exc:
+        # A refusal (over budget, overloaded, a full queue) comes before anything was applied to the session.
+        turn.refused = exc.code in REFUSALS
+        raise
     finally:
         with anyio.CancelScope(shield=True):  # a client that went away cancels this body: finish the cleanup
             await stream.aclose()  # a reader that stopped early cancels the generation

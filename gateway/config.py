@@ -29,6 +29,11 @@ class GatewayConfig:
     def check(self) -> None:
         if not self.health_path.startswith("/") or self.health_path.startswith("/v1/"):
             raise GatewayConfigError(f"--health-check {self.health_path!r}: give a path such as /health, outside /v1/.")
+        shipped = ("auto", "chatml", "gemma3", "transcript")
+        if self.chat_template not in shipped and not Path(self.chat_template).is_file():
+            raise GatewayConfigError(
+                f"--chat-template {self.chat_template!r}: give one of {', '.join(shipped)} or a Jinja file that exists."
+            )
         if not is_loopback(self.host) and not self.api_key:
             raise GatewayConfigError(
                 f"--host {self.host} would expose the gateway beyond this machine without a key: pass --api-key "

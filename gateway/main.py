@@ -23,6 +23,7 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
     ap.add_argument("--log-file", default="", help="also log to this file")
     ap.add_argument("--state-file", default=None, help="where conversations are mapped to sessions")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each answer from kvpoold")
     ap.add_argument(
         "--no-reuse", action="store_true", help="run every request on a fresh session (nothing kept between turns)"
     )
@@ -41,6 +42,7 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         log_file=args.log_file,
         state_file=Path(args.state_file) if args.state_file else default_state_file(),
         max_body_bytes=args.max_body_bytes,
+        timeout=args.timeout,
         chat_template=args.chat_template,
         reuse=not args.no_reuse,
     )

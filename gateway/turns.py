@@ -10,26 +10,36 @@
 - Requests on one conversation take turns (a lock per name), so two at once never interleave in a session.
 - A request without a name continues the idle session (among those the gateway keeps for such requests) whose
   text is the longest prefix of its rendering, so a client that resends its history without naming it still
-  gets its earlier turns back; else it starts one. The least recently used beyond ANONYMOUS_MAX are closed.
+  gets its earlier turns back; else it starts one. The gateway keeps at most a quarter of the daemon's
+  max_sessions for them (closing the least recently used), and closes one more whenever the daemon has no room
+  for a new session.
+- A request the daemon refuses before it applied anything (over budget, overloaded) leaves its conversation as
+  it was, so it can be sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession
-from kvpool.client.conversation import after_answer
-from kvpool.client.errors import KvpoolError, NotOwner, SessionCorrupt, SessionEvicted, UnknownSession
+from kvpool.client.conversation import Held, after_answer
+from kvpool.client.errors import (
+    KvpoolError,
+    NotOwner,
+    QuotaExceeded,
+    SessionCorrupt,
+    SessionEvicted,
+    UnknownSession,
+)
 
 from .conversations import ConversationStore, Mapping
 from .metrics import GatewayMetrics
 
-log = logging.getLogger("kvpool.gateway")
 GONE = (UnknownSession, SessionEvicted, SessionCorrupt, NotOwner)  # the mapping names a session that is no more
 
 
@@ -39,27 +49,27 @@ class Turn:
     tokens: list[int]  # what this turn sends
     held: int  # tokens the session held before (sent as after=): the prompt tokens not computed
     rendered: str  # the conversation as rendered, up to the answer
-    keep: bool  # the session outlives the request (a named conversation)
+    before: Held | None = None  # what the session stood for before this turn (restored if it is refused)
     generated: list[int] = field(default_factory=list)
     final: p.Final | None = None
+    refused: bool = False  # the daemon refused it before applying anything
 
     def record(self, chunk: p.Chunk) -> None:
         self.generated.extend(chunk.tokens)
 
 
-ANONYMOUS_MAX = 256  # sessions kept for requests without a name; the least recently used is closed beyond
-
-
 class Turns:
-    def __init__(self, store: ConversationStore, metrics: GatewayMetrics, reuse: bool = True):
+    def __init__(self, store: ConversationStore, metrics: GatewayMetrics, reuse: bool = True, anonymous_max: int = 16):
         """``reuse`` False: every request runs on a fresh session, closed when it ends (to measure against, or
-        where conversations must not be kept)."""
+        where conversations must not be kept). ``anonymous_max``: sessions kept for requests without a name."""
         self.store = store
         self.metrics = metrics
         self.reuse = reuse
+        self.anonymous_max = anonymous_max
         self.anonymous = ConversationStore(None)  # session id -> what it holds, for requests without a name
         self._busy: set[str] = set()  # anonymous sessions in a turn now
         self._locks: dict[str, asyncio.Lock] = {}
+        self._waiting: Counter[str] = Counter()  # requests holding or waiting for each conversation's lock
 
     @contextlib.asynccontextmanager
     async def turn(
@@ -68,7 +78,7 @@ class Turns:
         """The session this request runs on and the tokens it must send; one turn at a time per conversation.
         On the way out, what the session stands for is brought up to date (from the turn's final message)."""
         if not self.reuse:
-            turn = await self._fresh(client, rendered, task, special, add_bos, keep=False)
+            turn = await self._fresh(client, rendered, task, special, add_bos)
             try:
                 yield turn
             finally:
@@ -78,12 +88,37 @@ class Turns:
             async with self._anonymous_turn(client, rendered, task, special, add_bos) as turn:
                 yield turn
             return
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            turn = await self._begin(client, self.store, key, rendered, task, special, add_bos)
+        async with self._conversation_lock(key):
+            turn = await self._named(client, key, rendered, task, special, add_bos)
             try:
                 yield turn
             finally:
                 await self._remember(client, self.store, key, turn)
+
+    @contextlib.asynccontextmanager
+    async def _conversation_lock(self, key: str) -> AsyncIterator[None]:
+        """One lock per conversation, dropped once nobody holds or waits for it (names are unbounded)."""
+        self._waiting[key] += 1
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
+                self._locks.pop(key, None)
+
+    async def _named(
+        self, client: AsyncClient, key: str, rendered: str, task: str, special: bool, add_bos: bool
+    ) -> Turn:
+        mapping = self.store.get(key)
+        if mapping is not None:
+            turn = await self._continue(client, mapping, rendered, special)
+            if turn is not None:
+                return turn
+            self.store.forget(key)
+        return await self._fresh(client, rendered, task, special, add_bos)
 
     @contextlib.asynccontextmanager
     async def _anonymous_turn(
@@ -96,68 +131,80 @@ class Turns:
             for session_id, m in self.anonymous.items()
             if session_id not in self._busy and m.held is not None and m.held.rest(rendered) is not None
         ]
-        matched = max(candidates)[1] if candidates else None
-        if matched is not None:
-            self._busy.add(matched)
-            turn = await self._begin(client, self.anonymous, matched, rendered, task, special, add_bos)
-            self.anonymous.forget(matched)
-            self._busy.discard(matched)
-        else:
-            turn = await self._fresh(client, rendered, task, special, add_bos, keep=True)
+        turn: Turn | None = None
+        if candidates:
+            matched = max(candidates)[1]
+            mapping = self.anonymous.get(matched)
+            self.anonymous.forget(matched)  # this request owns it now: nobody else matches or evicts it
+            assert mapping is not None
+            try:
+                turn = await self._continue(client, mapping, rendered, special)
+            except BaseException:
+                await self._close(client, mapping)  # nobody else can reach it any more
+                raise
+        if turn is None:
+            turn = await self._fresh(client, rendered, task, special, add_bos)
         self._busy.add(turn.session.id)
         try:
             yield turn
         finally:
             self._busy.discard(turn.session.id)
             await self._remember(client, self.anonymous, turn.session.id, turn)
-            while len(self.anonymous) > ANONYMOUS_MAX:
-                oldest = next(iter(self.anonymous.items()))
-                self.anonymous.forget(oldest[0])
-                await self._close(client, oldest[1])
+            while len(self.anonymous) > self.anonymous_max and await self._close_oldest_anonymous(client):
+                pass
 
-    async def _begin(
-        self,
-        client: AsyncClient,
-        store: ConversationStore,
-        key: str,
-        rendered: str,
-        task: str,
-        special: bool,
-        add_bos: bool,
-    ) -> Turn:
-        mapping = store.get(key)
-        if mapping is not None:
-            rest = mapping.held.rest(rendered) if mapping.held is not None else None
-            if mapping.held is not None and rest is not None:
-                try:
-                    session = await client.resume_session(mapping.session, mapping.token)
-                except GONE:
-                    store.forget(key)
-                else:
-                    tokens = mapping.held.trim(await client.tokenize(rest, add_bos=False, special=special))
-                    if tokens:
-                        self.metrics.reused.labels("continued").inc()
-                        return Turn(session, tokens, mapping.held.tokens, rendered, keep=True)
-            self.metrics.reused.labels("edited").inc()
-            await self._close(client, mapping)
-        return await self._fresh(client, rendered, task, special, add_bos, keep=True)
+    async def _continue(self, client: AsyncClient, mapping: Mapping, rendered: str, special: bool) -> Turn | None:
+        """The turn that continues ``mapping``'s session, or None (then its session is closed: it is not this
+        conversation any more, or it is gone)."""
+        rest = mapping.held.rest(rendered) if mapping.held is not None else None
+        if mapping.held is not None and rest is not None:
+            try:
+                session = await client.resume_session(mapping.session, mapping.token)
+            except GONE:
+                return None
+            tokens = mapping.held.trim(await client.tokenize(rest, add_bos=False, special=special))
+            if tokens:
+                self.metrics.reused.labels("continued").inc()
+                return Turn(session, tokens, mapping.held.tokens, rendered, before=mapping.held)
+        self.metrics.reused.labels("edited").inc()
+        await self._close(client, mapping)
+        return None
 
-    async def _fresh(
-        self, client: AsyncClient, rendered: str, task: str, special: bool, add_bos: bool, keep: bool
-    ) -> Turn:
+    async def _fresh(self, client: AsyncClient, rendered: str, task: str, special: bool, add_bos: bool) -> Turn:
         tokens = await client.tokenize(rendered, add_bos=add_bos, special=special)
-        session = await client.open_session(task, system_prompt="")
+        try:
+            session = await client.open_session(task, system_prompt="")
+        except QuotaExceeded:
+            # The daemon holds as many sessions as it may: give back the least recently used anonymous one.
+            if not await self._close_oldest_anonymous(client):
+                raise
+            session = await client.open_session(task, system_prompt="")
         self.metrics.reused.labels("new").inc()
-        return Turn(session, tokens, 0, rendered, keep=keep)
+        return Turn(session, tokens, 0, rendered)
+
+    async def _close_oldest_anonymous(self, client: AsyncClient) -> bool:
+        for session_id, mapping in self.anonymous.items():
+            if session_id not in self._busy:
+                self.anonymous.forget(session_id)
+                await self._close(client, mapping)
+                return True
+        return False
 
     async def _remember(self, client: AsyncClient, store: ConversationStore, key: str, turn: Turn) -> None:
-        """What the session stands for now (nothing to continue from after a cancelled or failed answer)."""
-        try:
-            generated = await client.detokenize(turn.generated) if turn.generated else ""
-        except KvpoolError:
-            turn.final = None
-            generated = ""
-        held = after_answer(turn.rendered, generated, turn.generated, turn.final)
+        """What the session stands for now: as before when the daemon refused the turn before applying anything,
+        else from its answer (nothing to continue from after a cancelled or failed one)."""
+        if turn.refused and not turn.generated:
+            held = turn.before
+        else:
+            try:
+                generated = await client.detokenize(turn.generated) if turn.generated else ""
+            except KvpoolError:
+                turn.final = None
+                generated = ""
+            held = after_answer(turn.rendered, generated, turn.generated, turn.final)
+        if held is None and store is self.anonymous:
+            await self._close_session(turn.session)  # an anonymous session nobody can continue is closed
+            return
         store.put(key, Mapping(turn.session.id, turn.session.token, held))
 
     async def _close(self, client: AsyncClient, mapping: Mapping) -> None:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from .daemon_process import DaemonProcess
 
 WAIT_S = 30.0
@@ -97,3 +99,22 @@ def test_a_chat_in_the_terminal_reuses_its_turns_and_resumes_after_a_restart(
         assert re.search(r" 0 of \d+ prompt tokens cached", term.type("/stats"))
     finally:
         term.close()
+
+
+def test_a_chat_session_turn_that_was_refused_can_be_sent_again(start_daemon: Callable[..., DaemonProcess]) -> None:
+    from kvpool.client.chat_session import ChatSession
+    from kvpool.client.errors import Overloaded
+
+    daemon = start_daemon("--context-size", "4096", config="[tasks.default]\nmax_queue = 1\n")
+    with daemon.client() as client, daemon.client() as other:
+        chat = ChatSession(client, max_tokens=8)
+        chat.say("hello")
+        busy = other.open_session().generate("go on", max_tokens=1800)
+        next(busy)  # the task's one place is taken
+        with pytest.raises(Overloaded):
+            chat.say("again")
+        busy.close()
+        reply = chat.say("again")
+        assert reply.cached_tokens > 0 and reply.final is not None  # the conversation went on where it was
+        assert [m["role"] for m in chat.conversation.messages] == ["user", "assistant", "user", "assistant"]
+        chat.close()

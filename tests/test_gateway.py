@@ -337,3 +337,42 @@ def test_a_conversation_whose_session_expired_starts_over(
     ]
     again = chat(c, [*history, {"role": "user", "content": "still there?"}], prompt_cache_key="fleeting")
     assert again.usage is not None and again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_requests_without_a_name_never_run_the_daemon_out_of_sessions(
+    start_daemon: Start, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    daemon = start_daemon("--max-sessions", "4")
+    gateway = start_gateway(daemon.address)
+    c = client_of(gateway)
+    for i in range(8):  # distinct histories: each keeps a session of its own, until room runs out
+        assert chat(c, [{"role": "user", "content": f"stranger {i}"}]).choices[0].message.content is not None
+    with daemon.client() as watcher:
+        assert 1 <= len(watcher.sessions()) <= 4
+
+
+def test_a_refused_turn_leaves_its_conversation_as_it_was(
+    start_daemon: Start, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    daemon = start_daemon("--context-size", "4096", config="[tasks.default]\nmax_queue = 1\n")
+    gateway = start_gateway(daemon.address)
+    c = client_of(gateway)
+    history = [{"role": "user", "content": "keep me"}]
+    first = chat(c, history, prompt_cache_key="patient")
+    history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "on"}]
+    busy = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "go on"}], max_tokens=1800, stream=True
+    )
+    next(iter(busy))
+    try:
+        with pytest.raises(openai.RateLimitError):
+            chat(c, history, prompt_cache_key="patient")
+    finally:
+        busy.close()
+    with daemon.client() as watcher:
+        deadline = time.monotonic() + WAIT_S
+        while watcher.status().sessions.generating and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling interval of a bounded wait for the cancel
+    again = chat(c, history, prompt_cache_key="patient")
+    assert first.usage is not None and again.usage is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
