@@ -82,6 +82,8 @@ def test_forced_modes_never_probe_and_bad_modes_are_refused() -> None:
 def test_a_child_killed_by_sigill_is_a_definitive_failure() -> None:
     killed = cpu_probe.run_child([], python_args=["-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
     assert not killed.ok and killed.definitive and "SIGILL" in killed.detail
+    oom = cpu_probe.run_child([], python_args=["-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert not oom.ok and not oom.definitive  # what the OOM killer does says nothing about the CPU
     failed = cpu_probe.run_child([], python_args=["-c", "raise SystemExit('no model here')"])
     assert not failed.ok and not failed.definitive and "no model here" in failed.detail
     slow = cpu_probe.run_child([], timeout=0.5, python_args=["-c", "import time; time.sleep(30)"])

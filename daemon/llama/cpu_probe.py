@@ -34,6 +34,7 @@ log = logging.getLogger("kvpool.cpu")
 
 PROBE_TIMEOUT_S = 180.0
 CHILD_MODULE = "kvpool.daemon.llama.cpu_probe_child"
+FAULTS = {signal.SIGILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE}  # what an unusable instruction kills with
 
 # arch_prctl(2): ask the kernel for the AMX tile data state (XFEATURE_XTILEDATA = 18), as ggml does itself.
 _SYS_ARCH_PRCTL = 158
@@ -84,7 +85,8 @@ def run_child(args: list[str], timeout: float = PROBE_TIMEOUT_S, python_args: li
             name = signal.Signals(-done.returncode).name
         except ValueError:
             name = f"signal {-done.returncode}"
-        return ChildResult(False, "", f"the probe process was killed by {name}")
+        # Only a fault of the code itself says something about the CPU; a SIGKILL may be the OOM killer.
+        return ChildResult(False, "", f"the probe process was killed by {name}", definitive=-done.returncode in FAULTS)
     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
     return ChildResult(False, "", f"the probe process exited with {done.returncode}: {last}", definitive=False)
 
@@ -140,6 +142,8 @@ def build_features(cpu: CpuInfo, cache: VerdictCache) -> frozenset[str]:
     record = cache.get(key)
     if record is None:
         result = run_child(["features"])
+        if not result.ok and not result.definitive:
+            raise CpuUnsupported(f"llama.cpp's library could not be checked on this CPU ({result.detail}); retry.")
         if not result.ok:
             raise CpuUnsupported(
                 f"llama.cpp's library cannot start on this CPU ({cpu.model_name}): {result.detail}. It was "
