@@ -259,3 +259,22 @@ def test_a_chat_through_the_gateway_answers_with_the_template(
         )
     finally:
         gateway.stop()
+
+
+def test_the_voice_example_answers_in_the_models_best_format(start_daemon: Callable[..., DaemonProcess]) -> None:
+    """The demo's voice assistant talks through the chat template code; for the base default model that is a
+    transcript, and its first answer is the fact, not an echo of the question's topic."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    daemon = start_daemon("--config", str(root / "configs" / "default.toml"), model=None)
+    voice = subprocess.run(
+        [sys.executable, str(root / "examples" / "voice_assistant.py"), "--script",
+         str(root / "examples" / "data" / "voice_turns.txt")],
+        capture_output=True, text=True, timeout=120, env=os.environ | {"KVPOOL_ADDRESS": daemon.address},
+    )  # fmt: skip
+    assert voice.returncode == 0, voice.stderr
+    answers = [line for line in voice.stdout.splitlines() if line.startswith("[voice] assistant:")]
+    assert len(answers) == 5 and "Paris" in answers[0], voice.stdout
