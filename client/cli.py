@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.protocol.status import DaemonStatus, PrefixStatus
+from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PrefixStatus
 
 from .client import Client
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
@@ -33,7 +33,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sessions = sub.add_parser("sessions", help="list open sessions")
     sessions.add_argument("--json", action="store_true")
     health = sub.add_parser("health", help="exit 0 only when the daemon answers and its engine is stepping")
-    health.add_argument("--max-engine-silence", type=float, default=10.0, help="seconds")
+    health.add_argument("--max-engine-silence", type=float, default=MAX_ENGINE_SILENCE_S, help="seconds")
     top = sub.add_parser("top", help="a live view of slots, tiers, pool use and per-task latency")
     top.add_argument("--interval", type=float, default=1.0)
     top.add_argument("--iterations", type=int, default=0, help="stop after N views (0: until Ctrl-C)")
@@ -147,7 +147,7 @@ def cmd_health(client: Client, args: argparse.Namespace) -> int:
     """Exit 0 only when the daemon answers and its engine loop is stepping."""
     status = client.status()
     idle = status.engine_idle_s
-    healthy = idle < args.max_engine_silence
+    healthy = status.stepping(args.max_engine_silence)
     print(
         f"kvpoold pid {status.pid}: {'healthy' if healthy else 'UNHEALTHY'} (engine loop last passed "
         f"{idle:.1f} s ago, {status.sessions.open} sessions, {status.sessions.generating} generating)"

@@ -380,7 +380,7 @@ def build_app(config: GatewayConfig) -> Starlette:
     @route(config.health_path)
     async def health(request: Request) -> Response:
         status = await (await gateway.client()).status()
-        ok = status.engine_idle_s < 10.0
+        ok = status.stepping()
         return JSONResponse(
             {"ok": ok, "engine_idle_s": status.engine_idle_s, "sessions": status.sessions.open},
             status_code=200 if ok else 503,

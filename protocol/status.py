@@ -7,6 +7,10 @@ from collections import Counter
 
 from msgspec import Struct, field
 
+# A daemon whose engine loop has not passed for this long is unhealthy (kvpool health, /health of the daemon's
+# HTTP listener and of the gateway).
+MAX_ENGINE_SILENCE_S = 10.0
+
 
 class MemoryStatus(Struct, kw_only=True):
     rss_bytes: int
@@ -228,3 +232,7 @@ class DaemonStatus(Struct, kw_only=True):
     sessions_by_tier: dict[str, int]
     moves: Moves
     prefixes: PrefixStatus
+
+    def stepping(self, max_silence: float = MAX_ENGINE_SILENCE_S) -> bool:
+        """The engine loop passed within ``max_silence`` seconds: the daemon is healthy."""
+        return self.engine_idle_s < max_silence
