@@ -85,7 +85,6 @@ class ChatSession:
         self.template = ChatTemplate(source, model.bos_token, model.eos_token, tuple(implied))
         own = list(stop or [])
         self.stops = [*own, *(s for s in implied if s not in own)]
-        self.add_bos = bool(model.bos_token)
         self.save_dir = save_dir
         self.conversation = self._start(resume)
 
@@ -130,8 +129,7 @@ class ChatSession:
                 session.close()
                 session = self.client.open_session(self.task, system_prompt="")
                 c.session, c.token, c.held, c.empty = session.id, session.token, None, True
-            add_bos = self.add_bos and not (self.template.bos_token and rendered.startswith(self.template.bos_token))
-            tokens, held = self.client.tokenize(rendered, add_bos=add_bos), 0
+            tokens, held = self.client.tokenize(rendered, add_bos=self.template.needs_bos(rendered)), 0
         started = time.monotonic()
         first: float | None = None
         answer, generated = [], []

@@ -77,6 +77,10 @@ class ChatTemplate:
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         object.__setattr__(self, "_template", env.from_string(self.source or CHATML))
 
+    def needs_bos(self, rendered: str) -> bool:
+        """Whether tokenizing ``rendered`` must add BOS: the model wants one and the template did not write it."""
+        return bool(self.bos_token) and not rendered.startswith(self.bos_token)
+
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         try:
             return self._template.render(  # type: ignore[attr-defined]

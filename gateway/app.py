@@ -299,10 +299,9 @@ def build_app(config: GatewayConfig) -> Starlette:
         chat: bool,
     ) -> Response:
         client = await gateway.client()
-        bos = model.status.bos_token
         # A chat template writes BOS itself (as text, parsed as the special token); a raw completion gets the
         # model's BOS the way kvpool's own sessions do.
-        add_bos = bool(bos) and not (chat and text.startswith(bos))
+        add_bos = model.template.needs_bos(text) if chat else bool(model.status.bos_token)
         key = conversation_key(request, body_key)
         route_name = "/v1/chat/completions" if chat else "/v1/completions"
         created, ident = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
