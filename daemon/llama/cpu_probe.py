@@ -104,6 +104,11 @@ def _library_identity() -> str:
     return "\n".join(parts)
 
 
+def machine_identity(cpu: CpuInfo) -> str:
+    """What a verdict depends on besides the model: the CPU and the llama.cpp library files."""
+    return f"{cpu.model_name}\n{' '.join(sorted(cpu.flags))}\n{_library_identity()}"
+
+
 def _file_identity(path: Path) -> str:
     st = path.stat()
     return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
@@ -138,7 +143,7 @@ class VerdictCache:
 
 def build_features(cpu: CpuInfo, cache: VerdictCache) -> frozenset[str]:
     """The build's compiled-in CPU features, read in a child; CpuUnsupported when the build cannot run here."""
-    key = f"features\n{cpu.model_name}\n{' '.join(sorted(cpu.flags))}\n{_library_identity()}"
+    key = f"features\n{machine_identity(cpu)}"
     record = cache.get(key)
     if record is None:
         result = run_child(["features"])
@@ -169,8 +174,7 @@ def choose_repack(mode: str, model_path: Path, cache_dir: Path | None = None) ->
     features = build_features(cpu, cache)
 
     def probe() -> tuple[bool, str]:
-        key = f"repack\n{cpu.model_name}\n{' '.join(sorted(cpu.flags))}\n{_library_identity()}\n"
-        key += _file_identity(model_path)
+        key = f"repack\n{machine_identity(cpu)}\n{_file_identity(model_path)}"
         record = cache.get(key)
         if record is None:
             log.info("probing llama.cpp's AMX repacking on %s in a child process", cpu.model_name)
