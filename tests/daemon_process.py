@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import posix_ipc
@@ -104,6 +105,15 @@ class DaemonProcess:
         for leftover in (self.workdir / "kvpoold.sock", self.workdir / "kvpoold.sock.lock"):
             if leftover.exists():
                 os.unlink(leftover)
+
+
+def wait_until(check: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    """Poll ``check`` until it is true; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling interval of a bounded wait
 
 
 def kvpoold_command(model: Path, address: str, *args: str) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from .daemon_process import DaemonProcess
+from .daemon_process import DaemonProcess, wait_until
 from .gateway_process import GatewayProcess
 
 Start = Callable[..., DaemonProcess]
@@ -232,9 +231,7 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_generation(
     with daemon.client() as watcher:
         assert watcher.status().sessions.generating == 1
         stream.close()
-        deadline = time.monotonic() + WAIT_S
-        while watcher.status().sessions.generating and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling interval of a bounded wait
+        wait_until(lambda: not watcher.status().sessions.generating, "the generation to stop", WAIT_S)
         status = watcher.status()
         assert status.sessions.generating == 0 and status.counters.finished.get("cancelled") == 1
 
@@ -327,9 +324,7 @@ def test_a_conversation_whose_session_expired_starts_over(
     c = client_of(gateway)
     first = chat(c, [{"role": "user", "content": "remember me"}], prompt_cache_key="fleeting")
     with daemon.client() as watcher:
-        deadline = time.monotonic() + WAIT_S
-        while watcher.sessions() and time.monotonic() < deadline:
-            time.sleep(0.1)  # polling interval of a bounded wait for the daemon's expiry
+        wait_until(lambda: not watcher.sessions(), "the daemon to expire the session", WAIT_S)
         assert watcher.sessions() == []
     history = [
         {"role": "user", "content": "remember me"},
@@ -370,9 +365,7 @@ def test_a_refused_turn_leaves_its_conversation_as_it_was(
     finally:
         busy.close()
     with daemon.client() as watcher:
-        deadline = time.monotonic() + WAIT_S
-        while watcher.status().sessions.generating and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling interval of a bounded wait for the cancel
+        wait_until(lambda: not watcher.status().sessions.generating, "the cancel", WAIT_S)
     again = chat(c, history, prompt_cache_key="patient")
     assert first.usage is not None and again.usage is not None
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + first.usage.completion_tokens

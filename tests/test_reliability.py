@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit
+from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit, wait_until
 
 Start = Callable[..., DaemonProcess]
 WAIT_S = 60.0
@@ -27,14 +27,6 @@ for chunk in session.generate("tell me everything", max_tokens=1_000_000, temper
     print("streaming", flush=True)
     sys.stdin.readline()  # stop reading here; the test kills this process
 """
-
-
-def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling interval of a bounded wait
 
 
 def test_a_dead_clients_generation_stops_and_its_session_stays(start_daemon: Start) -> None:
