@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from kvpool.daemon.kv.codec.kv_types import KV_TYPES, STORE_TYPES
+
 TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 Positive = Annotated[int, Meta(ge=1)]
 NonNegative = Annotated[int, Meta(ge=0)]
@@ -136,6 +138,18 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # $XDG_STATE_HOME/kvpool/spill, else ~/.local/state/kvpool/spill, plus the pool's name.
     spill_dir: str = ""
     spill_max_bytes: NonNegative = 1 << 30
+    # The hot KV's types (llama.cpp's --cache-type-k/-v): f16, or a quantized q8_0, q5_1, q5_0, q4_1, q4_0 (or
+    # f32, bf16). A quantized V needs flash attention; "auto" turns it on (it is on for f16 too).
+    cache_type_k: one_of(*KV_TYPES) = "f16"
+    cache_type_v: one_of(*KV_TYPES) = "f16"
+    flash_attn: one_of("auto", "on", "off") = "auto"
+    # KV compression per tier (docs/kv-compression.md): the type the pool and the spill directory may store
+    # snapshots at ("same": the hot types, bytes untouched). pool_kv_policy "when_full" keeps new snapshots at
+    # the hot types and compresses the least recently used ones when the pool is full, before spilling any;
+    # "always" compresses every snapshot as it is written.
+    pool_kv_type: one_of(*STORE_TYPES) = "same"
+    pool_kv_policy: one_of("when_full", "always") = "when_full"
+    spill_kv_type: one_of(*STORE_TYPES) = "same"
     # Seconds of inactivity after which a session is closed; 0 keeps sessions until closed.
     session_timeout: Annotated[float, Meta(ge=0)] = 3600.0
     # llama.cpp's weight repacking for faster CPU kernels (its extra buffer types): "auto" uses it unless this CPU

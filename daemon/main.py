@@ -26,7 +26,8 @@ from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
 from kvpool.daemon.llama.gguf_meta import GgufError
-from kvpool.daemon.llama.memory_plan import plan_memory
+from kvpool.daemon.llama.kv_settings import KvSettingsError, resolve_kv_settings
+from kvpool.daemon.llama.memory_plan import model_shape, plan_memory
 from kvpool.daemon.llama.model import Model, ModelLoadError
 from kvpool.daemon.ops.logs import setup_logging
 from kvpool.daemon.serve.http import HttpListener
@@ -57,6 +58,11 @@ OVERRIDES = (
     "http",
     "log_format",
     "log_file",
+    "cache_type_k",
+    "cache_type_v",
+    "flash_attn",
+    "pool_kv_type",
+    "spill_kv_type",
 )
 
 
@@ -95,6 +101,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--memory-limit", help="refuse to start when the memory plan exceeds this, e.g. 1.5GiB")
     ap.add_argument("--http", help="serve /health and /metrics on 127.0.0.1:PORT")
     ap.add_argument("--log-format", choices=["text", "json"])
+    ap.add_argument("--cache-type-k", help="the hot KV's K type: f16 (default), q8_0, q5_1, q5_0, q4_1, q4_0, ...")
+    ap.add_argument("--cache-type-v", help="the hot KV's V type (a quantized V turns flash attention on)")
+    ap.add_argument("--flash-attn", choices=["auto", "on", "off"], help="llama.cpp's flash attention (auto: on)")
+    ap.add_argument("--pool-kv-type", choices=["same", "q8_0", "q4_0"], help="the type pool snapshots may be kept at")
+    ap.add_argument("--spill-kv-type", choices=["same", "q8_0", "q4_0"], help="the type spilled snapshots are stored")
     ap.add_argument("--log-file", help="also log to this file (size-rotated)")
     ap.add_argument(
         "--check-config",
@@ -112,12 +123,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(config.log_level, config.log_format, config.log_file, config.log_max_bytes)
         model_path = resolve_model_path(config.model)
         plan = plan_memory(model_path, config)
+        shape = model_shape(model_path)
+        kv, kv_why = resolve_kv_settings(
+            config.cache_type_k, config.cache_type_v, config.flash_attn, shape.head_k, shape.head_v
+        )
         repack = choose_repack(config.cpu_repack, model_path)
-    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, OSError) as exc:
+    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, OSError) as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
         return 2
     if args.check_config:
         print(f"kvpoold: {repack.describe()}", file=sys.stderr)
+        print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
     if args.check_config or not plan.fits:
         print(f"kvpoold: memory plan for {model_path.name}:\n{plan.table()}", file=sys.stderr)
     if not plan.fits:
@@ -132,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)
         return 0
     log.info("%s", repack.describe())
+    log.info("%s; %s", kv.describe(), kv_why)
     log.info(
         "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
         plan.total / 2**20,
@@ -168,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=threads,
             prefix_slots=config.prefix_slots,
             repack=repack.enabled,
+            kv=kv,
         )
     except ModelLoadError as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
@@ -284,7 +302,9 @@ def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers
         gid=group_id(config.client_group),
     )
     try:
-        spill = SpillDir(spill_dir_for(config.spill_dir, name), config.spill_max_bytes)
+        spill = SpillDir(
+            spill_dir_for(config.spill_dir, name), config.spill_max_bytes, model.fingerprint, model.kv_layout
+        )
     except SpillError:
         pool.close()
         raise

@@ -228,6 +228,7 @@ class SessionInfo(Struct, kw_only=True):
     # resident sessions under checkpoint = "on_evict", and when neither the pool nor the spill directory could
     # take its checkpoint (a crash then brings it back evicted).
     saved: bool = True
+    kv_type: str = ""  # the KV type its snapshot is stored at ("f16", "q8_0", ...; "" without one)
 
 
 class SessionsReply(Reply, tag="sessions"):

@@ -29,6 +29,10 @@ class ModelStatus(Struct, kw_only=True):
     context_size_train: int
     sliding_window: int  # 0: every layer attends to the whole context
     cpu_repack: bool = True  # llama.cpp's weight repacking (docs/build.md)
+    # The hot KV's types and flash attention (docs/kv-compression.md).
+    kv_type_k: str = "f16"
+    kv_type_v: str = "f16"
+    flash_attn: bool = True
     # The GGUF's chat template (tokenizer.chat_template; "" when it has none) and the texts of its BOS and EOS
     # tokens, which templates write as bos_token / eos_token.
     chat_template: str = ""
@@ -138,12 +142,34 @@ class PoolStatus(Struct, kw_only=True):
     entries: int
     entries_used: int
     prefix_entries: int
+    # KV compression: the type snapshots may be stored at ("same": the hot types), when ("when_full",
+    # "always"), and the session snapshots it holds: their bytes as stored and at the hot types.
+    kv_type: str = "same"
+    kv_policy: str = "when_full"
+    snapshots: int = 0
+    compressed_snapshots: int = 0
+    snapshot_bytes: int = 0
+    snapshot_raw_bytes: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Hot-type bytes per stored byte of the session snapshots held (1.0 when none)."""
+        return self.snapshot_raw_bytes / self.snapshot_bytes if self.snapshot_bytes else 1.0
 
 
 class SpillStatus(Struct, kw_only=True):
     dir: str
     used_bytes: int
     max_bytes: int
+    kv_type: str = "same"
+    snapshots: int = 0
+    compressed_snapshots: int = 0
+    snapshot_bytes: int = 0
+    snapshot_raw_bytes: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.snapshot_raw_bytes / self.snapshot_bytes if self.snapshot_bytes else 1.0
 
 
 class MoveCounts(Struct, kw_only=True):
@@ -157,6 +183,8 @@ class MoveCounts(Struct, kw_only=True):
     evictions: int = 0
     checksum_failures: int = 0
     restores_without_room: int = 0  # llama.cpp had no cells for a restore: idle sessions made room
+    compressions: int = 0  # snapshots written at a smaller KV type (pool or spill, docs/kv-compression.md)
+    restores_decompressed: int = 0  # restores that wrote a compressed snapshot back at the hot types
 
 
 class Moves(MoveCounts, kw_only=True):

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from kvpool.daemon.config import sequence_count
+from kvpool.daemon.kv.codec.kv_types import F16
+from kvpool.daemon.llama.kv_settings import KvSettings
 
 MAGIC = 0x4B565046  # "KVPF": a state this fake wrote
 BYTES_PER_CELL = 64  # what each saved cell costs, like a (small) model's K and V rows
@@ -26,6 +28,7 @@ class FakeBatch:
 class FakeModel:
     fingerprint = "f" * 32
     kv_layout = "fake"
+    kv = KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
     n_swa = 0
 
     def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):

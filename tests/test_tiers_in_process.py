@@ -13,7 +13,7 @@ from kvpool.daemon.kv.tiers import Tiers
 from .fake_model import FakeModel
 from .kv_in_process import compute, open_session, tiers_on_fake_model
 
-SMALL_POOL = (24 + 64) << 10  # a header, a 64-entry table (24 KiB), and the smallest area a pool may have
+SMALL_POOL = (28 + 64) << 10  # a header, a 64-entry table (28 KiB), and the smallest area a pool may have
 
 
 def fake(tiers: Tiers) -> FakeModel:

@@ -92,6 +92,7 @@ class RequestHandlers:
                 age_s=round(now - s.created, 3),
                 shared_tokens=s.prefix_len if s.prefix is not None else 0,
                 saved=(s.snapshot.n_tokens if s.snapshot else 0) == len(s.tokens),
+                kv_type=self.tiers.codec.name(s.snapshot.kv_type) if s.snapshot and s.snapshot.n_kv else "",
             )
             for s in self.sessions.by_id.values()
         ]

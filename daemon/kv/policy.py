@@ -42,6 +42,15 @@ def pool_snapshot_holders(sessions: Iterable[Session], pinned: Session) -> list[
     return [v for v in sessions if v is not pinned and v.snapshot is not None and v.snapshot.tier == TIER_POOL]
 
 
+def uncompressed_in_pool(sessions: Iterable[Session], pinned: Session) -> list[Session]:
+    """Pool snapshots that compressing would shrink (at the hot types, with KV), least recently used first."""
+    return least_recently_used(
+        v
+        for v in pool_snapshot_holders(sessions, pinned)
+        if v.snapshot is not None and not v.snapshot.compressed and v.snapshot.n_kv
+    )
+
+
 def idle_on_disk(sessions: Iterable[Session], keep: Session) -> list[Session]:
     """Sessions that may be evicted to make room on disk: cold, idle, not the one being written."""
     return [

@@ -1,6 +1,7 @@
 """Writing snapshots: checkpoints into the pool (whole, or only a session's cells past a shared prefix),
 spills to the disk tier, and making room in both (least recently used first; an unused shared prefix goes
-before any session's snapshot; a session is evicted only when both tiers are full). Engine thread only."""
+before any session's snapshot; with pool compression "when_full", the least recently used snapshots are
+compressed before any is spilled; a session is evicted only when both tiers are full). Engine thread only."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import numpy as np
 
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.codec.kv_types import KvType
+from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL, payload_bytes
+from kvpool.daemon.kv.pool.layout import HOT_TYPES, NO_PREFIX, TIER_DISK, TIER_POOL, Snapshot, payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache
@@ -47,9 +50,10 @@ class SnapshotWriter:
         prefixes: PrefixCache,
         counts: TierCounters,
         evict: Callable[[Session], None],
+        codec: TierCodec,
     ):
         self.model, self.pool, self.spill, self.sessions = model, pool, spill, sessions
-        self.prefixes, self.counts, self.evict = prefixes, counts, evict
+        self.prefixes, self.counts, self.evict, self.codec = prefixes, counts, evict, codec
 
     def checkpoint(self, s: Session) -> None:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
@@ -57,6 +61,9 @@ class SnapshotWriter:
         first = prefix_links.suffix_start(s)
         with self.model.cells_from(s.slot, first) as source:
             state_bytes = self.model.state_size(source)
+            if self.codec.compress_on_write and self.codec.pool_type is not None:
+                self._checkpoint_compressed(s, source, state_bytes, first, self.codec.pool_type)
+                return
             extent = self._allocate(payload_bytes(state_bytes, len(s.tokens)), pinned=s)
             if extent is None:
                 self._checkpoint_to_disk(s, source, state_bytes, first)
@@ -83,6 +90,83 @@ class SnapshotWriter:
         self.counts.checkpoints += 1
         self.counts.checkpoint.add(state_bytes, time.perf_counter() - started)
 
+    def _save(self, source: int, state_bytes: int) -> ctypes.Array[ctypes.c_uint8]:
+        """The sequence's state in a private buffer (to compress it, or when the pool has no room)."""
+        buffer = (ctypes.c_uint8 * state_bytes)()
+        written = self.model.save_state(source, buffer)
+        if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
+            raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
+        return buffer
+
+    def _checkpoint_compressed(self, s: Session, source: int, raw_bytes: int, first: int, to: KvType) -> None:
+        """A checkpoint compressed as it is written (pool_kv_policy "always")."""
+        started = time.perf_counter()
+        raw = self._save(source, raw_bytes)
+        stored = self.codec.compress(memoryview(raw).cast("B"), to)
+        kv_type = to.ggml_id if stored is not None else HOT_TYPES
+        state = stored if stored is not None else bytes(raw)
+        del raw
+        extent = self._allocate(payload_bytes(len(state), len(s.tokens)), pinned=s)
+        prefix_ref = prefix_links.snapshot_ref(s, first)
+        if extent is None:
+            payload = state + np.asarray(s.tokens, dtype="<i4").tobytes()
+            self._write_disk(
+                s, memoryview(payload), len(state), len(s.tokens), s.n_kv, None, prefix_ref, kv_type, raw_bytes
+            )
+        else:
+            self.pool.view(extent.offset, len(state))[:] = state
+            previous = s.snapshot
+            s.snapshot = self.pool.commit_written(
+                s.entry, extent, len(state), s.tokens, s.n_kv, *prefix_ref, kv_type, raw_bytes
+            )
+            if previous is not None and previous.tier == TIER_DISK:
+                self.spill.remove(s.id, previous.version)
+            self.counts.checkpoint.add(raw_bytes, time.perf_counter() - started)
+        if kv_type != HOT_TYPES:
+            self.counts.compressions += 1
+        self._note_saved(s, first, raw_bytes)
+        self.counts.checkpoints += 1
+
+    def _compress_in_pool(self, pinned: Session) -> bool:
+        """Compress the least recently used pool snapshot still at the hot types into a smaller extent (pool
+        pressure, pool_kv_policy "when_full"). False when there is none, or its compressed copy finds no room
+        either (the caller spills then)."""
+        to = self.codec.pool_type
+        victim = next(iter(policy.uncompressed_in_pool(self.sessions.by_id.values(), pinned)), None)
+        if to is None or victim is None or victim.snapshot is None:
+            return False
+        snap = victim.snapshot
+        if not self.pool.verify(snap):
+            return False  # its restore will report the damage; spilling it keeps the bytes as they are
+        view = self.pool.view(snap.offset, snap.state_bytes)
+        try:
+            stored = self.codec.compress(view, to)
+        finally:
+            view.release()
+        if stored is None or len(stored) >= snap.state_bytes:
+            return False
+        extent = self.pool.allocator.allocate(payload_bytes(len(stored), snap.n_tokens))
+        if extent is None:
+            return False
+        self.pool.view(extent.offset, len(stored))[:] = stored
+        victim.snapshot = self._recommit(victim, snap, extent, stored, to)
+        self.counts.compressions += 1
+        return True
+
+    def _recommit(self, s: Session, snap: Snapshot, extent: Extent, state: bytes, to: KvType) -> Snapshot:
+        tokens = self.pool.tokens(snap)
+        return self.pool.commit_written(
+            s.entry,
+            extent,
+            len(state),
+            tokens,
+            snap.n_kv,
+            snap.prefix_entry,
+            snap.prefix_len,
+            to.ggml_id,
+            snap.raw_bytes or snap.state_bytes,
+        )
+
     def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
         """Bytes the new snapshot did not store again because it builds on a prefix (for status)."""
         assert s.slot is not None
@@ -103,13 +187,16 @@ class SnapshotWriter:
 
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
-        buffer = (ctypes.c_uint8 * payload_bytes(state_bytes, len(s.tokens)))()
-        written = self.model.save_state(source, (ctypes.c_uint8 * state_bytes).from_buffer(buffer))
-        if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
-            raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
-        view = memoryview(buffer).cast("B")
-        np.frombuffer(buffer, dtype="<i4", offset=state_bytes)[:] = s.tokens
-        self._write_disk(s, view, state_bytes, len(s.tokens), s.n_kv, prefix_ref=prefix_links.snapshot_ref(s, first))
+        raw = self._save(source, state_bytes)
+        to = self.codec.spill_type
+        stored = self.codec.compress(memoryview(raw).cast("B"), to) if to is not None else None
+        kv_type = to.ggml_id if stored is not None and to is not None else HOT_TYPES
+        state = stored if stored is not None else bytes(raw)
+        payload = state + np.asarray(s.tokens, dtype="<i4").tobytes()
+        prefix_ref = prefix_links.snapshot_ref(s, first)
+        self._write_disk(
+            s, memoryview(payload), len(state), len(s.tokens), s.n_kv, None, prefix_ref, kv_type, state_bytes
+        )
         self._note_saved(s, first, state_bytes)
         self.counts.checkpoints += 1
 
@@ -121,6 +208,8 @@ class SnapshotWriter:
             return None
         # A prefix nobody uses goes before any session's snapshot.
         while extent is None and (extent := self.prefixes.allocate(nbytes)) is None:
+            if self.codec.compress_when_full and self._compress_in_pool(pinned):
+                continue
             victim = policy.first_to_go(policy.pool_snapshot_holders(self.sessions.by_id.values(), pinned))
             if victim is None:
                 return None
@@ -170,10 +259,35 @@ class SnapshotWriter:
         """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""
         snap = s.snapshot
         assert snap is not None and snap.tier == TIER_POOL
+        prefix_ref = (snap.prefix_entry, snap.prefix_len)
+        to = self.codec.spill_type
+        if to is not None and snap.kv_type != to.ggml_id and snap.n_kv and self.pool.verify(snap):
+            view = self.pool.view(snap.offset, snap.state_bytes)
+            try:
+                stored = self.codec.compress(view, to)
+            finally:
+                view.release()
+            if stored is not None:
+                payload = stored + np.asarray(self.pool.tokens(snap), dtype="<i4").tobytes()
+                raw = snap.raw_bytes or snap.state_bytes
+                self._write_disk(
+                    s, memoryview(payload), len(stored), snap.n_tokens, snap.n_kv, None, prefix_ref, to.ggml_id, raw
+                )
+                self.counts.spills += 1
+                self.counts.compressions += 1
+                return
         view = self.pool.view(snap.offset, payload_bytes(snap.state_bytes, snap.n_tokens))
         try:
             self._write_disk(
-                s, view, snap.state_bytes, snap.n_tokens, snap.n_kv, snap.checksum, (snap.prefix_entry, snap.prefix_len)
+                s,
+                view,
+                snap.state_bytes,
+                snap.n_tokens,
+                snap.n_kv,
+                snap.checksum,
+                prefix_ref,
+                snap.kv_type,
+                snap.raw_bytes,
             )
         finally:
             view.release()
@@ -190,13 +304,15 @@ class SnapshotWriter:
         n_kv: int,
         digest: int | None = None,
         prefix_ref: tuple[int, int] = (NO_PREFIX, 0),
+        kv_type: int = HOT_TYPES,
+        raw_bytes: int = 0,
     ) -> None:
         self._make_disk_room(len(payload), keep=s)
         digest = checksum(payload) if digest is None else digest
         previous = s.snapshot
         version = (previous.version if previous else 0) + 1
         try:
-            self.spill.write(s.id, version, payload, state_bytes, n_tokens, n_kv, digest)
+            self.spill.write(s.id, version, payload, state_bytes, n_tokens, n_kv, digest, kv_type)
         except OSError as exc:
             raise RequestRefused(
                 ErrorCode.POOL_FULL,
@@ -204,7 +320,7 @@ class SnapshotWriter:
                 "there or raise cache_pool_size.",
             ) from None
         s.snapshot = self.pool.commit(
-            s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload), *prefix_ref
+            s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload), *prefix_ref, kv_type, raw_bytes
         )
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)

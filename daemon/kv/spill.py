@@ -1,7 +1,9 @@
 """The cold tier: snapshots evicted from the pool, one file each in a size-capped spill directory.
 
 A file is written atomically (temporary name, fsync, rename, fsync of the directory) and carries its own
-header and checksum, verified on every read. File names hold the session id and the snapshot version, so
+header and checksum, verified on every read. The header also names the model and the hot KV layout the state
+was saved under (the pool's fingerprint and kv_layout): a file of another layout is refused, never loaded.
+File names hold the session id and the snapshot version, so
 the pool's session table says which file is current; files it does not reference are leftovers of a crash
 and are removed at start.
 """
@@ -15,10 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.pool.layout import TOKEN_BYTES, payload_bytes
+from kvpool.daemon.kv.pool.layout import HOT_TYPES, TOKEN_BYTES, payload_bytes
 
-MAGIC = b"KVSPILL1"
-HEADER = struct.Struct("<8sQQIIQ")  # magic, version, state_bytes, n_tokens, n_kv, checksum
+MAGIC = b"KVSPILL2"
+# magic, version, state_bytes, n_tokens, n_kv, checksum, kv_type (HOT_TYPES or the ggml type it was compressed
+# to), model fingerprint, KV layout
+HEADER = struct.Struct("<8sQQIIQi32s64s")
 SUFFIX = ".snap"
 
 
@@ -31,9 +35,10 @@ class SnapshotCorrupt(Exception):
 
 
 class SpillDir:
-    def __init__(self, path: Path, max_bytes: int):
+    def __init__(self, path: Path, max_bytes: int, fingerprint: str = "", kv_layout: str = ""):
         self.path = path
         self.max_bytes = max_bytes
+        self.fingerprint, self.kv_layout = fingerprint, kv_layout
         try:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
             probe = path / ".write-test"
@@ -63,13 +68,22 @@ class SpillDir:
         return HEADER.size + payload_bytes <= self.max_bytes
 
     def write(
-        self, session: str, version: int, payload: memoryview, state_bytes: int, n_tokens: int, n_kv: int, digest: int
+        self,
+        session: str,
+        version: int,
+        payload: memoryview,
+        state_bytes: int,
+        n_tokens: int,
+        n_kv: int,
+        digest: int,
+        kv_type: int = HOT_TYPES,
     ) -> None:
         name = self.name(session, version)
         tmp = self.path / f"{name}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, HEADER.pack(MAGIC, version, state_bytes, n_tokens, n_kv, digest))
+            header = (MAGIC, version, state_bytes, n_tokens, n_kv, digest, kv_type)
+            os.write(fd, HEADER.pack(*header, self.fingerprint.encode(), self.kv_layout.encode()))
             view = payload
             while view:
                 view = view[os.write(fd, view) :]
@@ -98,10 +112,13 @@ class SpillDir:
             raise SnapshotCorrupt(f"spill file {name} is missing") from None
         if len(data) < HEADER.size:
             raise SnapshotCorrupt(f"spill file {name} is truncated")
-        magic, file_version, state_bytes, n_tokens, _n_kv, digest = HEADER.unpack_from(data)
+        magic, file_version, state_bytes, n_tokens, _n_kv, digest, _kv_type, fingerprint, layout = HEADER.unpack_from(
+            data
+        )
         payload = data[HEADER.size :]
         if magic != MAGIC or file_version != version or len(payload) != payload_bytes(state_bytes, n_tokens):
             raise SnapshotCorrupt(f"spill file {name} has a damaged header")
+        self._check_identity(name, fingerprint, layout)
         if checksum(payload) != digest:
             raise SnapshotCorrupt(f"spill file {name} fails its checksum")
         return payload
@@ -111,7 +128,8 @@ class SpillDir:
         name = self.name(session, version)
         try:
             with (self.path / name).open("rb") as f:
-                _magic, _version, state_bytes, n_tokens, _n_kv, _digest = HEADER.unpack(f.read(HEADER.size))
+                fields = HEADER.unpack(f.read(HEADER.size))
+                state_bytes, n_tokens = fields[2], fields[3]
                 f.seek(HEADER.size + state_bytes)
                 data = f.read(TOKEN_BYTES * n_tokens)
         except (OSError, struct.error) as exc:
@@ -119,6 +137,15 @@ class SpillDir:
         if len(data) != TOKEN_BYTES * n_tokens:
             raise SnapshotCorrupt(f"spill file {name} is truncated")
         return np.frombuffer(data, dtype="<i4").tolist()
+
+    def _check_identity(self, name: str, fingerprint: bytes, layout: bytes) -> None:
+        theirs_model, theirs_layout = fingerprint.rstrip(b"\0").decode(), layout.rstrip(b"\0").decode()
+        if self.fingerprint and theirs_model != self.fingerprint:
+            raise SnapshotCorrupt(f"spill file {name} holds a state of another model ({theirs_model})")
+        if self.kv_layout and theirs_layout != self.kv_layout:
+            raise SnapshotCorrupt(
+                f"spill file {name} was saved with KV layout {theirs_layout!r} and this daemon runs {self.kv_layout!r}"
+            )
 
     def remove(self, session: str, version: int) -> None:
         name = self.name(session, version)

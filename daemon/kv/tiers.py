@@ -16,10 +16,14 @@ import logging
 import time
 from collections.abc import Iterable
 
+import msgspec
+
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.codec.state_format import StateFormatError
+from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
-from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL, Snapshot
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
@@ -28,7 +32,7 @@ from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.kv.snapshots import SessionCorrupt, SnapshotWriter
 from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
 from kvpool.daemon.llama.model import Model
-from kvpool.protocol.status import PrefixStatus, SpillStatus
+from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 
 log = logging.getLogger("kvpool.tiers")
 
@@ -40,7 +44,8 @@ class Tiers:
         self.resident: dict[int, Session] = {}
         self.prefixes = PrefixCache(model, pool, config)
         self.counts = TierCounters()
-        self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.evict)
+        self.codec = TierCodec(model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type)
+        self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.evict, self.codec)
 
     # ------------------------------------------------------------------ hot tier
 
@@ -164,11 +169,18 @@ class Tiers:
             if not self.pool.verify(snap):
                 self.counts.checksum_failures += 1
                 raise SessionCorrupt(s, "its pool snapshot fails its checksum")
-            state = self.pool.address(snap.offset, snap.state_bytes)
-            try:
-                ok = self.model.load_state(slot, state)
-            finally:
-                del state  # release the export of the mapping
+            if snap.compressed:
+                view = self.pool.view(snap.offset, snap.state_bytes)
+                try:
+                    ok = self.model.load_state(slot, self._decompress(s, view))
+                finally:
+                    view.release()
+            else:
+                state = self.pool.address(snap.offset, snap.state_bytes)
+                try:
+                    ok = self.model.load_state(slot, state)
+                finally:
+                    del state  # release the export of the mapping
             self.counts.restores_pool += 1
             self.counts.restore_pool.add(snap.state_bytes, time.perf_counter() - started)
         else:
@@ -177,10 +189,22 @@ class Tiers:
             except SnapshotCorrupt as exc:
                 self.counts.checksum_failures += 1
                 raise SessionCorrupt(s, str(exc)) from None
-            state = (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0)
-            ok = self.model.load_state(slot, state)
+            if snap.compressed:
+                ok = self.model.load_state(slot, self._decompress(s, memoryview(payload)[: snap.state_bytes]))
+            else:
+                ok = self.model.load_state(slot, (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0))
             self.counts.restores_disk += 1
         return ok
+
+    def _decompress(self, s: Session, stored: memoryview) -> ctypes.Array[ctypes.c_uint8]:
+        """A compressed snapshot's state at the hot types, for llama.cpp to load."""
+        try:
+            state = self.codec.to_hot(stored)
+        except StateFormatError as exc:
+            self.counts.checksum_failures += 1
+            raise SessionCorrupt(s, f"its compressed state cannot be read: {exc}") from None
+        self.counts.restores_decompressed += 1
+        return (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
 
     # ------------------------------------------------------------------ shared prefixes
 
@@ -265,8 +289,36 @@ class Tiers:
             by_tier[s.tier] = by_tier.get(s.tier, 0) + 1
         return by_tier
 
+    def _snapshot_figures(self, tier: int) -> dict[str, int]:
+        snaps = [snap for s in self.sessions.by_id.values() if (snap := s.snapshot) is not None and snap.tier == tier]
+        return {
+            "snapshots": len(snaps),
+            "compressed_snapshots": sum(1 for x in snaps if x.compressed),
+            "snapshot_bytes": sum(x.state_bytes for x in snaps),
+            "snapshot_raw_bytes": sum(_raw_bytes(x) for x in snaps),
+        }
+
+    def pool_status(self) -> PoolStatus:
+        usage = self.pool.usage()
+        return msgspec.structs.replace(
+            usage,
+            kv_type=self.config.pool_kv_type,
+            kv_policy=self.config.pool_kv_policy,
+            **self._snapshot_figures(TIER_POOL),
+        )
+
     def spill_status(self) -> SpillStatus:
-        return SpillStatus(dir=str(self.spill.path), used_bytes=self.spill.used_bytes, max_bytes=self.spill.max_bytes)
+        return SpillStatus(
+            dir=str(self.spill.path),
+            used_bytes=self.spill.used_bytes,
+            max_bytes=self.spill.max_bytes,
+            kv_type=self.config.spill_kv_type,
+            **self._snapshot_figures(TIER_DISK),
+        )
 
     def prefix_status(self) -> PrefixStatus:
         return self.prefixes.status(sum(s.saved_bytes for s in self.sessions.by_id.values() if s.snapshot))
+
+
+def _raw_bytes(snap: Snapshot) -> int:
+    return snap.raw_bytes or snap.state_bytes

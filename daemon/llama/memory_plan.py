@@ -2,8 +2,8 @@
 config before anything is loaded, and refused at start when it exceeds `memory_limit`.
 
     weights   the GGUF file (memory-mapped; every page is read while decoding)
-    hot KV    f16 K and V for the unified cells of every layer; sliding-window layers hold only
-              the window per slot plus one batch (llama.cpp's non-full SWA cache)
+    hot KV    K and V (at cache_type_k/_v) for the unified cells of every layer; sliding-window layers
+              hold only the window per slot plus one batch (llama.cpp's non-full SWA cache)
     compute   llama.cpp's graph buffer for one batch, plus one logits row per slot
     pool      the shared-memory segment (reserved in full at start)
     runtime   the Python process itself: interpreter, numpy, pyzmq, llama.cpp's code (measured)
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.daemon.config import Config, sequence_count
+from kvpool.daemon.kv.codec.kv_types import kv_type
 from kvpool.daemon.llama.gguf_meta import read_metadata
 
-F16 = 2
 F32 = 4
 RUNTIME_BYTES = 64 << 20  # measured: a kvpoold with the tiny test model, before its pool, is ~60 MiB PSS
 GLOBAL_LAYER_EVERY = {"gemma3": 6}  # sliding-window architectures: every Nth layer attends globally
@@ -66,7 +66,23 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def plan_memory(model_path: Path, config: Config) -> MemoryPlan:
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan and the KV settings need of a GGUF's metadata."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_k: int
+    head_v: int
+    n_ff: int
+    n_vocab: int
+    window: int
+
+
+def model_shape(model_path: Path) -> ModelShape:
     meta = read_metadata(model_path)
     arch = meta.get("general.architecture", "llama")
 
@@ -74,21 +90,30 @@ def plan_memory(model_path: Path, config: Config) -> MemoryPlan:
         value = meta.get(f"{arch}.{name}", default)
         return int(value[0] if isinstance(value, list) else value)
 
-    n_layer = key("block_count")
     n_embd = key("embedding_length")
     n_head = max(1, key("attention.head_count", 1))
-    n_head_kv = key("attention.head_count_kv", n_head) or n_head
-    head_k = key("attention.key_length", n_embd // n_head)
-    head_v = key("attention.value_length", n_embd // n_head)
-    n_ff = key("feed_forward_length", 4 * n_embd)
-    n_vocab = int(
-        meta.get("tokenizer.ggml.tokens", 32000)
-        if not isinstance(meta.get("tokenizer.ggml.tokens"), list)
-        else len(meta["tokenizer.ggml.tokens"])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return ModelShape(
+        arch=arch,
+        n_layer=key("block_count"),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=key("attention.head_count_kv", n_head) or n_head,
+        head_k=key("attention.key_length", n_embd // n_head),
+        head_v=key("attention.value_length", n_embd // n_head),
+        n_ff=key("feed_forward_length", 4 * n_embd),
+        n_vocab=len(tokens) if isinstance(tokens, list) else 32000,
+        window=key("attention.sliding_window"),
     )
-    window = key("attention.sliding_window")
+
+
+def plan_memory(model_path: Path, config: Config) -> MemoryPlan:
+    shape = model_shape(model_path)
+    type_k, type_v = kv_type(config.cache_type_k), kv_type(config.cache_type_v)
+    arch, n_layer, n_embd, n_head = shape.arch, shape.n_layer, shape.n_embd, shape.n_head
+    n_head_kv, n_ff, n_vocab, window = shape.n_head_kv, shape.n_ff, shape.n_vocab, shape.window
     cells = _round_up(config.context_size, 256)
-    per_cell_layer = n_head_kv * (head_k + head_v) * F16
+    per_cell_layer = type_k.row_bytes(n_head_kv * shape.head_k) + type_v.row_bytes(n_head_kv * shape.head_v)
     if window and arch in GLOBAL_LAYER_EVERY:
         n_global = n_layer // GLOBAL_LAYER_EVERY[arch]
         # llama.cpp keeps a window of cells per sequence id: hot slots, shared prefixes and the scratch sequence

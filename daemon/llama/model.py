@@ -20,6 +20,8 @@ import llama_cpp as lc
 import numpy as np
 
 from kvpool.daemon.config import sequence_count
+from kvpool.daemon.kv.codec.kv_types import F16
+from kvpool.daemon.llama.kv_settings import KvSettings
 from kvpool.protocol.status import ModelStatus
 
 log = logging.getLogger("kvpool.llama")
@@ -167,8 +169,13 @@ class Model:
         threads: int,
         prefix_slots: int = 0,
         repack: bool = True,
+        kv: KvSettings | None = None,
+        outputs: int = 0,
     ):
+        """``kv``: the hot KV's types and flash attention (default f16, on). ``outputs``: rows of logits one
+        decode may return (default one per sequence, all a step samples; a quality benchmark wants more)."""
         _init_backend()
+        self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
         mparams = lc.llama_model_default_params()
         # llama.cpp's extra buffer types repack weights for faster CPU kernels (AVX2/AVX-512/NEON, AMX); whether
@@ -193,7 +200,12 @@ class Model:
         cparams.n_seq_max = sequence_count(hot_slots, prefix_slots)
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
-        cparams.n_outputs_max = cparams.n_seq_max  # llama.cpp reserves its graph for one output per sequence
+        cparams.n_outputs_max = outputs or cparams.n_seq_max  # llama.cpp reserves its graph for these outputs
+        cparams.type_k, cparams.type_v = self.kv.type_k.ggml_id, self.kv.type_v.ggml_id
+        cparams.flash_attn_type = (
+            lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.kv.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.swa_full = self.kv.swa_full
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on
@@ -203,7 +215,8 @@ class Model:
             lc.llama_model_free(self._model)
             raise ModelLoadError(
                 f"llama.cpp could not create a context of {context_size} cells for {hot_slots} slots "
-                f"with {self.path.name}; lower context_size or hot_slots."
+                f"with {self.path.name} ({self.kv.describe()}); lower context_size or hot_slots, or use f16 "
+                "cache types (the log shows llama.cpp's reason)."
             )
         self.memory = lc.llama_get_memory(self.ctx)
         self.context_size = lc.llama_n_ctx(self.ctx)
@@ -215,7 +228,7 @@ class Model:
         self.description = self._desc()
         self.fingerprint = self._fingerprint()
         # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
-        self.kv_layout = f"type_k={cparams.type_k},type_v={cparams.type_v},swa_full={int(cparams.swa_full)}"
+        self.kv_layout = self.kv.layout
 
     # ------------------------------------------------------------------ text
 
@@ -372,6 +385,9 @@ class Model:
             context_size_train=lc.llama_model_n_ctx_train(self._model),
             sliding_window=lc.llama_model_n_swa(self._model),
             cpu_repack=self.repack,
+            kv_type_k=self.kv.type_k.name,
+            kv_type_v=self.kv.type_v.name,
+            flash_attn=self.kv.flash_attn,
             chat_template=self.chat_template(),
             architecture=self.metadata("general.architecture"),
             bos_token=self.token_text(lc.llama_vocab_bos(self.vocab)) if self.add_bos else "",

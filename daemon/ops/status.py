@@ -80,7 +80,7 @@ def status_of(
             cost_model=scheduler.cost.status(),
         ),
         tasks={task: scheduler.task_stats[task].status(scheduler.queue_depth(task)) for task in config.tasks},
-        pool=tiers.pool.usage(),
+        pool=tiers.pool_status(),
         spill=tiers.spill_status(),
         sessions_by_tier=tiers.sessions_by_tier(),
         moves=tiers.counts.status(),

@@ -10,7 +10,7 @@ import numpy as np
 from kvpool.daemon.kv.pool.allocator import Extent
 
 MAGIC = b"KVPOOL\x00\x01"
-LAYOUT_VERSION = 2  # 2: prefix entries, and snapshot records that name the prefix they build on
+LAYOUT_VERSION = 3  # 2: prefix entries and records naming them; 3: records name their stored KV type
 HEADER_BYTES = 4096
 ALIGN = 64
 
@@ -22,6 +22,7 @@ SESSION, PREFIX = 0, 1  # entry kinds: a session, or a prefix shared by sessions
 NO_PREFIX = -1
 TOKEN_BYTES = 4  # a snapshot's payload is llama.cpp's sequence state, then its tokens as little-endian int32
 TIER_POOL, TIER_DISK = 1, 2
+HOT_TYPES = -1  # a record's kv_type when its state is at the hot KV's types (else the ggml type it was stored at)
 
 HEADER = np.dtype(
     {
@@ -46,6 +47,8 @@ RECORD = np.dtype(
     {
         # prefix_entry/prefix_len: the snapshot holds only the cells past the first prefix_len positions; the
         # rest are the prefix snapshot in table entry prefix_entry (NO_PREFIX: the snapshot is whole).
+        # kv_type: the ggml type its K/V rows were compressed to (HOT_TYPES: none); raw_bytes: its state's size
+        # at the hot types (state_bytes when not compressed).
         "names": [
             "version",
             "tier",
@@ -57,10 +60,12 @@ RECORD = np.dtype(
             "checksum",
             "prefix_len",
             "prefix_entry",
+            "kv_type",
+            "raw_bytes",
         ],
-        "formats": ["<u8", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4", "<u8", "<u4", "<i4"],
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 56, 60],
-        "itemsize": 64,
+        "formats": ["<u8", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4", "<u8", "<u4", "<i4", "<i4", "<u8"],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 56, 60, 64, 72],
+        "itemsize": 80,
     }
 )
 ENTRY = np.dtype(
@@ -68,7 +73,7 @@ ENTRY = np.dtype(
         "names": ["state", "kind", "session", "token", "task", "created", "last_used", "records"],
         "formats": ["<u4", "<u4", "S16", "S32", "S64", "<f8", "<f8", (RECORD, (2,))],
         "offsets": [0, 4, 8, 24, 56, 120, 128, 192],
-        "itemsize": 320,
+        "itemsize": 352,
     }
 )
 
@@ -87,6 +92,12 @@ class Snapshot:
     checksum: int
     prefix_len: int = 0
     prefix_entry: int = NO_PREFIX
+    kv_type: int = HOT_TYPES
+    raw_bytes: int = 0
+
+    @property
+    def compressed(self) -> bool:
+        return self.kv_type != HOT_TYPES
 
     @property
     def extent(self) -> Extent:

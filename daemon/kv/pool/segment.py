@@ -33,6 +33,7 @@ from kvpool.daemon.kv.pool.layout import (
     FREE,
     HEADER,
     HEADER_BYTES,
+    HOT_TYPES,
     LAYOUT_VERSION,
     LIVE,
     MAGIC,
@@ -280,6 +281,8 @@ class Pool:
             int(r["checksum"]),
             int(r["prefix_len"]),
             int(r["prefix_entry"]),
+            int(r["kv_type"]),
+            int(r["raw_bytes"]),
         )
 
     def claim(self, session: str, token: str, task: str, kind: int = SESSION) -> int | None:
@@ -380,8 +383,11 @@ class Pool:
         payload_bytes: int,
         prefix_entry: int = NO_PREFIX,
         prefix_len: int = 0,
+        kv_type: int = HOT_TYPES,
+        raw_bytes: int = 0,
     ) -> Snapshot:
-        """Switch the entry to a new snapshot already written and checksummed; free the previous extent."""
+        """Switch the entry to a new snapshot already written and checksummed; free the previous extent.
+        ``kv_type``/``raw_bytes``: what it was compressed to, and its state's size uncompressed (0: as stored)."""
         previous = self.committed(index)
         records = self.table[index]["records"]
         k = 0 if previous is None else 1 - int(np.argmax(records["version"]))
@@ -391,6 +397,7 @@ class Pool:
         r["length"] = extent.length if extent else payload_bytes
         r["state_bytes"], r["n_tokens"], r["n_kv"], r["checksum"] = state_bytes, n_tokens, n_kv, digest
         r["prefix_entry"], r["prefix_len"] = prefix_entry, prefix_len
+        r["kv_type"], r["raw_bytes"] = kv_type, raw_bytes or state_bytes
         version = 1 if previous is None else previous.version + 1
         records["version"][k] = version  # the commit: one aligned 8-byte store
         if self.table[index]["state"] == UNSAVED:
@@ -410,6 +417,8 @@ class Pool:
         n_kv: int,
         prefix_entry: int = NO_PREFIX,
         prefix_len: int = 0,
+        kv_type: int = HOT_TYPES,
+        raw_bytes: int = 0,
     ) -> Snapshot:
         """Finish a pool snapshot whose state bytes are already in ``extent``: append its tokens, checksum the
         whole payload, commit."""
@@ -417,7 +426,18 @@ class Pool:
         self.write_tokens(extent.offset + state_bytes, tokens)
         digest = checksum(self.view(extent.offset, payload))
         return self.commit(
-            index, TIER_POOL, extent, state_bytes, len(tokens), n_kv, digest, payload, prefix_entry, prefix_len
+            index,
+            TIER_POOL,
+            extent,
+            state_bytes,
+            len(tokens),
+            n_kv,
+            digest,
+            payload,
+            prefix_entry,
+            prefix_len,
+            kv_type,
+            raw_bytes,
         )
 
     def verify(self, snap: Snapshot) -> bool:

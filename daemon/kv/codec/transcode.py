@@ -1,0 +1,63 @@
+"""Transcoding a sequence state's K and V rows to other ggml types (compress for the pool or the disk, and
+back to the context's types to load). The block kernels are gguf's numpy ports of ggml's reference
+quantizers (maintained with llama.cpp), vectorised over whole layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+
+from kvpool.daemon.kv.codec.kv_types import KvType
+from kvpool.daemon.kv.codec.state_format import Rows, SequenceState, StateBytes, parse, rewrite
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The types to write: K rows and V rows (None keeps that kind as it is)."""
+
+    k: KvType | None
+    v: KvType | None
+
+    def for_kind(self, kind: str) -> KvType | None:
+        return self.k if kind == "k" else self.v
+
+
+def decode_rows(rows: np.ndarray, kv_type: KvType) -> np.ndarray:
+    """uint8 [n, row_bytes] -> float32 [n, n_cols]."""
+    if kv_type.name == "f32":
+        return rows.view(np.float32)
+    if kv_type.name == "f16":
+        return rows.view(np.float16).astype(np.float32)
+    return quants.dequantize(rows, GGMLQuantizationType(kv_type.ggml_id)).astype(np.float32, copy=False)
+
+
+def encode_rows(values: np.ndarray, kv_type: KvType) -> np.ndarray:
+    """float32 [n, n_cols] -> uint8 [n, row_bytes] in ``kv_type``'s block format."""
+    if kv_type.name == "f32":
+        return np.ascontiguousarray(values, dtype=np.float32).view(np.uint8)
+    if kv_type.name == "f16":
+        return values.astype(np.float16).view(np.uint8)
+    return quants.quantize(values, GGMLQuantizationType(kv_type.ggml_id))
+
+
+def convertible(layer: Rows, to: KvType) -> bool:
+    return layer.n_cols % to.block == 0
+
+
+def transcode(state: StateBytes | SequenceState, target: Target) -> bytes:
+    """The state with every K/V row block at the target types (layers whose width is not a whole number of the
+    target's blocks, and transposed V, stay as they are). Raises StateFormatError for bytes it cannot read."""
+    parsed = state if isinstance(state, SequenceState) else parse(state)
+    replace: dict[int, tuple[KvType, bytes]] = {}
+    for index, layer in enumerate(parsed.layers):
+        to = target.for_kind(layer.kind)
+        if to is None or to == layer.kv_type or not convertible(layer, to):
+            continue
+        rows = np.frombuffer(parsed.data, np.uint8, layer.n_rows * layer.row_bytes, layer.data_offset)
+        values = decode_rows(rows.reshape(layer.n_rows, layer.row_bytes), layer.kv_type)
+        replace[index] = (to, encode_rows(values, to).tobytes())
+    if not replace:
+        return bytes(parsed.data)
+    return rewrite(parsed, replace)
