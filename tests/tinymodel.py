@@ -35,11 +35,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
+def build_tiny_model(path: Path, seed: int = 0, heads: tuple[int, int] = (N_HEAD, N_HEAD_KV)) -> Path:
+    """``heads``: attention heads and KV heads; the default (4, 2) gives heads of 16 values, too narrow for a
+    quantized KV cache (32-value blocks), (2, 1) gives heads of 32 that one fits."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
-    head_dim = N_EMBD // N_HEAD
+    n_head, n_head_kv = heads
+    head_dim = N_EMBD // n_head
 
     def w(*shape: int, scale: float = 1.0) -> np.ndarray:
         return (rng.standard_normal(shape) * scale / np.sqrt(shape[-1])).astype(np.float32)
@@ -50,8 +53,8 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
     writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -76,8 +79,8 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
         writer.add_tensor(p + "attn_q.weight", w(N_EMBD, N_EMBD))
-        writer.add_tensor(p + "attn_k.weight", w(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(p + "attn_v.weight", w(N_HEAD_KV * head_dim, N_EMBD))
+        writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, N_EMBD))
+        writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, N_EMBD))
         writer.add_tensor(p + "attn_output.weight", w(N_EMBD, N_EMBD))
         writer.add_tensor(p + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
         writer.add_tensor(p + "ffn_gate.weight", w(N_FF, N_EMBD))

@@ -102,6 +102,8 @@ def parse(state: StateBytes) -> SequenceState:
     layers: list[Rows] = []
     transposed = False
     cells = 0
+    if r.pos == len(data):
+        raise StateFormatError("it holds no KV cache block")
     while r.pos < len(data):
         n_stream = r.take(_U32)
         if not 1 <= n_stream <= _MAX_STREAMS:
