@@ -203,6 +203,11 @@ class SnapshotWriter:
     def _allocate(self, nbytes: int, pinned: Session) -> Extent | None:
         """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no
         amount of spilling could make room (the caller then writes the snapshot to disk)."""
+        if self.codec.compress_when_full:
+            # Compress while the pool still has room for a compressed copy (it is written before the original is
+            # freed, so a crash never finds half of either): when less than two snapshots of this size are free.
+            while self.pool.allocator.free_bytes < 2 * nbytes and self._compress_in_pool(pinned):
+                pass
         extent = self.pool.allocator.allocate(nbytes)
         if extent is None and not self._could_ever_fit(nbytes, pinned):
             return None
