@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PrefixStatus
+from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PoolStatus, PrefixStatus, SpillStatus
 
 from .client import Client
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
@@ -85,6 +85,14 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _compression(tier: PoolStatus | SpillStatus, when: str) -> str:
+    """A tier's KV type and what it achieved: "kv q8_0 when full: 3 of 11 snapshots compressed, 1.31x"."""
+    if tier.kv_type == "same":
+        return "kv at the hot types"
+    done = f"{tier.compressed_snapshots} of {tier.snapshots} snapshots compressed, {tier.compression_ratio:.2f}x"
+    return f"kv {tier.kv_type}{' when full' if when == 'when_full' else ''}: {done}"
+
+
 def format_status(status: DaemonStatus) -> str:
     """The status as a person reads it: daemon, tiers and counters, then one latency row per task."""
     out: list[str] = []
@@ -99,14 +107,22 @@ def format_status(status: DaemonStatus) -> str:
     rows: list[tuple[str, Any]] = [
         ("daemon", f"kvpoold {status.daemon_version} (pid {status.pid}, up {status.uptime_s:.0f} s)"),
         ("model", f"{model.description} ({model.path}), cpu_repack {'on' if model.cpu_repack else 'off'}"),
+        (
+            "hot kv",
+            f"K {model.kv_type_k}, V {model.kv_type_v}, flash attention {'on' if model.flash_attn else 'off'}",
+        ),
         ("slots", f"{slots.used}/{slots.total} used"),
         ("kv cells", f"{kv.cells_used}/{kv.cells_total} used"),
         (
             "pool",
             f"{_bytes(pool.used_bytes)} used, {_bytes(pool.free_bytes)} free, largest free extent "
-            f"{_bytes(pool.largest_free_extent_bytes)} ({pool.name})",
+            f"{_bytes(pool.largest_free_extent_bytes)} ({pool.name}); {_compression(pool, pool.kv_policy)}",
         ),
-        ("spill", f"{_bytes(status.spill.used_bytes)} of {_bytes(status.spill.max_bytes)}"),
+        (
+            "spill",
+            f"{_bytes(status.spill.used_bytes)} of {_bytes(status.spill.max_bytes)}; "
+            f"{_compression(status.spill, 'always')}",
+        ),
         ("tiers", _counts(status.sessions_by_tier)),
         ("prefixes", _prefixes(status.prefixes)),
         ("sessions", f"{sessions.open} open (max {sessions.max}), {sessions.generating} generating"),
@@ -188,14 +204,14 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps([{f: getattr(s, f) for f in s.__struct_fields__} for s in sessions], indent=2))
         return 0
     print(
-        f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'shared':>7} {'snapshot':>9} {'saved':<5} "
-        f"{'busy':<5} {'idle s':>8} {'age s':>8}"
+        f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'shared':>7} {'snapshot':>9} {'kv type':<9} "
+        f"{'saved':<5} {'busy':<5} {'idle s':>8} {'age s':>8}"
     )
     for s in sessions:
         print(
             f"{s.session:<18} {s.task:<10} {s.tier:<5} {s.context_tokens:>7} {s.shared_tokens:>7} "
-            f"{_bytes(s.snapshot_bytes):>9} {'yes' if s.saved else 'no':<5} {'yes' if s.busy else 'no':<5} "
-            f"{s.idle_s:>8.1f} {s.age_s:>8.1f}"
+            f"{_bytes(s.snapshot_bytes):>9} {s.kv_type or '-':<9} {'yes' if s.saved else 'no':<5} "
+            f"{'yes' if s.busy else 'no':<5} {s.idle_s:>8.1f} {s.age_s:>8.1f}"
         )
     return 0
 

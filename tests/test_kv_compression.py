@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import Client
+from kvpool.client.cli import format_status
+from kvpool.daemon.ops.prometheus import render
 
 from .daemon_process import DaemonProcess, run_until_exit
 from .tinymodel import build_tiny_model
@@ -79,6 +81,11 @@ def test_pool_snapshots_compressed_as_written_come_back_at_the_hot_types(start_d
         assert pool.kv_type == "q8_0" and pool.compressed_snapshots == pool.snapshots == 3
         assert pool.compression_ratio > 1.7  # f16 rows of 32 values: 64 bytes; q8_0: 34
         assert {s.kv_type for s in client.sessions() if s.tier == "pool"} == {"q8_0"}
+        text = format_status(status)
+        assert "K f16, V f16, flash attention on" in text and "kv q8_0: 3 of 3 snapshots compressed" in text
+        exposition = render(status, {})
+        stored = f'kvpool_tier_snapshot_bytes{{kind="stored",tier="pool"}} {float(pool.snapshot_bytes)}'
+        assert stored in exposition and 'kvpool_tier_compressed_snapshots{tier="pool"} 3.0' in exposition
     exact = start_daemon("--hot-slots", "1", name="exact")
     with exact.client() as client:
         uncompressed, _ = turns(client, 3, 3)

@@ -106,6 +106,22 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
         "Spill directory bytes.",
         [({"state": "used"}, spill.used_bytes), ({"state": "max"}, spill.max_bytes)],
     )
+    yield _family(
+        gauge,
+        "kvpool_tier_snapshot_bytes",
+        "Session snapshot bytes per tier: as stored, and at the hot KV types (their ratio is the compression).",
+        [
+            ({"tier": name, "kind": kind}, value)
+            for name, t in (("pool", pool), ("disk", spill))
+            for kind, value in (("stored", t.snapshot_bytes), ("hot_types", t.snapshot_raw_bytes))
+        ],
+    )
+    yield _family(
+        gauge,
+        "kvpool_tier_compressed_snapshots",
+        "Session snapshots per tier stored at a smaller KV type than the hot one.",
+        [({"tier": "pool"}, pool.compressed_snapshots), ({"tier": "disk"}, spill.compressed_snapshots)],
+    )
     yield _family(counter, "kvpool_prefix_hits", "Sessions that started from a shared prefix.", [({}, prefixes.hits)])
     yield _family(
         counter,
