@@ -135,13 +135,16 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
 
-    def add(self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool) -> int:
-        """Append ``tokens`` of one sequence; returns the batch row of the last token (for sampling)."""
+    def add(
+        self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool, all_logits: bool = False
+    ) -> int:
+        """Append ``tokens`` of one sequence; returns the batch row of the last token (for sampling).
+        ``all_logits``: every token's row (a benchmark scoring each position; the context needs the outputs)."""
         start, count = self.n, len(tokens)
         end = start + count
         self.token[start:end] = tokens
         self.pos[start:end] = np.arange(first_pos, first_pos + count, dtype=np.int32)
-        self.logits[start:end] = 0
+        self.logits[start:end] = int(all_logits)
         if want_last_logits:
             self.logits[end - 1] = 1
         rows = self._seq_rows
@@ -303,6 +306,10 @@ class Model:
     def decode(self) -> int:
         """Run the filled batch through the model. 0: done; 1: no room in the KV (state unchanged)."""
         return lc.llama_decode(self.ctx, self.batch.as_llama_batch())
+
+    def output_logits(self, rows: int) -> np.ndarray:
+        """The logits of the last decode's first ``rows`` outputs, [rows, n_vocab] (a view: copy to keep)."""
+        return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(rows, self.n_vocab))
 
     def new_sampler(self, params: SamplingParams, history: list[int]) -> Sampler:
         return Sampler(self, params, history)

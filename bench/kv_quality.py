@@ -1,0 +1,177 @@
+"""What KV compression costs in quality, on the default model, against its all-f16 run.
+
+A fixed English text shipped with Python (pydoc_data.topics) is fed in turns of --turn tokens; after every turn
+each configuration hibernates and restores its sequence through the path a daemon uses (llama.cpp's sequence
+state, compressed to the pool's type and written back at the hot types by kvpool's codec), so a compressed
+snapshot is what the next turn really reads. Every position after the first turn is scored: the next-token
+distribution of each configuration against the reference (f16 K and V, flash attention on, the default):
+mean KL divergence, top-1 agreement, and the perplexity of the text. The noise floor is measured in the same
+run: llama.cpp's other f16 attention path (flash attention off) against the reference.
+
+    python bench/kv_quality.py [--model PATH] [--positions 2048] [--turn 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import default_model  # noqa: E402
+
+from kvpool.daemon.kv.codec.tier_codec import TierCodec  # noqa: E402
+from kvpool.daemon.llama.kv_settings import resolve_kv_settings  # noqa: E402
+from kvpool.daemon.llama.memory_plan import model_shape  # noqa: E402
+from kvpool.daemon.llama.model import Model  # noqa: E402
+
+
+@dataclass
+class Setup:
+    name: str
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: str = "auto"
+    pool: str = "same"  # the type each turn's snapshot is stored at between turns
+    model: Model | None = None
+    codec: TierCodec | None = None
+    kld: list[np.ndarray] = field(default_factory=list)
+    agree: list[np.ndarray] = field(default_factory=list)
+    nll: list[np.ndarray] = field(default_factory=list)
+    snapshot_bytes: int = 0
+
+
+SETUPS = [
+    Setup("reference: f16, flash attention"),
+    Setup("noise floor: f16, flash attention off", flash_attn="off"),
+    Setup("hot q8_0 K + V", "q8_0", "q8_0"),
+    Setup("hot q8_0 K, f16 V", "q8_0", "f16"),
+    Setup("hot q4_0 K + V", "q4_0", "q4_0"),
+    Setup("pool q8_0 (hot f16)", pool="q8_0"),
+    Setup("pool q4_0 (hot f16)", pool="q4_0"),
+    Setup("hot q8_0, pool q4_0", "q8_0", "q8_0", pool="q4_0"),
+]
+
+
+def text_tokens(model: Model, count: int) -> list[int]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    tokens = model.tokenize(text[: count * 8], add_bos=True)
+    if len(tokens) < count:
+        raise SystemExit(f"the text has only {len(tokens)} tokens")
+    return tokens[:count]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def hibernate_and_restore(s: Setup) -> None:
+    m, codec = s.model, s.codec
+    assert m is not None and codec is not None
+    size = m.state_size(0)
+    buffer = (ctypes.c_uint8 * size)()
+    assert m.save_state(0, buffer) == size
+    state = bytes(buffer)
+    if codec.pool_type is not None:
+        stored = codec.compress(state, codec.pool_type)
+        assert stored is not None
+        s.snapshot_bytes = len(stored)
+        state = codec.to_hot(stored)
+    else:
+        s.snapshot_bytes = size
+    m.forget_sequence(0)
+    assert m.load_state(0, (ctypes.c_uint8 * len(state)).from_buffer_copy(state))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--positions", type=int, default=2048, help="scored positions (after the first turn)")
+    ap.add_argument("--turn", type=int, default=256, help="tokens per turn (a snapshot round trip after each)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=HERE / "out" / "kv_quality.json")
+    args = ap.parse_args()
+    path = Path(default_model(args.model))
+    shape = model_shape(path)
+    total = args.turn + args.positions + 1
+    for s in SETUPS:
+        kv, _ = resolve_kv_settings(s.type_k, s.type_v, s.flash_attn, shape.head_k, shape.head_v)
+        s.model = Model(
+            path,
+            context_size=total + 256,
+            hot_slots=1,
+            batch_size=args.turn,
+            threads=args.threads,
+            kv=kv,
+            outputs=args.turn,
+        )
+        s.codec = TierCodec(kv, s.pool, "always", "same")
+    ref = SETUPS[0]
+    assert ref.model is not None
+    tokens = text_tokens(ref.model, total)
+    started = time.perf_counter()
+    for first in range(0, total - 1, args.turn):
+        chunk = tokens[first : min(first + args.turn, total - 1)]
+        targets = np.asarray(tokens[first + 1 : first + 1 + len(chunk)])
+        ref_logp: np.ndarray | None = None
+        for s in SETUPS:
+            m = s.model
+            assert m is not None
+            m.batch.clear()
+            m.batch.add(0, chunk, first, want_last_logits=True, all_logits=True)
+            assert m.decode() == 0, f"{s.name}: decode failed"
+            logp = log_softmax(m.output_logits(len(chunk)).astype(np.float32))
+            if s is ref:
+                ref_logp = logp
+            if first >= args.turn:  # the first turn only builds the context
+                assert ref_logp is not None
+                p = np.exp(ref_logp)
+                s.kld.append((p * (ref_logp - logp)).sum(axis=1))
+                s.agree.append(logp.argmax(axis=1) == ref_logp.argmax(axis=1))
+                s.nll.append(-logp[np.arange(len(chunk)), targets])
+            hibernate_and_restore(s)
+        print(f"  {first + len(chunk)}/{total - 1} tokens ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    floor = SETUPS[1]
+    floor_kld = float(np.concatenate(floor.kld).mean())
+    floor_top1 = float(np.concatenate(floor.agree).mean())
+    scored = sum(len(x) for x in ref.kld)
+    print(
+        f"\nKV quality on {path.name}: {scored} scored positions of pydoc_data.topics, a snapshot round trip every "
+        f"{args.turn} tokens; against f16 with flash attention (noise floor = flash attention off)"
+    )
+    print(f"{'setup':<40} {'snapshot':>10} {'vs f16':>7} {'mean KLD':>9} {'x floor':>8} {'top-1':>7} {'ppl':>8}")
+    rows = []
+    for s in SETUPS:
+        kld = float(np.concatenate(s.kld).mean())
+        top1 = float(np.concatenate(s.agree).mean())
+        ppl = float(np.exp(np.concatenate(s.nll).mean()))
+        ratio = ref.snapshot_bytes / s.snapshot_bytes
+        x_floor = kld / floor_kld if floor_kld else float("nan")
+        print(
+            f"{s.name:<40} {s.snapshot_bytes / 1e6:>8.2f}MB {ratio:>6.2f}x {kld:>9.4f} {x_floor:>8.2f} "
+            f"{100 * top1:>6.1f}% {ppl:>8.3f}"
+        )
+        rows.append({"setup": s.name, "snapshot_bytes": s.snapshot_bytes, "kld": kld, "top1": top1, "ppl": ppl})
+    print(
+        "\nTargets: q8_0 (hot or pool) within 1.5x the floor's KLD and its top-1 within 1 point of the floor's "
+        f"({100 * floor_top1:.1f}%)."
+    )
+    args.json.parent.mkdir(exist_ok=True)
+    args.json.write_text(json.dumps({"scored": scored, "turn": args.turn, "rows": rows}, indent=2))
+    for s in SETUPS:
+        if s.model is not None:
+            s.model.close()
+
+
+if __name__ == "__main__":
+    main()
