@@ -278,3 +278,49 @@ def test_the_voice_example_answers_in_the_models_best_format(start_daemon: Calla
     assert voice.returncode == 0, voice.stderr
     answers = [line for line in voice.stdout.splitlines() if line.startswith("[voice] assistant:")]
     assert len(answers) == 5 and "Paris" in answers[0], voice.stdout
+
+
+@pytest.mark.parametrize("pool_type", ["q8_0", "q4_0"])
+def test_compressed_snapshots_answer_as_before_past_the_window_on_a_shared_prefix(
+    start_daemon: Callable[..., DaemonProcess], pool_type: str
+) -> None:
+    """Two sessions on a shared system prompt, one hot slot, every snapshot compressed as it is written: each
+    turn restores the other session from its compressed cells onto the exact shared prefix, past the sliding
+    window. The answers keep their facts; at q8_0 (within the noise of llama.cpp's two f16 attention paths,
+    bench/kv_quality.py) they are the uncompressed run's tokens."""
+    system = (
+        "You are the on-board assistant of a delivery robot. You answer questions from people in the street "
+        "about where the robot is going, what it carries and when it will arrive. Keep every answer short. "
+    ) * 5
+    notes = "The robot reported: battery at seventy percent, two parcels on board, next stop the bakery. " * 20
+    questions = [
+        f"\n{notes}\nQuestion: What is the capital of France?\nAnswer:",
+        "\nQuestion: What is the capital of Italy?\nAnswer:",
+    ]
+
+    def run(daemon: DaemonProcess) -> list[list[str]]:
+        with daemon.client(timeout=300.0) as client:
+            sessions = [client.open_session(system_prompt=system) for _ in range(2)]
+            answers: list[list[str]] = [[], []]
+            for q in questions:
+                for i, s in enumerate(sessions):
+                    answers[i].append(s.complete(q, max_tokens=6, temperature=0.0).text)
+            assert min(s.complete(" ok", max_tokens=1).usage.context_tokens for s in sessions) > 600
+            status = client.status()
+            assert status.prefixes.hits == 1 and status.moves.restores_pool >= 2
+            return answers
+
+    common = ("--hot-slots", "1", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB")
+    squeezed = start_daemon(
+        *common, model=None, config=f'pool_kv_type = "{pool_type}"\npool_kv_policy = "always"\n', name="squeezed"
+    )
+    compressed = run(squeezed)
+    with squeezed.client() as client:
+        status = client.status()
+        assert status.moves.restores_decompressed >= 2 and status.pool.compression_ratio > 1.8
+    squeezed.stop()
+    exact = run(start_daemon(*common, model=None, name="exact"))
+    for answers in compressed:
+        assert "Paris" in answers[0] and "Rome" in answers[1], answers
+    if pool_type == "q8_0":
+        assert compressed == exact
