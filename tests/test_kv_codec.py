@@ -245,3 +245,15 @@ def test_a_spill_file_of_another_kv_layout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SnapshotCorrupt, match="another model"):
         foreign.read("s1", 1)
     assert os.path.exists(tmp_path / "s1.1.snap")  # refused, not deleted: the right daemon can still read it
+
+
+def test_the_memory_plan_sizes_the_hot_kv_at_its_types(tiny_model: Path) -> None:
+    from kvpool.daemon.config import load_config
+    from kvpool.daemon.llama.memory_plan import plan_memory
+
+    f16 = plan_memory(tiny_model, load_config(None, {}))
+    q8 = plan_memory(tiny_model, load_config(None, {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}))
+    mixed = plan_memory(tiny_model, load_config(None, {"cache_type_k": "q8_0", "cache_type_v": "q4_0"}))
+    assert q8.hot_kv * 64 == f16.hot_kv * 34  # a row of 32 values: 64 bytes at f16, one 34-byte q8_0 block
+    assert mixed.hot_kv * 64 == f16.hot_kv * (34 + 18) // 2
+    assert q8.total < f16.total and q8.weights == f16.weights

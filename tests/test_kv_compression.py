@@ -62,8 +62,14 @@ def test_a_quantized_hot_kv_hibernates_and_restores_exactly(start_daemon: Start,
     assert hibernating == resident
 
 
-def test_a_kv_type_the_model_cannot_hold_is_refused_at_start(start_daemon: Start, tiny_model: Path) -> None:
+def test_a_kv_type_the_model_cannot_hold_is_refused_at_start(
+    start_daemon: Start, tiny_model: Path, wide_heads_model: Path
+) -> None:
     daemon = start_daemon(wait=False)
+    wide = [arg if arg != str(tiny_model) else str(wide_heads_model) for arg in daemon.command()]
+    checked = run_until_exit([*wide, "--check-config", "--cache-type-v", "q4_0"])
+    assert checked.returncode == 0, checked.stderr
+    assert "hot KV: K f16, V q4_0, flash attention on; flash attention on (auto: required by" in checked.stderr
     narrow = run_until_exit([*daemon.command(), "--cache-type-k", "q8_0"])
     assert narrow.returncode == 2 and "16 values" in narrow.stderr and "use f16" in narrow.stderr
     no_fa = run_until_exit([*daemon.command(), "--cache-type-v", "q8_0", "--flash-attn", "off"])
