@@ -4,6 +4,7 @@ in quality is measured on the real model (bench/kv_quality.py) and bounded in te
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -172,3 +173,20 @@ def test_a_restart_with_another_kv_layout_refuses_the_pool_and_loses_nothing(sta
         again = client.resume_session(sid, token)
         assert client.status().sessions.open == 1 and again.history()[-len(first) :] == first
         assert again.complete(" and go on", max_tokens=2, **GREEDY).usage.completion_tokens == 2
+
+
+def test_compressed_snapshots_survive_a_crash(start_daemon: Start) -> None:
+    daemon = start_daemon("--hot-slots", "1", config=config(pool_kv_type="q4_0", pool_kv_policy="always"))
+    with daemon.client() as client:
+        _, sessions = turns(client, 2, 2, first=60)
+        ids = [(s.id, s.token) for s in sessions]
+        assert client.status().pool.compressed_snapshots == 2
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    with daemon.client() as client:
+        status = client.status()
+        assert status.sessions.open == 2 and status.pool.compressed_snapshots == 2
+        for sid, token in ids:
+            resumed = client.resume_session(sid, token)
+            assert resumed.complete(" again", max_tokens=2, **GREEDY).usage.completion_tokens == 2
+        assert client.status().moves.restores_decompressed == 2
