@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PoolStatus, PrefixStatus, SpillStatus
+from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PrefixStatus, TierSnapshots
 
 from .client import Client
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
@@ -85,7 +85,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def _compression(tier: PoolStatus | SpillStatus, when: str) -> str:
+def _compression(tier: TierSnapshots, when: str) -> str:
     """A tier's KV type and what it achieved: "kv q8_0 when full: 3 of 11 snapshots compressed, 1.31x"."""
     if tier.kv_type == "same":
         return "kv at the hot types"

@@ -132,20 +132,11 @@ class TaskStatus(Struct, kw_only=True):
     queue_depth: int
 
 
-class PoolStatus(Struct, kw_only=True):
-    name: str
-    size_bytes: int
-    area_bytes: int
-    used_bytes: int
-    free_bytes: int
-    largest_free_extent_bytes: int
-    entries: int
-    entries_used: int
-    prefix_entries: int
-    # KV compression: the type snapshots may be stored at ("same": the hot types), when ("when_full",
-    # "always"), and the session snapshots it holds: their bytes as stored and at the hot types.
+class TierSnapshots(Struct, kw_only=True):
+    """The session snapshots a tier holds, and KV compression there: the type it may store them at ("same": the
+    hot types), and their bytes as stored and at the hot types."""
+
     kv_type: str = "same"
-    kv_policy: str = "when_full"
     snapshots: int = 0
     compressed_snapshots: int = 0
     snapshot_bytes: int = 0
@@ -157,19 +148,23 @@ class PoolStatus(Struct, kw_only=True):
         return self.snapshot_raw_bytes / self.snapshot_bytes if self.snapshot_bytes else 1.0
 
 
-class SpillStatus(Struct, kw_only=True):
+class PoolStatus(TierSnapshots, kw_only=True):
+    name: str
+    size_bytes: int
+    area_bytes: int
+    used_bytes: int
+    free_bytes: int
+    largest_free_extent_bytes: int
+    entries: int
+    entries_used: int
+    prefix_entries: int
+    kv_policy: str = "when_full"  # when the pool compresses: "when_full" or "always"
+
+
+class SpillStatus(TierSnapshots, kw_only=True):
     dir: str
     used_bytes: int
     max_bytes: int
-    kv_type: str = "same"
-    snapshots: int = 0
-    compressed_snapshots: int = 0
-    snapshot_bytes: int = 0
-    snapshot_raw_bytes: int = 0
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.snapshot_raw_bytes / self.snapshot_bytes if self.snapshot_bytes else 1.0
 
 
 class MoveCounts(Struct, kw_only=True):
