@@ -93,6 +93,36 @@ def hibernate_and_restore(s: Setup) -> None:
     assert m.load_state(0, (ctypes.c_uint8 * len(state)).from_buffer_copy(state))
 
 
+def plot(results: Path) -> None:
+    """Mean KLD and top-1 agreement per setup, next to the noise floor (needs the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: pip install 'kvpool[bench]')", file=sys.stderr)
+        return
+    rows = json.loads(results.read_text())["rows"][1:]  # the reference against itself is 0
+    names = [r["setup"].split(":")[0] for r in rows]
+    fig, (kld, top1) = plt.subplots(1, 2, figsize=(11, 4.5))
+    kld.barh(names, [r["kld"] for r in rows], color="tab:blue")
+    kld.axvline(rows[0]["kld"], color="gray", linestyle="--", label="noise floor")
+    kld.set_xscale("log")
+    kld.set_xlabel("mean KL divergence vs f16 (log)")
+    kld.invert_yaxis()
+    kld.legend()
+    top1.barh(names, [100 * r["top1"] for r in rows], color="tab:green")
+    top1.axvline(100 * rows[0]["top1"], color="gray", linestyle="--")
+    top1.set_xlim(70, 100)
+    top1.set_xlabel("top-1 agreement with f16 (%)")
+    top1.set_yticks([])
+    top1.invert_yaxis()
+    fig.suptitle("KV types on Gemma 3 270M: quality vs all-f16 (bench/kv_quality.py)")
+    fig.tight_layout()
+    fig.savefig(results.with_suffix(".png"), dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -168,6 +198,7 @@ def main() -> None:
     )
     args.json.parent.mkdir(exist_ok=True)
     args.json.write_text(json.dumps({"scored": scored, "turn": args.turn, "rows": rows}, indent=2))
+    plot(args.json)
     for s in SETUPS:
         if s.model is not None:
             s.model.close()
