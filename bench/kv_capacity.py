@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--max-sessions", type=int, default=120, help="stop counting there")
     ap.add_argument("--skip-capacity", action="store_true")
+    ap.add_argument("--pool-types", nargs="+", default=POOL_TYPES, choices=POOL_TYPES)
+    ap.add_argument("--skip-speed", action="store_true", help="only the capacity table")
     ap.add_argument("--json", type=Path, default=HERE / "out" / "kv_capacity.json")
     args = ap.parse_args()
     model = default_model(args.model)
@@ -156,7 +158,7 @@ def main() -> None:
     results: dict[str, object] = {}
 
     if not args.skip_capacity:
-        held = {t: capacity(model, t, args.pool_size, args.tokens, args.max_sessions) for t in POOL_TYPES}
+        held = {t: capacity(model, t, args.pool_size, args.tokens, args.max_sessions) for t in args.pool_types}
         results["capacity"] = held
         print(
             f"\nSessions of {args.tokens} tokens held in a {args.pool_size} pool ({parse_size(args.pool_size)} bytes)"
@@ -164,10 +166,13 @@ def main() -> None:
         print(f"{'pool type':<10} {'sessions':>9} {'vs f16':>7} {'snapshot':>10}")
         for t, row in held.items():
             print(
-                f"{t if t != 'same' else 'f16':<10} {row['held']:>9} {row['held'] / held['same']['held']:>6.2f}x "
+                f"{t if t != 'same' else 'f16':<10} {row['held']:>9} "
+                f"{row['held'] / held.get('same', row)['held']:>6.2f}x "
                 f"{row['snapshot_bytes'] / 1e6:>8.2f}MB"
             )
 
+    if args.skip_speed:
+        return
     restore = restore_vs_prefill(path, args.tokens, args.repeat)
     results["restore"] = restore
     print(f"\nRestoring {args.tokens} tokens vs computing them again (median of {args.repeat}, alternating)")
