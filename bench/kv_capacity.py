@@ -172,6 +172,7 @@ def main() -> None:
             )
 
     if args.skip_speed:
+        write(args.json, results)
         return
     restore = restore_vs_prefill(path, args.tokens, args.repeat)
     results["restore"] = restore
@@ -197,8 +198,12 @@ def main() -> None:
     print(f"{'hot K+V':<8} {'tok/s':>7} {'vs f16':>7}")
     for t, v in decode.items():
         print(f"{t:<8} {v:>7.1f} {v / decode['f16']:>6.2f}x")
-    args.json.parent.mkdir(exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
+    write(args.json, results)
+
+
+def write(path: Path, results: dict[str, object]) -> None:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
