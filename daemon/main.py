@@ -27,8 +27,11 @@ from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
 from kvpool.daemon.llama.gguf_meta import GgufError
 from kvpool.daemon.llama.memory_plan import plan_memory
-from kvpool.daemon.llama.model import Model, ModelLoadError
+from kvpool.daemon.llama.model import Model, ModelLoadError, Placement
 from kvpool.daemon.ops.logs import setup_logging
+from kvpool.daemon.rpc.connect import WorkersUnavailable, connect_workers
+from kvpool.daemon.rpc.faults import WorkerWatch
+from kvpool.daemon.rpc.workers import Workers
 from kvpool.daemon.serve.http import HttpListener
 from kvpool.daemon.serve.notify import Notifier
 from kvpool.daemon.serve.zmq_server import AddressUnavailable, Server
@@ -57,6 +60,8 @@ OVERRIDES = (
     "http",
     "log_format",
     "log_file",
+    "rpc_servers",
+    "rpc_layers",
 )
 
 
@@ -97,6 +102,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-format", choices=["text", "json"])
     ap.add_argument("--log-file", help="also log to this file (size-rotated)")
     ap.add_argument(
+        "--rpc-servers",
+        type=lambda text: [item.strip() for item in text.split(",") if item.strip()],
+        help="kvpool rpc-worker endpoints to split the model across, HOST:PORT[,HOST:PORT...] (docs/rpc.md)",
+    )
+    ap.add_argument("--rpc-layers", type=int, help="layers on the rpc workers, counted from the output end (-1: all)")
+    ap.add_argument(
         "--check-config",
         action="store_true",
         help="validate the configuration, print the memory plan and exit (nothing is loaded)",
@@ -132,6 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)
         return 0
     log.info("%s", repack.describe())
+    watch = WorkerWatch(config.rpc_servers)
+    placement = None
+    if config.rpc_servers:
+        try:
+            devices, shares, plan = connect_workers(config, model_path, watch)
+        except WorkersUnavailable as exc:
+            print(f"kvpoold: {exc}", file=sys.stderr)
+            return exc.exit_code
+        placement = Placement(devices, config.rpc_layers, shares)
     log.info(
         "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
         plan.total / 2**20,
@@ -141,6 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan.pool / 2**20,
         plan.runtime / 2**20,
     )
+    for part in plan.remote:
+        log.info(
+            "memory plan on rpc worker %s: %.0f MiB (%d layers%s: weights %.0f, hot KV %.0f, compute %.0f)",
+            part.endpoint,
+            part.total / 2**20,
+            part.layers,
+            " + output" if part.output else "",
+            part.weights / 2**20,
+            part.hot_kv / 2**20,
+            part.compute / 2**20,
+        )
 
     address = config.address or default_address()
     try:
@@ -168,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=threads,
             prefix_slots=config.prefix_slots,
             repack=repack.enabled,
+            placement=placement,
         )
     except ModelLoadError as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
@@ -190,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         frame_errors=server.frame_errors,
         last_heard=server.last_heard,
         lagging=server.lagging,
+        workers=Workers(placement.devices, plan.remote) if placement else None,
     )
+    watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
     engine_done = threading.Event()
 
     def run_engine() -> None:
