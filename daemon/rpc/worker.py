@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.daemon.llama.ggml_rpc import RpcUnavailable, serve
-from kvpool.daemon.rpc.endpoints import parse_endpoint
+from kvpool.daemon.rpc.endpoints import is_private, parse_endpoint
 
 DEFAULT_PORT = 50052
 
@@ -51,6 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvpool rpc-worker: {exc}", file=sys.stderr)
         return 2
+    if not is_private(endpoint):
+        print(
+            f"kvpool rpc-worker: WARNING: {endpoint.host} is not a loopback or private address. llama.cpp's RPC "
+            "protocol has no authentication or encryption: anyone who reaches this port can read and change the "
+            "memory it serves. Listen on loopback and reach it through an SSH or WireGuard tunnel (docs/rpc.md).",
+            file=sys.stderr,
+        )
     threads = args.threads or os.cpu_count() or 1
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir() if args.cache else None
     if cache_dir is not None:
