@@ -30,8 +30,9 @@ class RpcWorker:
     def start(self) -> RpcWorker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            command = [sys.executable, "-m", "kvpool.daemon.rpc.worker", "--port", str(self.port), "--threads", "1"]
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.daemon.rpc.worker", "--port", str(self.port), "--threads", "1", *self.args],
+                [*command, *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
