@@ -152,6 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvpoold: {exc}", file=sys.stderr)
             return exc.exit_code
         placement = Placement(devices, config.rpc_layers, shares)
+        if not plan.fits:  # planned again with the layers where the workers' free memory puts them
+            print(f"kvpoold: memory plan for {model_path.name}:\n{plan.table()}", file=sys.stderr)
+            print(
+                f"kvpoold: the local part of the plan needs {plan.total / 2**20:.0f} MiB but memory_limit is "
+                f"{plan.limit / 2**20:.0f} MiB; put more layers on the workers (rpc_layers, tensor_split), or "
+                "lower cache_pool_size, context_size, hot_slots or batch_size.",
+                file=sys.stderr,
+            )
+            return 2
     log.info(
         "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
         plan.total / 2**20,

@@ -165,6 +165,17 @@ def test_worker_down_at_start_is_named(tiny_model: Path, short_tmp: Path) -> Non
     assert "kvpool rpc-worker --host 127.0.0.1" in result.stderr
 
 
+def test_worker_serving_another_daemon_is_named(start_daemon: Start, start_worker: Callable[..., RpcWorker]) -> None:
+    worker = start_worker()
+    start_daemon(*SLOTS, "--rpc-servers", worker.endpoint, name="first")  # llama.cpp's server: one master at a time
+    second = start_daemon(
+        *SLOTS, "--rpc-servers", worker.endpoint, name="second", config="rpc_connect_timeout = 2.0\n[tasks.default]\n",
+        wait=False,
+    )  # fmt: skip
+    assert second.proc is not None and second.proc.wait(30) == EXIT_WORKER_LOST
+    assert f"rpc worker {worker.endpoint} accepted the connection but did not answer" in second.log()
+
+
 def test_lost_worker_ends_generations_with_worker_lost_and_a_restart_recovers(
     start_daemon: Start, start_worker: Callable[..., RpcWorker]
 ) -> None:
