@@ -112,9 +112,12 @@ def ttft_512(address: str) -> float:
         return (time.monotonic() - start) * 1000.0
 
 
+REPACK = ["--cpu-repack", "off"]  # set by main()
+
+
 def daemon_args(threads: int, *extra: str) -> list[str]:
     return ["--hot-slots", "4", "--context-size", "4096", "--threads", str(threads), "--cache-pool-size", "64MiB",
-            *extra]  # fmt: skip
+            *REPACK, *extra]  # fmt: skip
 
 
 def start_seconds(model: str, args: list[str]) -> float:
@@ -128,7 +131,15 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="the all-local daemon's threads")
+    ap.add_argument(
+        "--cpu-repack",
+        choices=["auto", "on", "off"],
+        default="off",
+        help="the daemons' weight repacking (default off: the worker's CPU backend never repacks, so off runs the "
+        "same kernels everywhere and the comparison isolates the split)",
+    )
     args = ap.parse_args()
+    REPACK[1] = args.cpu_repack
     model = default_model(args.model)
     meta = read_metadata(Path(model))
     n_layer = int(meta[f"{meta['general.architecture']}.block_count"])
@@ -188,7 +199,8 @@ def print_table(
     load = os.getloadavg()
     print(
         f"\nRPC split on loopback: {rpc_layers - 1} of {n_layer} layers + output on a worker; threads of the daemon"
-        f" (+ the worker) as named; ratios against local with the same threads per process; median of "
+        f" (+ the worker) as named, cpu_repack {args.cpu_repack}; ratios against local with the same threads per"
+        f" process; median of "
         f"{args.repeat} alternating rounds (cpu: {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} "
         f"{load[2]:.2f})"
     )
