@@ -16,6 +16,7 @@ from kvpool.client import Client
 from kvpool.daemon.config import ConfigError, load_config
 from kvpool.daemon.llama.gguf_meta import read_tensor_sizes
 from kvpool.daemon.llama.memory_plan import plan_memory
+from kvpool.daemon.ops.prometheus import render
 from kvpool.daemon.rpc.endpoints import Endpoint, is_private, parse_endpoint
 from kvpool.daemon.rpc.faults import EXIT_WORKER_LOST
 from kvpool.daemon.rpc.placement import LOCAL, place_layers
@@ -139,6 +140,9 @@ def test_one_and_two_workers_answer_as_the_all_local_model(
         assert client.status().moves.restores_pool > 0
     health = run_until_exit([sys.executable, "-m", "kvpool.client.cli", "--address", two.address, "health"])
     assert health.returncode == 0 and f"rpc worker {b.endpoint}: connected" in health.stdout
+    with two.client() as client:
+        metrics = render(client.status(), {})
+    assert f'kvpool_rpc_worker_layers{{endpoint="{a.endpoint}"}} 1.0' in metrics
 
 
 def test_sessions_survive_a_restart_across_the_split(
