@@ -145,6 +145,26 @@ def test_one_and_two_workers_answer_as_the_all_local_model(
     assert f'kvpool_rpc_worker_layers{{endpoint="{a.endpoint}"}} 1.0' in metrics
 
 
+def test_shared_prefixes_across_the_split_are_exact(
+    start_daemon: Start, start_worker: Callable[..., RpcWorker]
+) -> None:
+    """Sessions of a task with a system prompt share its cells (llama_memory_seq_cp) and snapshot only their own
+    (through the scratch sequence): with the KV of the remote layers on the worker too."""
+    config = "[tasks.default]\nsystem_prompt = 'You are a terse assistant. Answer in one word.'\n"
+
+    def run(*extra: str, name: str) -> tuple[dict[int, list[list[int]]], int]:
+        daemon = start_daemon(*SLOTS, *extra, config=config, name=name)
+        with daemon.client() as client:
+            out = run_turns(client, {i: client.open_session() for i in range(3)}, range(2))
+            hits = client.status().prefixes.hits
+        daemon.stop()
+        return out, hits
+
+    local, _ = run(name="local")
+    split, hits = run("--rpc-servers", start_worker().endpoint, "--rpc-layers", "2", name="split")
+    assert hits >= 2 and split == local
+
+
 def test_sessions_survive_a_restart_across_the_split(
     start_daemon: Start, start_worker: Callable[..., RpcWorker]
 ) -> None:
