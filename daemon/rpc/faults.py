@@ -48,8 +48,16 @@ class WorkerWatch:
         self._in_flight, self._send = in_flight, send
 
     def down(self) -> list[str]:
-        """The workers that do not accept a connection now, with the reason."""
-        return [f"{e} ({why})" for e in self.endpoints if (why := unreachable(parse_endpoint(e), 0.5))]
+        """The workers that do not accept a connection now, with the reason. A worker that is being killed
+        closes its connection to kvpoold a moment before its listening socket: ask again before concluding that
+        it still listens."""
+        for attempt in range(3):
+            if attempt:
+                time.sleep(0.1)
+            down = [f"{e} ({why})" for e in self.endpoints if (why := unreachable(parse_endpoint(e), 0.5))]
+            if down:
+                return down
+        return []
 
     def lost(self, message: str) -> None:
         if "ggml-rpc" not in message:  # another llama.cpp fault: say what it was and let abort() go on
