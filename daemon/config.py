@@ -159,6 +159,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     tensor_split: list[Annotated[float, Meta(ge=0)]] = msgspec.field(default_factory=list)
     # Seconds a worker may take to accept kvpoold's connection and answer its handshake at start.
     rpc_connect_timeout: Annotated[float, Meta(gt=0, le=600)] = 10.0
+    # Seconds one engine step may wait for the workers (ggml-rpc itself waits for ever) before the daemon ends
+    # as if a worker were lost. Above the longest step a slow link needs (a batch_size prompt chunk).
+    rpc_timeout: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     tasks: dict[str, TaskProfile] = msgspec.field(default_factory=_default_tasks)
 
 

@@ -234,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=Workers(placement.devices, plan.remote) if placement else None,
     )
     watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
+    if config.rpc_servers:
+        watch.watch_stalls(lambda: engine.heartbeat, engine.stopping, config.rpc_timeout)
     engine_done = threading.Event()
 
     def run_engine() -> None:

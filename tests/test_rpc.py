@@ -4,6 +4,7 @@ a worker down at start or lost mid-run gives a clear error, and a restart recove
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -245,6 +246,29 @@ def test_worker_lost_while_idle_ends_the_daemon_by_itself(
     wait_until(lambda: daemon.proc.poll() is not None, "the daemon's periodic worker check", timeout=30)
     assert daemon.proc.returncode == EXIT_WORKER_LOST
     assert "WORKER_LOST" in daemon.log()
+
+
+def test_worker_that_stops_answering_ends_the_daemon_after_rpc_timeout(
+    start_daemon: Start, start_worker: Callable[..., RpcWorker]
+) -> None:
+    """A frozen worker (its host hung, or the link drops packets) never closes the connection, and ggml-rpc has
+    no timeout: the daemon must not wait for ever."""
+    worker = start_worker()
+    config = "rpc_timeout = 3.0\n[tasks.default]\n"
+    daemon = start_daemon(*SLOTS, "--rpc-servers", worker.endpoint, name="frozen", config=config)
+    raw = RawConnection(daemon.address)
+    opened = raw.open("default")
+    raw.send(p.Generate(id=3, session=opened.session, token=opened.token, prompt="x", max_tokens=4000, **GREEDY))
+    assert isinstance(raw.recv(), p.Chunk)
+    assert worker.proc is not None
+    worker.proc.send_signal(signal.SIGSTOP)  # killed by the fixture's SIGKILL, stopped or not
+    reply = raw.recv()
+    while isinstance(reply, p.Chunk):
+        reply = raw.recv()
+    raw.close()
+    assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.WORKER_LOST, reply
+    assert daemon.proc is not None and daemon.proc.wait(30) == EXIT_WORKER_LOST
+    assert f"rpc worker {worker.endpoint} stopped answering" in daemon.log()
 
 
 def test_rpc_worker_command_refuses_a_taken_port(start_worker: Callable[..., RpcWorker]) -> None:

@@ -60,23 +60,41 @@ class WorkerWatch:
         return []
 
     def lost(self, message: str) -> None:
+        """ggml's abort callback."""
         if "ggml-rpc" not in message:  # another llama.cpp fault: say what it was and let abort() go on
             log.critical("llama.cpp aborted: %s", message)
             return
-        if not self._handled.acquire(blocking=False):  # a second thread failing too: the first one handles it
-            time.sleep(10 * REPLY_FLUSH_S)
-            os._exit(EXIT_WORKER_LOST)
         down = self.down()
         if down:
             what = "rpc worker " + ", ".join(down) + " is gone"
         else:
             what = f"the connection to rpc worker {', '.join(self.endpoints)} broke"
+        self._end(what, f"llama.cpp: {message.rsplit(': ', 1)[-1]}")
+
+    def watch_stalls(self, heartbeat: Callable[[], float], stopping: threading.Event, timeout: float) -> None:
+        """ggml-rpc has no timeout: a worker whose host hangs, or a link that drops packets without a reset,
+        leaves the engine waiting inside llama.cpp for ever. A step longer than ``timeout`` seconds (the engine's
+        heartbeat, which it renews at least 4 times a second when idle) ends the daemon like a lost worker."""
+
+        def run() -> None:
+            while not stopping.wait(1.0):
+                silent = time.monotonic() - heartbeat()
+                if silent > timeout:
+                    what = f"rpc worker {', '.join(self.endpoints)} stopped answering"
+                    self._end(what, f"the engine has waited {silent:.0f} s for it; rpc_timeout is {timeout:g} s")
+
+        threading.Thread(target=run, name="rpc-stall-watch", daemon=True).start()
+
+    def _end(self, what: str, detail: str) -> None:
+        if not self._handled.acquire(blocking=False):  # a second thread failing too: the first one handles it
+            time.sleep(10 * REPLY_FLUSH_S)
+            os._exit(EXIT_WORKER_LOST)
         log.critical(
-            "%s (llama.cpp: %s). The model cannot run without it: ending the generations in flight with "
-            "WORKER_LOST and exiting with %d; sessions stay in the pool and are recovered when kvpoold restarts "
-            "with its workers answering.",
+            "%s (%s). The model cannot run without it: ending the generations in flight with WORKER_LOST and "
+            "exiting with %d; sessions stay in the pool and are recovered when kvpoold restarts with its workers "
+            "answering.",
             what,
-            message.rsplit(": ", 1)[-1],
+            detail,
             EXIT_WORKER_LOST,
         )
         told = self._tell_clients(what)
