@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -58,10 +59,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     chat.add_argument(
         "--chat-template", default="auto", help="auto (the GGUF's own, else a transcript), gemma3, chatml, transcript"
     )
+    sub.add_parser(
+        "rpc-worker",
+        help="lend this machine's CPU and memory to a kvpoold elsewhere (llama.cpp's RPC server; "
+        "`kvpool rpc-worker --help`)",
+        add_help=False,
+    )
     return ap.parse_args(argv)
 
 
+def run_rpc_worker(args: Sequence[str]) -> int:
+    """`kvpool rpc-worker ...` is the daemon's worker program (kvpool-rpc-worker), run in this process's place:
+    the client never imports the daemon."""
+    os.execv(sys.executable, [sys.executable, "-m", "kvpool.daemon.rpc.worker", *args])
+    return 1  # not reached
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "rpc-worker" in argv[:1]:
+        return run_rpc_worker(argv[1:])
     args = parse_args(argv)
     try:
         with Client(args.address, timeout=args.timeout, name="kvpool-cli") as client:
@@ -168,6 +185,12 @@ def cmd_health(client: Client, args: argparse.Namespace) -> int:
         f"kvpoold pid {status.pid}: {'healthy' if healthy else 'UNHEALTHY'} (engine loop last passed "
         f"{idle:.1f} s ago, {status.sessions.open} sessions, {status.sessions.generating} generating)"
     )
+    for w in status.rpc_workers:
+        # A lost worker ends the daemon (docs/rpc.md), so a listed worker is one that answered its last check.
+        print(
+            f"rpc worker {w.endpoint}: {w.state} ({w.device}, {w.layers} layers{' + output' if w.output else ''}, "
+            f"{_bytes(w.memory_free_bytes)} free), answered {w.checked_s_ago:.1f} s ago"
+        )
     return 0 if healthy else EXIT_REFUSED
 
 

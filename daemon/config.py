@@ -22,6 +22,8 @@ NonNegative = Annotated[int, Meta(ge=0)]
 
 
 Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
+ENDPOINT_PATTERN = r"^([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}$"
+ENDPOINT_WORDS = "must be HOST:PORT, e.g. 127.0.0.1:50052"
 
 
 def one_of(*values: str) -> Any:
@@ -158,6 +160,22 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # CPU threads for decoding; 0 means one per core.
     threads: Annotated[int, Meta(ge=0, le=1024)] = 0
     log_level: one_of("debug", "info", "warning", "error") = "info"
+    # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"
+    # each; empty: the whole model on this machine. Unauthenticated: loopback or a private link (docs/rpc.md).
+    rpc_servers: list[Annotated[str, Meta(pattern=ENDPOINT_PATTERN, description=ENDPOINT_WORDS)]] = msgspec.field(
+        default_factory=list
+    )
+    # Layers on the workers, counted from the end with the output layer as one (llama.cpp's n_gpu_layers);
+    # -1: every layer. The rest (and always the input embeddings) stay on this machine's CPU.
+    rpc_layers: Annotated[int, Meta(ge=-1)] = -1
+    # How the offloaded layers are shared among the workers' devices, one proportion each (llama.cpp's
+    # tensor_split); empty: by the memory each worker reports free.
+    tensor_split: list[Annotated[float, Meta(ge=0)]] = msgspec.field(default_factory=list)
+    # Seconds a worker may take to accept kvpoold's connection and answer its handshake at start.
+    rpc_connect_timeout: Annotated[float, Meta(gt=0, le=600)] = 10.0
+    # Seconds one engine step may wait for the workers (ggml-rpc itself waits for ever) before the daemon ends
+    # as if a worker were lost. Above the longest step a slow link needs (a batch_size prompt chunk).
+    rpc_timeout: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     tasks: dict[str, TaskProfile] = msgspec.field(default_factory=_default_tasks)
 
 

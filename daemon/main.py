@@ -28,8 +28,11 @@ from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
 from kvpool.daemon.llama.gguf_meta import GgufError
 from kvpool.daemon.llama.kv_settings import KvSettingsError, resolve_kv_settings
 from kvpool.daemon.llama.memory_plan import model_shape, plan_memory
-from kvpool.daemon.llama.model import Model, ModelLoadError
+from kvpool.daemon.llama.model import Model, ModelLoadError, Placement
 from kvpool.daemon.ops.logs import setup_logging
+from kvpool.daemon.rpc.connect import WorkersUnavailable, connect_workers
+from kvpool.daemon.rpc.faults import WorkerWatch
+from kvpool.daemon.rpc.workers import Workers
 from kvpool.daemon.serve.http import HttpListener
 from kvpool.daemon.serve.notify import Notifier
 from kvpool.daemon.serve.zmq_server import AddressUnavailable, Server
@@ -63,6 +66,8 @@ OVERRIDES = (
     "flash_attn",
     "pool_kv_type",
     "spill_kv_type",
+    "rpc_servers",
+    "rpc_layers",
 )
 
 
@@ -108,6 +113,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--spill-kv-type", choices=["same", "q8_0", "q4_0"], help="the type spilled snapshots are stored")
     ap.add_argument("--log-file", help="also log to this file (size-rotated)")
     ap.add_argument(
+        "--rpc-servers",
+        type=lambda text: [item.strip() for item in text.split(",") if item.strip()],
+        help="kvpool rpc-worker endpoints to split the model across, HOST:PORT[,HOST:PORT...] (docs/rpc.md)",
+    )
+    ap.add_argument("--rpc-layers", type=int, help="layers on the rpc workers, counted from the output end (-1: all)")
+    ap.add_argument(
         "--check-config",
         action="store_true",
         help="validate the configuration, print the memory plan and exit (nothing is loaded)",
@@ -149,6 +160,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     log.info("%s", repack.describe())
     log.info("%s; %s", kv.describe(), kv_why)
+    watch = WorkerWatch(config.rpc_servers)
+    placement = None
+    if config.rpc_servers:
+        try:
+            devices, shares, plan = connect_workers(config, model_path, watch)
+        except WorkersUnavailable as exc:
+            print(f"kvpoold: {exc}", file=sys.stderr)
+            return exc.exit_code
+        placement = Placement(devices, config.rpc_layers, shares)
+        if not plan.fits:  # planned again with the layers where the workers' free memory puts them
+            print(f"kvpoold: memory plan for {model_path.name}:\n{plan.table()}", file=sys.stderr)
+            print(
+                f"kvpoold: the local part of the plan needs {plan.total / 2**20:.0f} MiB but memory_limit is "
+                f"{plan.limit / 2**20:.0f} MiB; put more layers on the workers (rpc_layers, tensor_split), or "
+                "lower cache_pool_size, context_size, hot_slots or batch_size.",
+                file=sys.stderr,
+            )
+            return 2
     log.info(
         "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
         plan.total / 2**20,
@@ -158,6 +187,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan.pool / 2**20,
         plan.runtime / 2**20,
     )
+    for part in plan.remote:
+        log.info(
+            "memory plan on rpc worker %s: %.0f MiB (%d layers%s: weights %.0f, hot KV %.0f, compute %.0f)",
+            part.endpoint,
+            part.total / 2**20,
+            part.layers,
+            " + output" if part.output else "",
+            part.weights / 2**20,
+            part.hot_kv / 2**20,
+            part.compute / 2**20,
+        )
 
     address = config.address or default_address()
     try:
@@ -186,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix_slots=config.prefix_slots,
             repack=repack.enabled,
             kv=kv,
+            placement=placement,
         )
     except ModelLoadError as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
@@ -208,7 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         frame_errors=server.frame_errors,
         last_heard=server.last_heard,
         lagging=server.lagging,
+        workers=Workers(placement.devices, plan.remote) if placement else None,
     )
+    watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
+    if config.rpc_servers:
+        watch.watch_stalls(lambda: engine.heartbeat, engine.stopping, config.rpc_timeout)
     engine_done = threading.Event()
 
     def run_engine() -> None:

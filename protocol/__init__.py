@@ -48,6 +48,8 @@ class ErrorCode(StrEnum):
     BUDGET_UNMEETABLE = "BUDGET_UNMEETABLE"
     OVERLOADED = "OVERLOADED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    # An RPC worker holding part of the model was lost: the daemon restarts, its sessions stay in the pool
+    WORKER_LOST = "WORKER_LOST"
     INTERNAL = "INTERNAL"
 
 

@@ -234,6 +234,19 @@ class PrefixStatus(PrefixCounts, kw_only=True):
     pool_bytes_saved: int  # snapshot bytes sessions did not store again because they build on a prefix
 
 
+class RpcWorkerStatus(Struct, kw_only=True):
+    """One RPC worker the model is split across (docs/rpc.md)."""
+
+    endpoint: str  # HOST:PORT
+    device: str  # llama.cpp's name for it, e.g. RPC0
+    layers: int  # repeating layers placed on it
+    output: bool  # whether the output layer runs there
+    state: str  # "connected": it answered its last check (a lost worker ends the daemon; it does not linger)
+    memory_free_bytes: int  # as the worker reported at its last check
+    memory_total_bytes: int
+    checked_s_ago: float  # since that check (made every few seconds while the engine is idle)
+
+
 class DaemonStatus(Struct, kw_only=True):
     daemon_version: str
     protocol_version: int
@@ -255,6 +268,7 @@ class DaemonStatus(Struct, kw_only=True):
     sessions_by_tier: dict[str, int]
     moves: Moves
     prefixes: PrefixStatus
+    rpc_workers: list[RpcWorkerStatus] = field(default_factory=list)
 
     def stepping(self, max_silence: float = MAX_ENGINE_SILENCE_S) -> bool:
         """The engine loop passed within ``max_silence`` seconds: the daemon is healthy."""

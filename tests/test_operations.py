@@ -211,12 +211,15 @@ def test_example_tasks_run_end_to_end(start_daemon: Start) -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-@pytest.mark.parametrize("name", ["kvpoold", "kvpool-gateway"])
+@pytest.mark.parametrize("name", ["kvpoold", "kvpool-gateway", "kvpool-rpc"])
 def test_systemd_unit_verifies_and_is_hardened(tmp_path: Path, name: str) -> None:
-    for other in ("kvpoold", "kvpool-gateway"):  # the gateway's unit requires the daemon's
-        program = shutil.which(other) or str(Path(sys.executable).with_name(other))
+    programs = {"kvpoold": "kvpoold", "kvpool-gateway": "kvpool-gateway", "kvpool-rpc": "kvpool-rpc-worker"}
+    for other, program_name in programs.items():  # the gateway's unit requires the daemon's
+        program = shutil.which(program_name) or str(Path(sys.executable).with_name(program_name))
         text = (ROOT / "systemd" / f"{other}.service").read_text()
-        (tmp_path / f"{other}.service").write_text(text.replace(f"/usr/local/bin/{other}", program))
+        (tmp_path / f"{other}.service").write_text(text.replace(f"/usr/local/bin/{program_name}", program))
+    # The drop-in for a daemon split across rpc workers (docs/rpc.md) is verified with the daemon's unit.
+    shutil.copytree(ROOT / "systemd" / "kvpoold.service.d", tmp_path / "kvpoold.service.d")
     unit = (ROOT / "systemd" / f"{name}.service").read_text()
     local = tmp_path / f"{name}.service"
     verify = subprocess.run(

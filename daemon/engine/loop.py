@@ -30,6 +30,7 @@ from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model
 from kvpool.daemon.ops.status import status_of
+from kvpool.daemon.rpc.workers import Workers
 from kvpool.protocol import ErrorCode, FinishReason
 from kvpool.protocol.status import Counters, DaemonStatus
 
@@ -50,8 +51,10 @@ class Engine:
         frame_errors: Counter[str] | None = None,
         last_heard: dict[bytes, float] | None = None,
         lagging: set[bytes] | None = None,
+        workers: Workers | None = None,
     ):
         self.model = model
+        self.workers = workers  # the rpc workers the model is split across (None: all local)
         self.config = config
         self.tiers = tiers
         self.send = send
@@ -108,6 +111,8 @@ class Engine:
         self.heartbeat = time.monotonic()  # the watchdog pings systemd only while this keeps moving
         self._take_requests(block=self.scheduler.idle)
         self.housekeeping.run()
+        if self.workers is not None:
+            self.workers.check(idle=self.scheduler.idle)
         plan = self.scheduler.schedule()
         if not plan:
             return
@@ -126,6 +131,8 @@ class Engine:
             return
         self.scheduler.cost.update(outcome.shape, outcome.seconds)
         self.counters.decode_calls += 1
+        if self.workers is not None:
+            self.workers.note_step()
         self.counters.batch_tokens += outcome.batch_tokens
         # The KV now holds every fed token: record that for the whole step before anything can fail.
         for work in plan:
@@ -360,4 +367,5 @@ class Engine:
             scheduler=self.scheduler,
             counters=self.counters,
             frame_errors=self.frame_errors,
+            rpc_workers=self.workers.status() if self.workers is not None else [],
         )

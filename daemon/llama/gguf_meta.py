@@ -48,17 +48,40 @@ def _value(f: BinaryIO, kind: int) -> Any:
     raise GgufError(f"unknown metadata value type {kind}")
 
 
+def _header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int]:
+    if f.read(4) != b"GGUF":
+        raise GgufError(f"{path} is not a GGUF file")
+    version = _read(f, "<I")
+    if version < 2:
+        raise GgufError(f"{path} is GGUF version {version}; versions 2 and 3 are supported")
+    tensors, count = _read(f, "<Q"), _read(f, "<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(count):
+        key = _string(f)
+        meta[key] = _value(f, _read(f, "<I"))
+    return meta, tensors
+
+
 def read_metadata(path: Path) -> dict[str, Any]:
     """Every metadata key; arrays longer than 4096 items are given as their length."""
     with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GgufError(f"{path} is not a GGUF file")
-        version = _read(f, "<I")
-        if version < 2:
-            raise GgufError(f"{path} is GGUF version {version}; versions 2 and 3 are supported")
-        _tensors, count = _read(f, "<Q"), _read(f, "<Q")
-        meta: dict[str, Any] = {}
+        return _header(f, path)[0]
+
+
+def read_tensor_sizes(path: Path) -> dict[str, int]:
+    """Bytes of every tensor in the file, by name: the distance from its data offset to the next tensor's (the
+    last one runs to the end of the file), so no table of quantisation block sizes is needed."""
+    with path.open("rb") as f:
+        meta, count = _header(f, path)
+        offsets: list[tuple[int, str]] = []
         for _ in range(count):
-            key = _string(f)
-            meta[key] = _value(f, _read(f, "<I"))
-        return meta
+            name = _string(f)
+            n_dims = _read(f, "<I")
+            f.seek(8 * n_dims + 4, 1)  # dimensions, type
+            offsets.append((_read(f, "<Q"), name))
+        alignment = int(meta.get("general.alignment", 32))
+        data_start = -(-f.tell() // alignment) * alignment
+    data_size = path.stat().st_size - data_start
+    offsets.sort()
+    ends = [offset for offset, _ in offsets[1:]] + [data_size]
+    return {name: end - offset for (offset, name), end in zip(offsets, ends, strict=True)}

@@ -8,6 +8,10 @@ config before anything is loaded, and refused at start when it exceeds `memory_l
     pool      the shared-memory segment (reserved in full at start)
     runtime   the Python process itself: interpreter, numpy, pyzmq, llama.cpp's code (measured)
 The spill directory is on disk: it is shown, not counted.
+
+With RPC workers (docs/rpc.md) the layers placed on them take their weights, their part of the KV and a graph
+buffer there: the plan then has a remote part per worker, and memory_limit applies to the local part only. The
+weights of a remote layer are read from the local file once, at load, to be sent (page cache, not resident).
 """
 
 from __future__ import annotations
@@ -17,11 +21,28 @@ from pathlib import Path
 
 from kvpool.daemon.config import Config, sequence_count
 from kvpool.daemon.kv.codec.kv_types import kv_type
-from kvpool.daemon.llama.gguf_meta import read_metadata
+from kvpool.daemon.llama.gguf_meta import read_metadata, read_tensor_sizes
+from kvpool.daemon.rpc.placement import LOCAL, layer_of, place_layers
 
 F32 = 4
 RUNTIME_BYTES = 64 << 20  # measured: a kvpoold with the tiny test model, before its pool, is ~60 MiB PSS
 GLOBAL_LAYER_EVERY = {"gemma3": 6}  # sliding-window architectures: every Nth layer attends globally
+
+
+@dataclass(frozen=True)
+class RemotePart:
+    """What one worker holds: its share of the weights, of the hot KV, and its graph buffer."""
+
+    endpoint: str
+    layers: int  # repeating layers placed on it (the output layer is counted in `output`)
+    output: bool
+    weights: int
+    hot_kv: int
+    compute: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.hot_kv + self.compute
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,7 @@ class MemoryPlan:
     runtime: int
     spill_cap: int
     limit: int
+    remote: tuple[RemotePart, ...] = ()
 
     @property
     def total(self) -> int:
@@ -59,6 +81,12 @@ class MemoryPlan:
             + (f"   (memory_limit {mib(self.limit).strip()})" if self.limit else "   (no memory_limit)")
         )
         lines.append(f"  {'spill':<8} {mib(self.spill_cap)}   (on disk, not counted)")
+        for part in self.remote:
+            where = f"{part.layers} layers" + (" + output" if part.output else "")
+            lines.append(
+                f"  {'remote':<8} {mib(part.total)}   on {part.endpoint} ({where}: weights {mib(part.weights).strip()}"
+                f", hot KV {mib(part.hot_kv).strip()}, compute {mib(part.compute).strip()})"
+            )
         return "\n".join(lines)
 
 
@@ -107,31 +135,74 @@ def model_shape(model_path: Path) -> ModelShape:
     )
 
 
-def plan_memory(model_path: Path, config: Config) -> MemoryPlan:
+def plan_memory(
+    model_path: Path, config: Config, proportions: list[float] | None = None, devices: list[str] | None = None
+) -> MemoryPlan:
+    """``proportions``: the workers' devices' shares of the offloaded layers when known (their free memory);
+    ``devices``: the endpoint of each device once registered (before: one device per rpc_servers entry)."""
     shape = model_shape(model_path)
     type_k, type_v = kv_type(config.cache_type_k), kv_type(config.cache_type_v)
     arch, n_layer, n_embd, n_head = shape.arch, shape.n_layer, shape.n_embd, shape.n_head
     n_head_kv, n_ff, n_vocab, window = shape.n_head_kv, shape.n_ff, shape.n_vocab, shape.window
     cells = _round_up(config.context_size, 256)
     per_cell_layer = type_k.row_bytes(n_head_kv * shape.head_k) + type_v.row_bytes(n_head_kv * shape.head_v)
+    layer_cells = [cells] * n_layer
     if window and arch in GLOBAL_LAYER_EVERY:
-        n_global = n_layer // GLOBAL_LAYER_EVERY[arch]
+        every = GLOBAL_LAYER_EVERY[arch]
         # llama.cpp keeps a window of cells per sequence id: hot slots, shared prefixes and the scratch sequence
         sequences = sequence_count(config.hot_slots, config.prefix_slots)
         swa_cells = min(cells, _round_up(window * sequences + config.batch_size, 256))
-        hot_kv = per_cell_layer * (n_global * cells + (n_layer - n_global) * swa_cells)
-    else:
-        hot_kv = per_cell_layer * n_layer * cells
+        layer_cells = [cells if (il + 1) % every == 0 else swa_cells for il in range(n_layer)]
+    layer_kv = [per_cell_layer * c for c in layer_cells]
     # The graph buffer holds a batch's activations (the widest are the feed-forward and the attention rows)
     # and the logits of the rows that are sampled.
     batch = config.batch_size
-    compute = F32 * (batch * (8 * n_embd + 3 * n_ff + n_head * min(cells, 4096)) + config.hot_slots * n_vocab)
+    activations = F32 * batch * (8 * n_embd + 3 * n_ff + n_head * min(cells, 4096))
+    logits = F32 * config.hot_slots * n_vocab
+    weights = model_path.stat().st_size
+    remote: list[RemotePart] = []
+    if config.rpc_servers:
+        placement = place_layers(n_layer, config.rpc_layers, proportions or _shares(config, devices))
+        sizes = read_tensor_sizes(model_path)
+        # An output layer tied to the token embeddings (no output.weight) is a second copy of them where it runs.
+        output_bytes = sizes.get("output.weight", sizes.get("token_embd.weight", 0)) + sizes.get(
+            "output_norm.weight", 0
+        )
+        for device, endpoint in enumerate(devices or config.rpc_servers):
+            mine = [il for il in range(n_layer) if placement[il] == device]
+            output = placement[n_layer] == device
+            part_weights = sum(n for name, n in sizes.items() if layer_of(name) in mine)
+            part_weights += output_bytes if output else 0
+            remote.append(
+                RemotePart(
+                    endpoint=endpoint,
+                    layers=len(mine),
+                    output=output,
+                    weights=part_weights,
+                    hot_kv=sum(layer_kv[il] for il in mine),
+                    compute=(activations if mine or output else 0) + (logits if output else 0),
+                )
+            )
+        local_layers = {il for il in range(n_layer) if placement[il] == LOCAL}
+        weights = sum(n for name, n in sizes.items() if layer_of(name) is None or layer_of(name) in local_layers)
+        if placement[n_layer] != LOCAL and "output.weight" in sizes:
+            weights -= sizes["output.weight"] + sizes.get("output_norm.weight", 0)
+        layer_kv = [kv for il, kv in enumerate(layer_kv) if il in local_layers]
     return MemoryPlan(
-        weights=model_path.stat().st_size,
-        hot_kv=hot_kv,
-        compute=compute,
+        weights=weights,
+        hot_kv=sum(layer_kv),
+        compute=activations + logits,
         pool=config.cache_pool_size,
         runtime=RUNTIME_BYTES,
         spill_cap=config.spill_max_bytes,
         limit=config.memory_limit,
+        remote=tuple(remote),
     )
+
+
+def _shares(config: Config, devices: list[str] | None) -> list[float]:
+    """The workers' shares of the offloaded layers before they can be asked for their free memory: tensor_split,
+    else equal (kvpoold plans again with the free memory they report once it has reached them)."""
+    if config.tensor_split:
+        return list(config.tensor_split)
+    return [1.0] * len(devices or config.rpc_servers)

@@ -21,6 +21,8 @@ import numpy as np
 
 from kvpool.daemon.config import sequence_count
 from kvpool.daemon.kv.codec.kv_types import F16
+from kvpool.daemon.llama import ggml_rpc
+from kvpool.daemon.llama.ggml_rpc import RemoteDevice
 from kvpool.daemon.llama.kv_settings import KvSettings
 from kvpool.protocol.status import ModelStatus
 
@@ -65,6 +67,32 @@ def system_info() -> str:
     """llama.cpp's compiled-in features per backend, e.g. "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 | "."""
     _init_backend()
     return lc.llama_print_system_info().decode("utf-8", errors="replace")
+
+
+def supports_rpc() -> bool:
+    """Whether this llama-cpp-python build has the RPC backend (GGML_RPC=ON)."""
+    _init_backend()
+    return bool(lc.llama_supports_rpc()) and ggml_rpc.has_rpc_backend()
+
+
+def register_workers(endpoints: list[str]) -> list[RemoteDevice]:
+    """Connect to each RPC worker and register its devices with ggml (llama-cpp-python 0.3.36 no longer takes
+    ``rpc_servers``). A worker that is down makes ggml abort: check each one answers first."""
+    _init_backend()
+    devices: list[RemoteDevice] = []
+    for endpoint in endpoints:
+        devices += ggml_rpc.add_server(endpoint)
+    return devices
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where llama.cpp puts the layers: ``devices`` (RPC workers) get ``offloaded`` layers counted from the
+    output end (llama.cpp's n_gpu_layers), shared by ``tensor_split`` (empty: by their free memory)."""
+
+    devices: list[RemoteDevice]
+    offloaded: int
+    tensor_split: list[float]
 
 
 class ModelLoadError(Exception):
@@ -174,6 +202,7 @@ class Model:
         repack: bool = True,
         kv: KvSettings | None = None,
         outputs: int = 0,
+        placement: Placement | None = None,
     ):
         """``kv``: the hot KV's types and flash attention (default f16, on). ``outputs``: rows of logits one
         decode may return (default one per sequence, all a step samples; a quality benchmark wants more)."""
@@ -181,6 +210,14 @@ class Model:
         self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
         mparams = lc.llama_model_default_params()
+        if placement is not None and placement.devices:
+            # Passed explicitly: llama.cpp's default device selection is not relied on to pick the workers.
+            devices = (ctypes.c_void_p * (len(placement.devices) + 1))(*[d.handle for d in placement.devices], None)
+            mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
+            mparams.n_gpu_layers = placement.offloaded
+            split = (ctypes.c_float * lc.llama_max_devices())(*placement.tensor_split)
+            mparams.tensor_split = split
+            self._keep_alive = (devices, split)  # llama.cpp reads both while loading
         # llama.cpp's extra buffer types repack weights for faster CPU kernels (AVX2/AVX-512/NEON, AMX); whether
         # this CPU can run them is decided before loading (cpu_repack). Repacking does not change the KV state.
         mparams.use_extra_bufts = repack
@@ -188,7 +225,8 @@ class Model:
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(
-                f"llama.cpp could not load {self.path}: the file is not a GGUF model it supports, or is damaged."
+                f"llama.cpp could not load {self.path}: the file is not a GGUF model it supports, or is damaged"
+                + (" (or the rpc workers lack the memory for their layers)." if placement else ".")
             )
         self.vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)

@@ -179,6 +179,26 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
         "Generations waiting for their first token, by task.",
         [({"task": k}, t.queue_depth) for k, t in tasks.items()],
     )
+    if status.rpc_workers:  # a daemon split across rpc workers (docs/rpc.md)
+        workers = status.rpc_workers
+        yield _family(
+            gauge,
+            "kvpool_rpc_worker_layers",
+            "Repeating layers placed on each rpc worker.",
+            [({"endpoint": w.endpoint}, w.layers) for w in workers],
+        )
+        yield _family(
+            gauge,
+            "kvpool_rpc_worker_memory_free_bytes",
+            "Free memory each rpc worker reported at its last check.",
+            [({"endpoint": w.endpoint}, w.memory_free_bytes) for w in workers],
+        )
+        yield _family(
+            gauge,
+            "kvpool_rpc_worker_checked_seconds_ago",
+            "Seconds since each rpc worker last answered (a check, or a step that went through it).",
+            [({"endpoint": w.endpoint}, w.checked_s_ago) for w in workers],
+        )
 
 
 class _Snapshot(Collector):

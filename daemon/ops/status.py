@@ -19,6 +19,7 @@ from kvpool.protocol.status import (
     DaemonStatus,
     KvStatus,
     MemoryStatus,
+    RpcWorkerStatus,
     SchedulerStatus,
     SessionCounts,
     SlotStatus,
@@ -36,6 +37,7 @@ def status_of(
     scheduler: Scheduler,
     counters: Counters,
     frame_errors: Counter[str],
+    rpc_workers: list[RpcWorkerStatus] | None = None,
 ) -> DaemonStatus:
     cap = scheduler.step_time_cap()
     return DaemonStatus(
@@ -85,4 +87,5 @@ def status_of(
         sessions_by_tier=tiers.sessions_by_tier(),
         moves=tiers.counts.status(),
         prefixes=tiers.prefix_status(),
+        rpc_workers=rpc_workers or [],
     )
