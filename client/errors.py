@@ -55,6 +55,7 @@ ContextOverflow = _subclass("ContextOverflow", ErrorCode.CONTEXT_OVERFLOW)
 BudgetUnmeetable = _subclass("BudgetUnmeetable", ErrorCode.BUDGET_UNMEETABLE)
 Overloaded = _subclass("Overloaded", ErrorCode.OVERLOADED)
 ShuttingDown = _subclass("ShuttingDown", ErrorCode.SHUTTING_DOWN)
+RemoteTierUnavailable = _subclass("RemoteTierUnavailable", ErrorCode.REMOTE_UNAVAILABLE)
 InternalError = _subclass("InternalError", ErrorCode.INTERNAL)
 
 _BY_CODE: dict[str, type[KvpoolError]] = {

@@ -18,6 +18,7 @@ from kvpool.client import __version__
 from kvpool.client.address import default_address
 from kvpool.daemon.config import Config, ConfigError, load_config
 from kvpool.daemon.engine.loop import Engine
+from kvpool.daemon.engine.remote_requests import attach as attach_tiers
 from kvpool.daemon.kv.pool.segment import Pool, PoolError
 from kvpool.daemon.kv.recovery import recover
 from kvpool.daemon.kv.sessions import SessionTable
@@ -57,6 +58,8 @@ OVERRIDES = (
     "http",
     "log_format",
     "log_file",
+    "remote",
+    "preload",
 )
 
 
@@ -96,6 +99,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--http", help="serve /health and /metrics on 127.0.0.1:PORT")
     ap.add_argument("--log-format", choices=["text", "json"])
     ap.add_argument("--log-file", help="also log to this file (size-rotated)")
+    ap.add_argument("--remote", help="the cross-node tier: redis://[:password@]host:6379/0 (docs/remote.md)")
+    ap.add_argument("--preload", choices=["off", "hints", "predict"], help="move sessions up ahead of their turn")
     ap.add_argument(
         "--check-config",
         action="store_true",
@@ -191,6 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         last_heard=server.last_heard,
         lagging=server.lagging,
     )
+    try:
+        remote = attach_tiers(engine, config, address)
+    except ImportError as exc:
+        print(f"kvpoold: `remote` needs {exc.name}: pip install 'kvpool[remote]'.", file=sys.stderr)
+        tiers.close()
+        model.close()
+        server.close()
+        return 2
     engine_done = threading.Event()
 
     def run_engine() -> None:
@@ -240,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     notifier.close()
     if http is not None:
         http.close()
+    if remote is not None:
+        remote.close()  # pending writes first (bounded), then the pool they read from
     tiers.close()
     model.close()
     server.close()

@@ -48,6 +48,7 @@ class ErrorCode(StrEnum):
     BUDGET_UNMEETABLE = "BUDGET_UNMEETABLE"
     OVERLOADED = "OVERLOADED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    REMOTE_UNAVAILABLE = "REMOTE_UNAVAILABLE"  # the remote tier (Redis) did not answer; local sessions still work
     INTERNAL = "INTERNAL"
 
 
@@ -129,7 +130,21 @@ class History(SessionRequest, tag="history"):
 
 
 class ResumeSession(SessionRequest, tag="resume"):
-    """Take a session back (e.g. from a new process, or after a daemon restart) with its id and token."""
+    """Take a session back (e.g. from a new process, or after a daemon restart) with its id and token. A daemon
+    with a remote tier resumes a session it does not hold from there (docs/remote.md). ``prefetch``: also move
+    its KV up the tiers ahead of the next turn (see Prefetch)."""
+
+    prefetch: bool = False
+
+
+class Prefetch(SessionRequest, tag="prefetch"):
+    """A hint: the session's next turn is coming. Its KV moves from disk or the remote tier into the pool, and
+    into a hot slot when one is free (nothing is evicted for it). Answered by Prefetched."""
+
+
+class Migrate(SessionRequest, tag="migrate"):
+    """Hand the session over to another node: its newest checkpoint is written to the remote tier, its lease
+    given up and its local copy dropped; then resume it on the other node. Answered by Migrated."""
 
 
 class Cancel(SessionRequest, tag="cancel"):
@@ -173,6 +188,8 @@ AnyRequest = (
     | History
     | Tokenize
     | Detokenize
+    | Prefetch
+    | Migrate
 )
 
 
@@ -228,6 +245,9 @@ class SessionInfo(Struct, kw_only=True):
     # resident sessions under checkpoint = "on_evict", and when neither the pool nor the spill directory could
     # take its checkpoint (a crash then brings it back evicted).
     saved: bool = True
+    # The remote tier's copy (docs/remote.md): "current" (holds its newest checkpoint), "behind" (a write is
+    # pending, or Redis is down), "lost" (another node owns it now); "" without a remote tier.
+    remote: str = ""
 
 
 class SessionsReply(Reply, tag="sessions"):
@@ -244,6 +264,16 @@ class SessionOpened(Reply, tag="opened"):
 
 class Closed(Reply, tag="closed"):
     session: str
+
+
+class Prefetched(Reply, tag="prefetched"):
+    session: str
+    tier: str  # where its KV is now: hot, pool, disk (no room was free) or new
+
+
+class Migrated(Reply, tag="migrated"):
+    session: str
+    context_tokens: int  # what the remote tier now holds for it
 
 
 class Cancelled(Reply, tag="cancelled"):
@@ -301,6 +331,8 @@ AnyReply = (
     | HistoryReply
     | TokensReply
     | TextReply
+    | Prefetched
+    | Migrated
 )
 
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)

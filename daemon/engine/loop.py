@@ -67,6 +67,9 @@ class Engine:
         self.inbox: queue.Queue[tuple[bytes, p.AnyRequest, float]] = queue.Queue()
         self.stopping = threading.Event()
         self.started = time.monotonic()
+        # Extensions (engine/remote_requests.py): work between steps, and parts they add to the status.
+        self.between_steps: list[Callable[[], None]] = []
+        self.status_parts: list[Callable[[DaemonStatus], None]] = []
         self._inbox_lock = threading.Lock()
         self._inbox_closed = False
         self.handlers = RequestHandlers(model, config, tiers, self.scheduler, self.finish, self.status, daemon_version)
@@ -108,6 +111,8 @@ class Engine:
         self.heartbeat = time.monotonic()  # the watchdog pings systemd only while this keeps moving
         self._take_requests(block=self.scheduler.idle)
         self.housekeeping.run()
+        for work in self.between_steps:
+            work()
         plan = self.scheduler.schedule()
         if not plan:
             return
@@ -350,7 +355,7 @@ class Engine:
     # ------------------------------------------------------------------ status
 
     def status(self) -> DaemonStatus:
-        return status_of(
+        status = status_of(
             daemon_version=self.daemon_version,
             started=self.started,
             heartbeat=self.heartbeat,
@@ -361,3 +366,6 @@ class Engine:
             counters=self.counters,
             frame_errors=self.frame_errors,
         )
+        for part in self.status_parts:
+            part(status)
+        return status

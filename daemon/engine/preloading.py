@@ -1,0 +1,87 @@
+"""Smart preloading: moving a session up the tiers before its turn comes, on a client's hint (prefetch) or on
+the predictor's guess (daemon/kv/preload/predictor.py). Only into free room: a free hot slot and free KV cells;
+nothing is hibernated or evicted for a preload. Counts preloads, hits and wasted preloads. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.preload.predictor import TurnHistory
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.kv.tiers import Tiers
+from kvpool.protocol.status import PreloadStatus
+
+log = logging.getLogger("kvpool.engine")
+PREDICT_EVERY_S = 0.05
+
+
+class Preloader:
+    def __init__(self, tiers: Tiers, mode: str, horizon_s: float):
+        self.tiers, self.mode, self.horizon_s = tiers, mode, horizon_s
+        self.counts = PreloadStatus(mode=mode)
+        self.history = TurnHistory()
+        self._preloaded: set[str] = set()  # sessions lifted ahead of a turn that has not come yet
+        self._next_prediction = 0.0
+
+    def hint(self, s: Session) -> str:
+        """A client says the session's turn is coming: lift it if there is room; where its KV is now."""
+        if self.mode != "off" and self._lift(s):
+            self.counts.hinted += 1
+        return s.tier
+
+    def fetched(self, s: Session) -> None:
+        """A session just came from the remote tier into the pool ahead of its turn (a hint)."""
+        self.counts.preloads += 1
+        self.counts.hinted += 1
+        self._preloaded.add(s.id)
+        self._lift(s, count=False)
+
+    def turn(self, s: Session) -> None:
+        """A turn of ``s`` arrived (before it is scheduled): was it preloaded, and did that pay?"""
+        self.history.note(s.id, time.monotonic())
+        if s.id in self._preloaded:
+            self._preloaded.discard(s.id)
+            if s.slot is not None or s.tier == "pool":
+                self.counts.hits += 1
+            else:
+                self.counts.wasted += 1
+
+    def dropped(self, s: Session) -> None:
+        self.history.forget(s.id)
+        if s.id in self._preloaded:
+            self._preloaded.discard(s.id)
+            self.counts.wasted += 1
+
+    def predict(self) -> None:
+        """Between steps: lift the sessions the predictor expects within the horizon, while there is room."""
+        if self.mode != "predict":
+            return
+        now = time.monotonic()
+        if now < self._next_prediction:
+            return
+        self._next_prediction = now + PREDICT_EVERY_S
+        for session in self.history.due(now, self.horizon_s):
+            if not self.tiers.free_slots:
+                return
+            s = self.tiers.sessions.by_id.get(session)
+            if s is not None and s.id not in self._preloaded and self._lift(s):
+                self.counts.predicted += 1
+
+    def _lift(self, s: Session, count: bool = True) -> bool:
+        """Into a free hot slot, if the unified KV has free cells for it too (never by making room)."""
+        if s.slot is not None or s.busy or s.snapshot is None or not self.tiers.free_slots:
+            return False
+        if self.tiers.cells_used() + s.snapshot.n_kv > self.tiers.model.context_size:
+            return False
+        try:
+            lifted = self.tiers.make_resident(s)
+        except RequestRefused as refused:  # a damaged snapshot shows at the turn, with its own error
+            log.warning("could not preload session %s: %s", s.id, refused.message)
+            return False
+        if lifted and count:
+            self.counts.preloads += 1
+            self._preloaded.add(s.id)
+        return lifted

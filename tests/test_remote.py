@@ -1,0 +1,100 @@
+"""The cross-node tier against real parts: two (or three) kvpoold processes with their own pools and addresses
+stand in for nodes, and a real redis-server on a loopback port is the remote tier."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import msgspec
+import pytest
+
+from kvpool.client import Client
+from kvpool.client.errors import Conflict, UnknownSession
+from kvpool.daemon.kv.remote import record as rec
+
+from .daemon_process import DaemonProcess, wait_until
+from .redis_server import RedisServer
+
+Start = Callable[..., DaemonProcess]
+GREEDY = {"temperature": 0.0}
+TURNS = ["The robot checked the kitchen. ", "Then it went upstairs and", " finally it came back to the dock"]
+NODE_ARGS = ("--hot-slots", "2", "--context-size", "2048", "--threads", "1")
+
+
+def node(start_daemon: Start, redis_server: RedisServer, name: str, extra: str = "", *args: str) -> DaemonProcess:
+    config = f'remote = "{redis_server.url}"\nremote_lease_ms = 1000\nremote_timeout_ms = 500\n{extra}'
+    return start_daemon(*NODE_ARGS, *args, config=config, name=name)
+
+
+def reference(start_daemon: Start, turns: list[str], max_tokens: int = 8) -> list[list[int]]:
+    """The same turns on a daemon without a remote tier, in a session that never moves."""
+    ref = start_daemon(*NODE_ARGS, name="ref")
+    with ref.client() as client:
+        s = client.open_session()
+        out = [s.complete(t, max_tokens=max_tokens, **GREEDY).tokens for t in turns]
+    ref.stop()
+    return out
+
+
+def remote_copy(client: Client, session: str) -> str:
+    return next(i.remote for i in client.sessions() if i.session == session)
+
+
+def wait_synced(client: Client, session: str) -> None:
+    wait_until(lambda: remote_copy(client, session) == "current", "the remote tier to hold the newest checkpoint")
+
+
+def resume_when_free(client: Client, session: str, token: str, **kw: object) -> object:
+    """Resume, retrying while the dead owner's lease has not expired yet (bounded)."""
+    result: list[object] = []
+
+    def attempt() -> bool:
+        try:
+            result.append(client.resume_session(session, token, **kw))
+        except Conflict:
+            return False
+        return True
+
+    wait_until(attempt, "the dead node's lease to expire", timeout=30)
+    return result[0]
+
+
+def test_a_session_roams_to_node_b_after_node_a_is_killed(start_daemon: Start, redis_server: RedisServer) -> None:
+    a = node(start_daemon, redis_server, "a")
+    b = node(start_daemon, redis_server, "b")
+    with a.client() as client:
+        s = client.open_session()
+        first = [s.complete(t, max_tokens=8, **GREEDY).tokens for t in TURNS[:2]]
+        wait_synced(client, s.id)
+        assert client.status().remote.writes >= 2
+        sid, token = s.id, s.token
+    a.stop(signal.SIGKILL)
+    with b.client() as client:
+        with pytest.raises(UnknownSession):
+            client.resume_session("0123456789abcdef", token)  # not in Redis either: no lease is taken for it
+        moved = resume_when_free(client, sid, token)
+        last = moved.complete(TURNS[2], max_tokens=8, **GREEDY).tokens
+        status = client.status()
+        assert status.remote.fetches == 1 and status.sessions_by_tier.get("hot") == 1
+        wait_synced(client, sid)  # node B now writes it, under its own lease
+    assert [*first, last] == reference(start_daemon, TURNS)
+    record = stored_record(redis_server, sid)
+    assert b.address in record.node and record.n_tokens == len(moved_history(b, sid, token))
+
+
+def snap_key(redis_server: RedisServer, session: str) -> bytes:
+    (key,) = redis_server.client().keys(f"kvpool:*:snap:{session}")
+    return key
+
+
+def stored_record(redis_server: RedisServer, session: str) -> rec.RemoteRecord:
+    """The record part of a session's remote value, read as it is stored (header, then msgpack)."""
+    blob = redis_server.client().get(snap_key(redis_server, session))
+    _, length = rec.HEADER.unpack_from(blob)
+    return msgspec.msgpack.decode(blob[rec.HEADER.size : rec.HEADER.size + length], type=rec.RemoteRecord)
+
+
+def moved_history(daemon: DaemonProcess, session: str, token: str) -> list[int]:
+    with daemon.client() as client:
+        return client.resume_session(session, token).history()
