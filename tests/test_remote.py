@@ -4,13 +4,16 @@ stand in for nodes, and a real redis-server on a loopback port is the remote tie
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 
 import msgspec
 import pytest
 
 from kvpool.client import Client
-from kvpool.client.errors import Conflict, UnknownSession
+from kvpool.client.errors import Conflict, RemoteTierUnavailable, SessionCorrupt, UnknownSession
 from kvpool.daemon.kv.remote import record as rec
 
 from .daemon_process import DaemonProcess, wait_until
@@ -98,3 +101,87 @@ def stored_record(redis_server: RedisServer, session: str) -> rec.RemoteRecord:
 def moved_history(daemon: DaemonProcess, session: str, token: str) -> list[int]:
     with daemon.client() as client:
         return client.resume_session(session, token).history()
+
+
+def test_a_live_owner_keeps_its_session_and_the_lease_race_has_one_winner(
+    start_daemon: Start, redis_server: RedisServer
+) -> None:
+    a = node(start_daemon, redis_server, "a")
+    b = node(start_daemon, redis_server, "b")
+    c = node(start_daemon, redis_server, "c")
+    with a.client() as client:
+        s = client.open_session()
+        s.complete(TURNS[0], max_tokens=8, **GREEDY)
+        wait_synced(client, s.id)
+        with b.client() as other, pytest.raises(Conflict, match=a.address):
+            other.resume_session(s.id, s.token)  # A is alive and renews its lease: B may not fork the session
+        assert s.complete(TURNS[1], max_tokens=4, **GREEDY).usage.completion_tokens == 4
+        wait_synced(client, s.id)
+    a.stop(signal.SIGKILL)
+    raw = redis_server.client()
+    wait_until(lambda: not raw.keys(f"kvpool:*:lease:{s.id}"), "the dead node's lease to expire", timeout=30)
+
+    outcomes: dict[str, object] = {}
+    barrier = threading.Barrier(2)
+
+    def resume(daemon: DaemonProcess) -> None:
+        with daemon.client() as client:
+            barrier.wait(10)
+            try:
+                moved = client.resume_session(s.id, s.token)
+                outcomes[daemon.address] = moved.complete(TURNS[2], max_tokens=6, **GREEDY).tokens
+            except Conflict as exc:
+                outcomes[daemon.address] = exc
+
+    threads = [threading.Thread(target=resume, args=(d,)) for d in (b, c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [addr for addr, out in outcomes.items() if isinstance(out, list)]
+    losers = [out for out in outcomes.values() if isinstance(out, Conflict)]
+    assert len(winners) == 1 and len(losers) == 1, outcomes
+    assert winners[0] in losers[0].message  # the loser is told who owns the session
+    loser = c if winners[0] == b.address else b
+    with loser.client() as client, pytest.raises(Conflict):
+        client.resume_session(s.id, s.token)
+    record = stored_record(redis_server, s.id)
+    assert winners[0] in record.node  # nothing forked: only the winner wrote after the race
+
+
+def test_migrate_hands_a_session_over(start_daemon: Start, redis_server: RedisServer) -> None:
+    a = node(start_daemon, redis_server, "a")
+    b = node(start_daemon, redis_server, "b")
+    with a.client() as client:
+        s = client.open_session()
+        first = [s.complete(t, max_tokens=8, **GREEDY).tokens for t in TURNS[:2]]
+        moved = s.migrate(b.address)
+        try:
+            assert client.status().remote.migrations == 1 and client.sessions() == []
+            assert moved.client.status().sessions_by_tier == {"hot": 1}  # prefetched into a free slot
+            last = moved.complete(TURNS[2], max_tokens=8, **GREEDY).tokens
+            with pytest.raises(Conflict, match=b.address):
+                client.resume_session(s.id, s.token)  # A let it go; B owns it now
+        finally:
+            moved.client.close()
+    assert [*first, last] == reference(start_daemon, TURNS)
+
+
+def test_kvpool_migrate_and_sessions_show_where_it_lives(start_daemon: Start, redis_server: RedisServer) -> None:
+
+    a = node(start_daemon, redis_server, "a")
+    b = node(start_daemon, redis_server, "b")
+    with a.client() as client:
+        s = client.open_session()
+        s.complete(TURNS[0], max_tokens=4, **GREEDY)
+        wait_synced(client, s.id)
+    cli = [sys.executable, "-m", "kvpool.client.cli", "--address"]
+    listed = subprocess.run([*cli, a.address, "sessions"], capture_output=True, text=True, timeout=60)
+    assert s.id in listed.stdout and "+ remote" in listed.stdout
+    moved = subprocess.run(
+        [*cli, a.address, "migrate", f"{s.id}:{s.token}", "--to", b.address], capture_output=True, text=True, timeout=60
+    )
+    assert moved.returncode == 0, moved.stderr
+    assert b.address in moved.stdout
+    listed = subprocess.run([*cli, b.address, "sessions"], capture_output=True, text=True, timeout=60)
+    assert s.id in listed.stdout and "here (hot" in listed.stdout

@@ -36,7 +36,8 @@ class RemoteArrived(msgspec.Struct, tag="remote_arrived"):
     id: int
     session: str
     token: str
-    prefetch: bool
+    prefetch: bool  # move it up the tiers too
+    answer_prefetched: bool  # the request was a Prefetch (else a ResumeSession)
     result: Any
 
 
@@ -74,7 +75,7 @@ class TierRequests:
         except RequestRefused as refused:
             if self.remote is None or refused.code not in (ErrorCode.UNKNOWN_SESSION, ErrorCode.SESSION_EVICTED):
                 raise
-            self._fetch(client, r, prefetch=r.prefetch)
+            self._fetch(client, r, prefetch=r.prefetch, answer_prefetched=False)
             return None
         s = self.sessions.by_id[r.session]
         if self.remote is not None:
@@ -86,19 +87,26 @@ class TierRequests:
     def prefetch(self, client: bytes, r: p.Prefetch, received_at: float) -> p.Reply | None:
         s = self.sessions.by_id.get(r.session)
         if s is None and self.remote is not None and r.session not in self.sessions.evicted:
-            self._fetch(client, r, prefetch=True)
+            self._fetch(client, r, prefetch=True, answer_prefetched=True)
             return None
         s = self.sessions.get(r.session, r.token)
         if self.remote is not None:
             self.remote.check_owned(s)
         return p.Prefetched(id=r.id, session=s.id, tier=self.preloader.hint(s))
 
-    def _fetch(self, client: bytes, r: p.SessionRequest, prefetch: bool) -> None:
+    def _fetch(self, client: bytes, r: p.SessionRequest, prefetch: bool, answer_prefetched: bool) -> None:
         assert self.remote is not None
         request_id, session, token = r.id, r.session, r.token
 
         def done(result: Fetched | RequestRefused) -> None:
-            arrived = RemoteArrived(id=request_id, session=session, token=token, prefetch=prefetch, result=result)
+            arrived = RemoteArrived(
+                id=request_id,
+                session=session,
+                token=token,
+                prefetch=prefetch,
+                answer_prefetched=answer_prefetched,
+                result=result,
+            )
             if not self.submit(client, arrived) and not isinstance(result, RequestRefused):  # the engine is stopping
                 assert self.remote is not None
                 self.remote.release_lease(session, result.lease)
@@ -122,6 +130,7 @@ class TierRequests:
             log.info("session %s resumed from the remote tier (written by %s)", s.id, result.record.node)
         if m.prefetch:
             self.preloader.fetched(s)
+        if m.answer_prefetched:
             return p.Prefetched(id=m.id, session=s.id, tier=s.tier)
         return self.base._opened(m.id, s)
 
