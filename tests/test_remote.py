@@ -185,3 +185,122 @@ def test_kvpool_migrate_and_sessions_show_where_it_lives(start_daemon: Start, re
     assert b.address in moved.stdout
     listed = subprocess.run([*cli, b.address, "sessions"], capture_output=True, text=True, timeout=60)
     assert s.id in listed.stdout and "here (hot" in listed.stdout
+
+
+def test_redis_killed_and_restarted_mid_run(start_daemon: Start, redis_server: RedisServer) -> None:
+    a = node(start_daemon, redis_server, "a")
+    b = node(start_daemon, redis_server, "b")
+    with a.client() as client:
+        sessions = [client.open_session() for _ in range(3)]
+        for s in sessions:
+            s.complete(TURNS[0], max_tokens=4, **GREEDY)
+        for s in sessions:
+            wait_synced(client, s.id)
+        redis_server.kill()
+        # Local tiers go on serving: every turn succeeds, hot or restored from the pool (3 sessions, 2 slots).
+        for turn in TURNS[1:]:
+            for s in sessions:
+                assert s.complete(turn, max_tokens=4, **GREEDY).usage.completion_tokens == 4
+        wait_until(lambda: not client.status().remote.connected, "the daemon to notice that Redis is gone")
+        status = client.status()
+        assert status.remote.write_failures > 0 and status.remote.disconnects == 1
+        assert {remote_copy(client, s.id) for s in sessions} == {"behind"}
+        with b.client() as other, pytest.raises(RemoteTierUnavailable, match="did not answer"):
+            other.resume_session(sessions[0].id, sessions[0].token)
+        assert b.log().count("Traceback") == 0
+
+        redis_server.start()  # the same port, empty (no persistence): the daemon reconnects by itself
+        for s in sessions:
+            wait_synced(client, s.id)  # the pending writes went through, under leases taken again
+        assert client.status().remote.connected
+        final = [s.history() for s in sessions]
+    a.stop(signal.SIGKILL)
+    with b.client() as other:
+        moved = resume_when_free(other, sessions[0].id, sessions[0].token)
+        assert moved.history() == final[0]
+
+
+def corrupt_copy(redis_server: RedisServer, source: str, target: str, damage: Callable[[bytes], bytes]) -> None:
+    raw = redis_server.client()
+    key = snap_key(redis_server, source)
+    raw.set(key.replace(source.encode(), target.encode()), damage(raw.get(key)))
+
+
+def refoot(blob: bytes, **changes: object) -> bytes:
+    """The same value with record fields changed (its payload and checksum untouched)."""
+    _, length = rec.HEADER.unpack_from(blob)
+    record = msgspec.msgpack.decode(blob[rec.HEADER.size : rec.HEADER.size + length], type=rec.RemoteRecord)
+    return rec.encode(msgspec.structs.replace(record, **changes), blob[rec.HEADER.size + length :])
+
+
+def test_bad_remote_values_cost_only_their_session(start_daemon: Start, redis_server: RedisServer) -> None:
+    a = node(start_daemon, redis_server, "a")
+    b = node(start_daemon, redis_server, "b")
+    with a.client() as client:
+        s = client.open_session()
+        s.complete(TURNS[0], max_tokens=4, **GREEDY)
+        wait_synced(client, s.id)
+    # Each damage applies to a copy of the good value, renamed to a session of its own.
+    bad: dict[str, tuple[Callable[[bytes], bytes], str]] = {
+        "flipped": (lambda blob: blob[:-50] + bytes([blob[-50] ^ 0xFF]) + blob[-49:], "checksum"),
+        "truncat": (lambda blob: blob[: len(blob) // 2], "truncated"),
+        "headcut": (lambda blob: blob[:10], "truncated"),
+        "garbage": (lambda blob: b"not a checkpoint at all", "not a kvpool checkpoint"),
+        "foreign": (lambda blob: refoot(blob, fingerprint="f" * 32), "another model"),
+    }
+    with b.client() as client:
+        for i, (name, (damage, why)) in enumerate(bad.items()):
+            target = f"{name}{i:09d}"
+            corrupt_copy(redis_server, s.id, target, lambda blob, d=damage, t=target: d(refoot(blob, session=t)))
+            with pytest.raises(SessionCorrupt, match=why):
+                client.resume_session(target, s.token)
+            with pytest.raises(UnknownSession):  # the damaged value was removed with its session
+                client.resume_session(target, s.token)
+        assert client.status().remote.corrupt == len(bad)
+        fine = client.open_session()
+        assert fine.complete("still serving", max_tokens=3, **GREEDY).usage.completion_tokens == 3
+    assert "Traceback" not in b.log()
+
+
+def test_remote_copies_expire_after_remote_ttl(start_daemon: Start, redis_server: RedisServer) -> None:
+    a = node(start_daemon, redis_server, "a", "remote_ttl = 0.5\n")
+    b = node(start_daemon, redis_server, "b")
+    with a.client() as client:
+        s = client.open_session()
+        s.complete(TURNS[0], max_tokens=4, **GREEDY)
+        wait_synced(client, s.id)
+        raw = redis_server.client()
+        assert 0 < raw.pttl(snap_key(redis_server, s.id)) <= 500
+        wait_until(lambda: not raw.keys(f"kvpool:*:snap:{s.id}"), "the remote copy to expire")
+        with b.client() as other, pytest.raises(UnknownSession, match="remote tier"):
+            other.resume_session(s.id, s.token)
+        assert s.complete(TURNS[1], max_tokens=4, **GREEDY).usage.completion_tokens == 4  # still local on A
+        wait_synced(client, s.id)  # and written again
+
+
+def test_closing_a_session_removes_its_remote_copy(start_daemon: Start, redis_server: RedisServer) -> None:
+    a = node(start_daemon, redis_server, "a")
+    with a.client() as client:
+        s = client.open_session()
+        s.complete(TURNS[0], max_tokens=4, **GREEDY)
+        wait_synced(client, s.id)
+        s.close()
+        raw = redis_server.client()
+        wait_until(lambda: not raw.keys(f"kvpool:*{s.id}"), "the session's keys to go")
+
+
+def test_daemons_of_different_models_never_share_keys(
+    start_daemon: Start, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from .tinymodel import build_tiny_model
+
+    other_model = build_tiny_model(tmp_path_factory.mktemp("other") / "other.gguf", seed=7)
+    a = node(start_daemon, redis_server, "a")
+    config = f'remote = "{redis_server.url}"\nremote_lease_ms = 1000\n'
+    other = start_daemon(*NODE_ARGS, model=other_model, config=config, name="o")
+    with a.client() as client:
+        s = client.open_session()
+        s.complete(TURNS[0], max_tokens=4, **GREEDY)
+        wait_synced(client, s.id)
+    with other.client() as client, pytest.raises(UnknownSession):
+        client.resume_session(s.id, s.token)  # another namespace: it never sees (nor reads) A's snapshot
