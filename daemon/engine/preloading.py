@@ -23,7 +23,8 @@ class Preloader:
         self.tiers, self.mode, self.horizon_s = tiers, mode, horizon_s
         self.counts = PreloadStatus(mode=mode)
         self.history = TurnHistory()
-        self._preloaded: set[str] = set()  # sessions lifted ahead of a turn that has not come yet
+        # Sessions lifted ahead of a turn that has not come yet -> the tier the preload put them in.
+        self._preloaded: dict[str, str] = {}
         self._next_prediction = 0.0
 
     def hint(self, s: Session) -> str:
@@ -36,23 +37,23 @@ class Preloader:
         """A session just came from the remote tier into the pool ahead of its turn (a hint)."""
         self.counts.preloads += 1
         self.counts.hinted += 1
-        self._preloaded.add(s.id)
         self._lift(s, count=False)
+        self._preloaded[s.id] = s.tier
 
     def turn(self, s: Session) -> None:
         """A turn of ``s`` arrived (before it is scheduled): was it preloaded, and did that pay?"""
         self.history.note(s.id, time.monotonic())
-        if s.id in self._preloaded:
-            self._preloaded.discard(s.id)
-            if s.slot is not None or s.tier == "pool":
+        target = self._preloaded.pop(s.id, None)
+        if target is not None:
+            # a hit only if the session is still where the preload put it (or higher)
+            if s.slot is not None or (target == "pool" and s.tier == "pool"):
                 self.counts.hits += 1
             else:
                 self.counts.wasted += 1
 
     def dropped(self, s: Session) -> None:
         self.history.forget(s.id)
-        if s.id in self._preloaded:
-            self._preloaded.discard(s.id)
+        if self._preloaded.pop(s.id, None) is not None:
             self.counts.wasted += 1
 
     def predict(self) -> None:
@@ -83,5 +84,5 @@ class Preloader:
             return False
         if lifted and count:
             self.counts.preloads += 1
-            self._preloaded.add(s.id)
+            self._preloaded[s.id] = "hot"
         return lifted

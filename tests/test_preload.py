@@ -1,0 +1,60 @@
+"""Preloading against a real daemon: a client's prefetch hint lifts a session into a free hot slot ahead of its
+turn, never by evicting anything, and the counters tell whether it paid."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .daemon_process import DaemonProcess
+
+Start = Callable[..., DaemonProcess]
+GREEDY = {"temperature": 0.0}
+
+
+def test_prefetch_lifts_a_session_into_a_free_slot_only(start_daemon: Start) -> None:
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048", "--threads", "1")
+    with daemon.client() as client:
+        a, b, c = (client.open_session() for _ in range(3))
+        for s in (a, b, c):
+            s.complete("wake up and report", max_tokens=4, **GREEDY)
+        assert client.status().sessions_by_tier == {"hot": 2, "pool": 1}  # a went to the pool
+        before = client.status().moves
+        assert a.prefetch() == "pool"  # no free slot: nothing is hibernated for a hint
+        assert client.status().moves.hibernations == before.hibernations
+
+        b.close()  # a slot is free now
+        assert a.prefetch() == "hot"
+        restored = client.status().moves.restores_pool
+        assert restored == before.restores_pool + 1
+        a.complete("and again", max_tokens=4, **GREEDY)
+        status = client.status()
+        assert status.moves.restores_pool == restored  # the turn found it hot: no restore on its path
+        assert (status.preload.preloads, status.preload.hinted, status.preload.hits) == (1, 1, 1)
+        assert status.preload.wasted == 0
+
+
+def test_resume_with_prefetch_and_a_wasted_preload(start_daemon: Start) -> None:
+    daemon = start_daemon("--hot-slots", "1", "--context-size", "2048", "--threads", "1")
+    with daemon.client() as client:
+        a, b = client.open_session(), client.open_session()
+        a.complete("first", max_tokens=3, **GREEDY)
+        b.complete("second", max_tokens=3, **GREEDY)
+        b.close()
+        again = client.resume_session(a.id, a.token, prefetch=True)
+        assert client.status().sessions_by_tier == {"hot": 1}
+        c = client.open_session()
+        c.complete("someone else's turn takes the slot", max_tokens=3, **GREEDY)
+        again.complete("late", max_tokens=3, **GREEDY)
+        preload = client.status().preload
+        assert (preload.preloads, preload.hits, preload.wasted) == (1, 0, 1)
+
+
+def test_preloading_off_ignores_hints(start_daemon: Start) -> None:
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048", "--threads", "1", "--preload", "off")
+    with daemon.client() as client:
+        a, b, c = (client.open_session() for _ in range(3))
+        for s in (a, b, c):
+            s.complete("wake up", max_tokens=2, **GREEDY)
+        b.close()
+        assert a.prefetch() == "pool"
+        assert client.status().preload.preloads == 0
