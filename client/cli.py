@@ -120,6 +120,19 @@ def format_status(status: DaemonStatus) -> str:
         ("requests", _counts(c.requests)),
         ("errors", _counts(c.errors | c.frame_errors)),
     ]
+    if status.remote is not None:
+        r = status.remote
+        rows.append(
+            (
+                "remote",
+                f"{r.url} as {r.node!r}: {'connected' if r.connected else 'UNREACHABLE'}, {r.writes} writes "
+                f"({_bytes(r.write_bytes)}), {r.pending} pending, {r.dropped} dropped, {r.write_failures} failed, "
+                f"{r.fetches} fetched, {r.conflicts} conflicts, {r.corrupt} corrupt, {r.leases_held} leases",
+            )
+        )
+    if status.preload is not None:
+        pre = status.preload
+        rows.append(("preload", f"{pre.mode}: {pre.preloads} preloads, {pre.hits} hits, {pre.wasted} wasted"))
     for name, value in rows:
         out.append(f"{name:>9}  {value}")
     scheduler = status.scheduler

@@ -7,17 +7,19 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import Client
 from kvpool.client.errors import Conflict, RemoteTierUnavailable, SessionCorrupt, UnknownSession
 from kvpool.daemon.kv.remote import record as rec
 
 from .daemon_process import DaemonProcess, wait_until
-from .redis_server import RedisServer
+from .redis_server import RedisServer, free_port
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
@@ -187,8 +189,18 @@ def test_kvpool_migrate_and_sessions_show_where_it_lives(start_daemon: Start, re
     assert s.id in listed.stdout and "here (hot" in listed.stdout
 
 
+def metric(port: int, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
 def test_redis_killed_and_restarted_mid_run(start_daemon: Start, redis_server: RedisServer) -> None:
-    a = node(start_daemon, redis_server, "a")
+    port = free_port()
+    a = node(start_daemon, redis_server, "a", "", "--http", f"127.0.0.1:{port}")
     b = node(start_daemon, redis_server, "b")
     with a.client() as client:
         sessions = [client.open_session() for _ in range(3)]
@@ -205,6 +217,9 @@ def test_redis_killed_and_restarted_mid_run(start_daemon: Start, redis_server: R
         status = client.status()
         assert status.remote.write_failures > 0 and status.remote.disconnects == 1
         assert {remote_copy(client, s.id) for s in sessions} == {"behind"}
+        assert metric(port, "kvpool_remote_connected") == 0
+        assert metric(port, "kvpool_remote_events_total", kind="write_failures") > 0
+        assert "remote tier unreachable" in a.log()
         with b.client() as other, pytest.raises(RemoteTierUnavailable, match="did not answer"):
             other.resume_session(sessions[0].id, sessions[0].token)
         assert b.log().count("Traceback") == 0
@@ -304,3 +319,22 @@ def test_daemons_of_different_models_never_share_keys(
         wait_synced(client, s.id)
     with other.client() as client, pytest.raises(UnknownSession):
         client.resume_session(s.id, s.token)  # another namespace: it never sees (nor reads) A's snapshot
+
+
+def test_a_hung_redis_never_holds_a_turn_up(start_daemon: Start, redis_server: RedisServer) -> None:
+    a = node(start_daemon, redis_server, "a")
+    with a.client() as client:
+        s = client.open_session()
+        s.complete(TURNS[0], max_tokens=4, **GREEDY)
+        wait_synced(client, s.id)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing: "slow"
+        try:
+            for turn in TURNS[1:]:
+                assert s.complete(turn, max_tokens=4, **GREEDY).usage.completion_tokens == 4
+            wait_until(lambda: client.status().remote.write_failures > 0, "a write to time out")
+            assert not client.status().remote.connected
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        wait_synced(client, s.id)
+        assert client.status().remote.connected
