@@ -11,16 +11,18 @@ Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
 
 
-def test_prefetch_lifts_a_session_into_a_free_slot_only(start_daemon: Start) -> None:
-    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048", "--threads", "1")
+def test_prefetch_takes_only_room_that_costs_nobody_anything(start_daemon: Start) -> None:
+    # on_evict: a hot session's checkpoint is not fresh after its turn, so its slot is not free for a hint.
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048", "--threads", "1", "--checkpoint", "on_evict")
     with daemon.client() as client:
         a, b, c = (client.open_session() for _ in range(3))
         for s in (a, b, c):
             s.complete("wake up and report", max_tokens=4, **GREEDY)
         assert client.status().sessions_by_tier == {"hot": 2, "pool": 1}  # a went to the pool
         before = client.status().moves
-        assert a.prefetch() == "pool"  # no free slot: nothing is hibernated for a hint
-        assert client.status().moves.hibernations == before.hibernations
+        assert a.prefetch() == "pool"  # nothing is checkpointed, spilled or evicted for a hint
+        after = client.status().moves
+        assert (after.hibernations, after.checkpoints) == (before.hibernations, before.checkpoints)
 
         b.close()  # a slot is free now
         assert a.prefetch() == "hot"
@@ -31,6 +33,21 @@ def test_prefetch_lifts_a_session_into_a_free_slot_only(start_daemon: Start) -> 
         assert status.moves.restores_pool == restored  # the turn found it hot: no restore on its path
         assert (status.preload.preloads, status.preload.hinted, status.preload.hits) == (1, 1, 1)
         assert status.preload.wasted == 0
+
+
+def test_prefetch_takes_the_slot_of_an_idle_session_with_a_fresh_checkpoint(start_daemon: Start) -> None:
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048", "--threads", "1")
+    with daemon.client() as client:
+        a, b, c = (client.open_session() for _ in range(3))
+        for s in (a, b, c):
+            s.complete("wake up and report", max_tokens=4, **GREEDY)
+        before = client.status().moves
+        assert a.prefetch() == "hot"
+        after = client.status().moves
+        assert after.hibernations == before.hibernations + 1 and after.checkpoints == before.checkpoints
+        assert next(i.tier for i in client.sessions() if i.session == b.id) == "pool"  # the least recently used
+        a.complete("and again", max_tokens=4, **GREEDY)
+        assert client.status().preload.hits == 1
 
 
 def test_resume_with_prefetch_and_a_wasted_preload(start_daemon: Start) -> None:

@@ -1,6 +1,11 @@
 """Smart preloading: moving a session up the tiers before its turn comes, on a client's hint (prefetch) or on
-the predictor's guess (daemon/kv/preload/predictor.py). Only into free room: a free hot slot and free KV cells;
-nothing is hibernated or evicted for a preload. Counts preloads, hits and wasted preloads. Engine thread only.
+the predictor's guess (daemon/kv/preload/predictor.py). Counts preloads, hits and wasted preloads. Engine
+thread only.
+
+Only into room that costs nobody anything: a free hot slot, or the slot of an idle session whose checkpoint is
+fresh (leaving costs it no copy, only a forget) and which is not itself expected within the horizon; and free
+KV cells. Nothing is spilled, evicted or checkpointed for a preload, and a preloaded session is never pushed
+out by another preload.
 """
 
 from __future__ import annotations
@@ -64,19 +69,37 @@ class Preloader:
         if now < self._next_prediction:
             return
         self._next_prediction = now + PREDICT_EVERY_S
-        for session in self.history.due(now, self.horizon_s):
-            if not self.tiers.free_slots:
-                return
+        due = self.history.due(now, self.horizon_s)
+        for session in due:
             s = self.tiers.sessions.by_id.get(session)
-            if s is not None and s.id not in self._preloaded and self._lift(s):
+            if s is not None and s.id not in self._preloaded and self._lift(s, keep=set(due)):
                 self.counts.predicted += 1
 
-    def _lift(self, s: Session, count: bool = True) -> bool:
-        """Into a free hot slot, if the unified KV has free cells for it too (never by making room)."""
-        if s.slot is not None or s.busy or s.snapshot is None or not self.tiers.free_slots:
+    def _room_giver(self, keep: set[str]) -> Session | None:
+        """An idle hot session that can leave its slot at no cost: fresh checkpoint, not expected soon, not
+        preloaded itself; the least recently used of them."""
+        soon = keep | set(self.history.due(time.monotonic(), self.horizon_s)) | set(self._preloaded)
+        givers = [
+            r
+            for r in self.tiers.resident.values()
+            if not r.busy and r.checkpoint_fresh and r.id not in soon and not r.shares_hot
+        ]
+        return min(givers, key=lambda r: r.last_used, default=None)
+
+    def _lift(self, s: Session, count: bool = True, keep: set[str] | None = None) -> bool:
+        """Into a hot slot, free or given up at no cost, when the unified KV has free cells for it too."""
+        if s.slot is not None or s.busy or s.snapshot is None:
             return False
-        if self.tiers.cells_used() + s.snapshot.n_kv > self.tiers.model.context_size:
+        giver = None
+        if not self.tiers.free_slots:
+            giver = self._room_giver((keep or set()) | {s.id})
+            if giver is None:
+                return False
+        freed = giver.n_kv if giver is not None else 0
+        if self.tiers.cells_used() - freed + s.snapshot.n_kv > self.tiers.model.context_size:
             return False
+        if giver is not None:
+            self.tiers.hibernate(giver)  # its checkpoint is fresh: no copy, its cells and slot are freed
         try:
             lifted = self.tiers.make_resident(s)
         except RequestRefused as refused:  # a damaged snapshot shows at the turn, with its own error
