@@ -3,7 +3,8 @@
 A node takes a session's lease with SET NX PX; its value is "{generation} {node}", where the generation comes
 from an INCR counter of that session (the fencing token). The owner renews it while it holds the session; a
 dead owner stops renewing, the lease expires, and another node may take it. Every remote write is conditional
-on the lease still holding the writer's exact value (generation included), so a node that lost its lease (a
+on the lease still holding the writer's exact value, generation included (WATCH on the lease, then MULTI/EXEC;
+store.py), so a node that lost its lease (a
 long partition, a pause) can never overwrite the newer owner's checkpoint: its write is fenced off and it
 learns that the session went elsewhere.
 """
@@ -26,22 +27,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
-"""
-
-# KEYS[1] = lease, KEYS[2] = the checkpoint, KEYS[3] = the generation counter; ARGV[1] = the lease value,
-# ARGV[2] = the value to store, ARGV[3] = its TTL in milliseconds (0: none). 1: written; 0: fenced off (the lease
-# is not the writer's). The counter lives as long as the checkpoint.
-WRITE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return 0
-end
-if tonumber(ARGV[3]) > 0 then
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
-else
-  redis.call('SET', KEYS[2], ARGV[2])
-end
-return 1
 """
 
 # KEYS[1] = lease, KEYS[2] = the checkpoint, KEYS[3] = the generation counter; ARGV[1] = the lease value.

@@ -280,17 +280,17 @@ class RemoteWriter:
     def _write(self, job: Job, held: Lease) -> bool:
         assert job.record is not None and job.source is not None
         started = time.perf_counter()
-        payload = self._read(job)
-        if payload is None or checksum(payload) != job.record.checksum:
+        record = msgspec.structs.replace(
+            job.record, generation=held.generation, written_at=time.time(), node=self.store.node
+        )
+        blob = self._encode(job, record)
+        # The one copy of the bytes is checked after it was made: the engine may have reused the pool extent
+        # since the job was queued (a newer checkpoint, a spill).
+        if blob is None or checksum(memoryview(blob)[len(blob) - job.source.length :]) != record.checksum:
             self.counts.stale += 1
             self.events.put(Event("stale", job.session))
             self._notify(job, False, "its checkpoint changed while it was queued; retry")
             return False
-        record = msgspec.structs.replace(
-            job.record, generation=held.generation, written_at=time.time(), node=self.store.node
-        )
-        blob = rec.encode(record, payload)
-        del payload
         if not self.store.write(job.session, held, blob, self.ttl_ms):
             self.counts.fenced += 1
             with self._cond:
@@ -305,17 +305,18 @@ class RemoteWriter:
         self.events.put(Event("written", job.session, (record.n_tokens, record.n_kv)))
         return True
 
-    def _read(self, job: Job) -> bytes | None:
+    def _encode(self, job: Job, record: rec.RemoteRecord) -> bytes | None:
+        """The value to store, copied straight from the pool (or read from the spill file)."""
         source = job.source
         assert source is not None
         if source.pool_offset is not None:
             view = self.pool.view(source.pool_offset, source.length)
             try:
-                return bytes(view)  # one copy, off the engine thread; checked against the record's checksum
+                return rec.encode(record, view)
             finally:
                 view.release()
         try:
-            return self.spill.read(job.session, source.spill_version)
+            return rec.encode(record, self.spill.read(job.session, source.spill_version))
         except SnapshotCorrupt:
             return None
 

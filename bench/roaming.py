@@ -1,0 +1,171 @@
+"""Roaming through the remote tier (Redis), against re-prefill, on two daemons standing in for two nodes.
+
+For contexts of about 256, 1024 and 2048 tokens on the default model (2 threads each), node A builds a session,
+writes its checkpoint to Redis and hands it over (`migrate`: newest checkpoint written, lease given up); then:
+  (a) roam      node B resumes it from Redis (fetch + check + into its pool) and answers the next turn
+  (b) prefill   node B opens a new session and is sent the whole conversation as text (no shared state)
+Both are timed by the client, from the request that starts them (resume, open) to the first streamed token of
+the next turn; the daemon's own TTFT of that turn is printed too. Medians of --repeat runs.
+
+Remote write throughput: each checkpoint node A writes is one sample (the daemon's counters: bytes and seconds of
+that write, which include reading it back from the pool, checking it and the round trip), next to a plain
+redis-py SET of the same number of bytes to the same Redis from this process, measured in the same run.
+
+    python bench/roaming.py [--model PATH] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import redis  # noqa: E402
+from common import default_model, private_daemon, private_redis  # noqa: E402
+
+from kvpool import protocol as p  # noqa: E402
+from kvpool.client import Client  # noqa: E402
+from kvpool.client.results import expect  # noqa: E402
+
+SENTENCE = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. "
+TARGETS = [256, 1024, 2048]
+NEXT_TURN = " Now summarise."
+
+
+def history_text(tokens: int) -> str:
+    return SENTENCE * max(1, tokens // 19)  # the sentence is about 19 Gemma tokens
+
+
+def first_token(start: float, stream: object) -> tuple[float, float]:
+    """(client ms from ``start`` to the first chunk, daemon TTFT ms) of a one-token generation."""
+    first = None
+    for _ in stream:  # type: ignore[attr-defined]
+        if first is None:
+            first = time.perf_counter()
+    final = stream.final  # type: ignore[attr-defined]
+    assert first is not None and final is not None
+    return (first - start) * 1000.0, final.timings.ttft_ms
+
+
+def remote_counts(client: Client) -> tuple[int, int, float]:
+    r = client.status().remote
+    assert r is not None
+    return r.writes, r.write_bytes, r.write_seconds
+
+
+def wait_written(client: Client, writes_before: int) -> None:
+    deadline = time.monotonic() + 60
+    while remote_counts(client)[0] <= writes_before:
+        if time.monotonic() > deadline:
+            raise SystemExit("node A's checkpoint never reached Redis")
+        time.sleep(0.005)  # polling interval of a bounded wait
+
+
+def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> float:
+    r = redis.Redis.from_url(url)
+    blob = os.urandom(nbytes)
+    times = []
+    for i in range(repeat):
+        started = time.perf_counter()
+        r.set(f"bench:plain:{i}", blob)
+        times.append(time.perf_counter() - started)
+    r.delete(*[f"bench:plain:{i}" for i in range(repeat)])
+    return nbytes / statistics.median(times)
+
+
+def measure(a: Client, b: Client, url: str, target: int, repeat: int) -> dict[str, float]:
+    text = history_text(target)
+    roam, roam_daemon, prefill, prefill_daemon, write_bw, plain_bw, sizes = [], [], [], [], [], [], []
+    tokens = 0
+    for _ in range(repeat):
+        s = a.open_session()
+        writes, nbytes, seconds = remote_counts(a)
+        s.complete(text, max_tokens=1, temperature=0.0)
+        wait_written(a, writes)
+        writes2, nbytes2, seconds2 = remote_counts(a)
+        if writes2 == writes + 1:
+            write_bw.append((nbytes2 - nbytes) / (seconds2 - seconds))
+            sizes.append(nbytes2 - nbytes)
+            plain_bw.append(plain_set_bandwidth(url, nbytes2 - nbytes, 5))
+        tokens = len(s.history())
+        expect(a._call(p.Migrate(session=s.id, token=s.token)), p.Migrated)
+
+        started = time.perf_counter()
+        moved = b.resume_session(s.id, s.token)
+        client_ms, daemon_ms = first_token(started, moved.generate(NEXT_TURN, max_tokens=1, temperature=0.0))
+        roam.append(client_ms)
+        roam_daemon.append(daemon_ms)
+        moved.close()
+
+        started = time.perf_counter()
+        fresh = b.open_session()
+        client_ms, daemon_ms = first_token(started, fresh.generate(text + NEXT_TURN, max_tokens=1, temperature=0.0))
+        prefill.append(client_ms)
+        prefill_daemon.append(daemon_ms)
+        fresh.close()
+    med = statistics.median
+    return {
+        "tokens": tokens,
+        "roam_ms": med(roam),
+        "roam_daemon_ttft_ms": med(roam_daemon),
+        "prefill_ms": med(prefill),
+        "prefill_daemon_ttft_ms": med(prefill_daemon),
+        "snapshot_bytes": med(sizes) if sizes else 0,
+        "write_mb_s": med(write_bw) / 1e6 if write_bw else 0.0,
+        "plain_set_mb_s": med(plain_bw) / 1e6 if plain_bw else 0.0,
+        "write_samples": len(write_bw),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    model = default_model(args.model)
+    common = ("--hot-slots", "2", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "512MiB")
+    rows = []
+    with (
+        private_redis() as url,
+        private_daemon(model, *common, "--remote", url) as node_a,
+        private_daemon(model, *common, "--remote", url) as node_b,
+        Client(node_a.address, timeout=600) as a,
+        Client(node_b.address, timeout=600) as b,
+    ):
+        for client in (a, b):  # the first turns of a daemon pay one-time costs (buffers, page faults)
+            with client.open_session() as warm:
+                warm.complete(history_text(256), max_tokens=2, temperature=0.0)
+        for target in TARGETS:
+            row = measure(a, b, url, target, args.repeat)
+            rows.append(row)
+            print(f"measured {target}: {row}", file=sys.stderr, flush=True)
+    print(f"\nNext turn on node B (ms, client-measured from resume/open to the first token, median of {args.repeat};")
+    print("Gemma 3 270M, 2 threads per node, Redis on 127.0.0.1; the daemon's own TTFT of the turn in brackets)")
+    print(f"{'context':>8} | {'(a) roam from Redis':>21} | {'(b) re-prefill':>18} | {'prefill/roam':>12}")
+    for r in rows:
+        print(
+            f"{int(r['tokens']):>8} | {r['roam_ms']:>9.1f} ({r['roam_daemon_ttft_ms']:>7.1f}) | "
+            f"{r['prefill_ms']:>8.1f} ({r['prefill_daemon_ttft_ms']:>7.1f}) | {r['prefill_ms'] / r['roam_ms']:>11.1f}x"
+        )
+    print("\nRemote write throughput (MB/s, medians; one sample per checkpoint node A wrote)")
+    print(f"{'context':>8} | {'snapshot':>10} | {'kvpool write':>12} | {'plain SET':>10} | {'ratio':>6} | samples")
+    for r in rows:
+        ratio = r["write_mb_s"] / r["plain_set_mb_s"] if r["plain_set_mb_s"] else 0.0
+        print(
+            f"{int(r['tokens']):>8} | {r['snapshot_bytes'] / 2**20:>6.1f} MiB | {r['write_mb_s']:>12.0f} | "
+            f"{r['plain_set_mb_s']:>10.0f} | {ratio:>6.2f} | {r['write_samples']}"
+        )
+    out = HERE / "out"
+    out.mkdir(exist_ok=True)
+    (out / "roaming.json").write_text(json.dumps({"rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
