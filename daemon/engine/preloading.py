@@ -105,6 +105,9 @@ class Preloader:
         except RequestRefused as refused:  # a damaged snapshot shows at the turn, with its own error
             log.warning("could not preload session %s: %s", s.id, refused.message)
             return False
+        if lifted:
+            # Most recently used now: the next session that needs a slot takes someone else's, not this one's.
+            s.last_used = time.monotonic()
         if lifted and count:
             self.counts.preloads += 1
             self._preloaded[s.id] = "hot"
