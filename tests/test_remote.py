@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import Client
-from kvpool.client.errors import Conflict, RemoteTierUnavailable, SessionCorrupt, UnknownSession
+from kvpool.client.errors import BadRequest, Conflict, RemoteTierUnavailable, SessionCorrupt, UnknownSession
 from kvpool.daemon.kv.remote import record as rec
 
 from .daemon_process import DaemonProcess, wait_until
@@ -166,6 +166,9 @@ def test_migrate_hands_a_session_over(start_daemon: Start, redis_server: RedisSe
                 client.resume_session(s.id, s.token)  # A let it go; B owns it now
         finally:
             moved.client.close()
+        empty = client.open_session()
+        with pytest.raises(BadRequest, match="nothing to hand over"):
+            empty.migrate(b.address)
     assert [*first, last] == reference(start_daemon, TURNS)
 
 

@@ -215,6 +215,10 @@ class TierRequests:
             raise RequestRefused(
                 ErrorCode.SESSION_BUSY, f"Session {s.id} is generating; wait for its final message, then migrate."
             )
+        if s.snapshot is None and s.slot is None:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST, f"Session {s.id} holds nothing to hand over yet; send its first turn here."
+            )
         if s.slot is not None and not s.checkpoint_fresh:
             self.tiers.checkpoint(s)  # (queues its write too)
         request_id, session = r.id, s.id

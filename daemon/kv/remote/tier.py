@@ -197,7 +197,8 @@ class RemoteTier:
             with contextlib.suppress(RemoteUnavailable):  # else it expires by itself
                 self.store.release(session, lease)
 
-        self._fetchers.submit(run)
+        with contextlib.suppress(RuntimeError):  # the daemon is stopping: the lease expires by itself
+            self._fetchers.submit(run)
 
     # ------------------------------------------------------------------ what the writer reports
 
@@ -255,7 +256,7 @@ class RemoteTier:
             url=self.store.url,
             node=self.store.node,
             connected=self.writer.up,
-            pending=len(self.writer._jobs),
+            pending=self.writer.pending,
             pending_bytes=self.writer.pending_bytes,
             leases_held=self.writer.leases_held,
         )

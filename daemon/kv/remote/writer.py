@@ -105,6 +105,11 @@ class RemoteWriter:
             return sum(j.nbytes for j in self._jobs.values())
 
     @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._jobs)
+
+    @property
     def leases_held(self) -> int:
         with self._cond:
             return len(self._leases)
