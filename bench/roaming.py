@@ -5,7 +5,7 @@ writes its checkpoint to Redis and hands it over (`migrate`: newest checkpoint w
   (a) roam      node B resumes it from Redis (fetch + check + into its pool) and answers the next turn
   (b) prefill   node B opens a new session and is sent the whole conversation as text (no shared state)
 Both are timed by the client, from the request that starts them (resume, open) to the first streamed token of
-the next turn; the daemon's own TTFT of that turn is printed too. Medians of --repeat runs.
+the next turn; the daemon's own TTFT of that turn is printed too. Medians of --repeat runs, the sizes taking turns.
 
 Remote write throughput: each checkpoint node A writes is one sample (the daemon's counters: bytes and seconds of
 that write, which include reading it back from the pool, checking it and the round trip), next to a plain
@@ -64,7 +64,9 @@ def wait_written(client: Client, writes_before: int) -> None:
     while remote_counts(client)[0] <= writes_before:
         if time.monotonic() > deadline:
             raise SystemExit("node A's checkpoint never reached Redis")
-        time.sleep(0.005)  # polling interval of a bounded wait
+        # A bounded wait's polling interval: status requests cost the daemon's threads time (and the GIL) that
+        # the writer being measured would otherwise have.
+        time.sleep(0.05)
 
 
 def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> float:
@@ -79,47 +81,50 @@ def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def measure(a: Client, b: Client, url: str, target: int, repeat: int) -> dict[str, float]:
+def measure_once(a: Client, b: Client, url: str, target: int, samples: dict[str, list[float]]) -> int:
+    """One session of about ``target`` tokens: built on A, written to Redis, migrated, resumed on B; then the
+    same conversation re-prefilled on B. Appends to ``samples``; returns the session's tokens."""
     text = history_text(target)
-    roam, roam_daemon, prefill, prefill_daemon, write_bw, plain_bw, sizes = [], [], [], [], [], [], []
-    tokens = 0
-    for _ in range(repeat):
-        s = a.open_session()
-        writes, nbytes, seconds = remote_counts(a)
-        s.complete(text, max_tokens=1, temperature=0.0)
-        wait_written(a, writes)
-        writes2, nbytes2, seconds2 = remote_counts(a)
-        if writes2 == writes + 1:
-            write_bw.append((nbytes2 - nbytes) / (seconds2 - seconds))
-            sizes.append(nbytes2 - nbytes)
-            plain_bw.append(plain_set_bandwidth(url, nbytes2 - nbytes, 5))
-        tokens = len(s.history())
-        expect(a._call(p.Migrate(session=s.id, token=s.token)), p.Migrated)
+    s = a.open_session()
+    writes, nbytes, seconds = remote_counts(a)
+    s.complete(text, max_tokens=1, temperature=0.0)
+    wait_written(a, writes)
+    writes2, nbytes2, seconds2 = remote_counts(a)
+    if writes2 == writes + 1:
+        samples["write_bw"].append((nbytes2 - nbytes) / (seconds2 - seconds))
+        samples["sizes"].append(nbytes2 - nbytes)
+        samples["plain_bw"].append(plain_set_bandwidth(url, nbytes2 - nbytes, 5))
+    tokens = len(s.history())
+    expect(a._call(p.Migrate(session=s.id, token=s.token)), p.Migrated)
 
-        started = time.perf_counter()
-        moved = b.resume_session(s.id, s.token)
-        client_ms, daemon_ms = first_token(started, moved.generate(NEXT_TURN, max_tokens=1, temperature=0.0))
-        roam.append(client_ms)
-        roam_daemon.append(daemon_ms)
-        moved.close()
+    started = time.perf_counter()
+    moved = b.resume_session(s.id, s.token)
+    client_ms, daemon_ms = first_token(started, moved.generate(NEXT_TURN, max_tokens=1, temperature=0.0))
+    samples["roam"].append(client_ms)
+    samples["roam_daemon"].append(daemon_ms)
+    moved.close()
 
-        started = time.perf_counter()
-        fresh = b.open_session()
-        client_ms, daemon_ms = first_token(started, fresh.generate(text + NEXT_TURN, max_tokens=1, temperature=0.0))
-        prefill.append(client_ms)
-        prefill_daemon.append(daemon_ms)
-        fresh.close()
+    started = time.perf_counter()
+    fresh = b.open_session()
+    client_ms, daemon_ms = first_token(started, fresh.generate(text + NEXT_TURN, max_tokens=1, temperature=0.0))
+    samples["prefill"].append(client_ms)
+    samples["prefill_daemon"].append(daemon_ms)
+    fresh.close()
+    return tokens
+
+
+def summary(tokens: int, samples: dict[str, list[float]]) -> dict[str, float]:
     med = statistics.median
     return {
         "tokens": tokens,
-        "roam_ms": med(roam),
-        "roam_daemon_ttft_ms": med(roam_daemon),
-        "prefill_ms": med(prefill),
-        "prefill_daemon_ttft_ms": med(prefill_daemon),
-        "snapshot_bytes": med(sizes) if sizes else 0,
-        "write_mb_s": med(write_bw) / 1e6 if write_bw else 0.0,
-        "plain_set_mb_s": med(plain_bw) / 1e6 if plain_bw else 0.0,
-        "write_samples": len(write_bw),
+        "roam_ms": med(samples["roam"]),
+        "roam_daemon_ttft_ms": med(samples["roam_daemon"]),
+        "prefill_ms": med(samples["prefill"]),
+        "prefill_daemon_ttft_ms": med(samples["prefill_daemon"]),
+        "snapshot_bytes": med(samples["sizes"]) if samples["sizes"] else 0,
+        "write_mb_s": med(samples["write_bw"]) / 1e6 if samples["write_bw"] else 0.0,
+        "plain_set_mb_s": med(samples["plain_bw"]) / 1e6 if samples["plain_bw"] else 0.0,
+        "write_samples": len(samples["write_bw"]),
     }
 
 
@@ -130,7 +135,6 @@ def main() -> int:
     args = ap.parse_args()
     model = default_model(args.model)
     common = ("--hot-slots", "2", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "512MiB")
-    rows = []
     with (
         private_redis() as url,
         private_daemon(model, *common, "--remote", url) as node_a,
@@ -141,10 +145,15 @@ def main() -> int:
         for client in (a, b):  # the first turns of a daemon pay one-time costs (buffers, page faults)
             with client.open_session() as warm:
                 warm.complete(history_text(256), max_tokens=2, temperature=0.0)
-        for target in TARGETS:
-            row = measure(a, b, url, target, args.repeat)
-            rows.append(row)
-            print(f"measured {target}: {row}", file=sys.stderr, flush=True)
+        # Sizes take turns, repeat after repeat: the shared machine's slow spells spread over all of them.
+        kinds = ("roam", "roam_daemon", "prefill", "prefill_daemon", "sizes", "write_bw", "plain_bw")
+        samples = {t: {k: [] for k in kinds} for t in TARGETS}
+        tokens = dict.fromkeys(TARGETS, 0)
+        for repeat in range(args.repeat):
+            for target in TARGETS:
+                tokens[target] = measure_once(a, b, url, target, samples[target])
+            print(f"repeat {repeat + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+        rows = [summary(tokens[t], samples[t]) for t in TARGETS]
     print(f"\nNext turn on node B (ms, client-measured from resume/open to the first token, median of {args.repeat};")
     print("Gemma 3 270M, 2 threads per node, Redis on 127.0.0.1; the daemon's own TTFT of the turn in brackets)")
     print(f"{'context':>8} | {'(a) roam from Redis':>21} | {'(b) re-prefill':>18} | {'prefill/roam':>12}")
