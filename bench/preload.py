@@ -32,23 +32,23 @@ SENTENCE = "The robot walked through the quiet house and noted every open window
 N_SESSIONS, N_PERIODIC = 32, 24
 
 
-def make_trace(duration: float, seed: int) -> dict[int, list[float]]:
-    """Wake-up times (seconds from the start) of every session."""
+def make_trace(duration: float, seed: int, spread: float = 1.0) -> dict[int, list[float]]:
+    """Wake-up times (seconds from the start) of every session; ``spread`` stretches every gap."""
     rng = random.Random(seed)
     trace: dict[int, list[float]] = {}
     for i in range(N_SESSIONS):
         times: list[float] = []
         if i < N_PERIODIC:
-            period = rng.uniform(8.0, 16.0)
+            period = rng.uniform(8.0, 16.0) * spread
             t = rng.uniform(0.5, period)
             while t < duration:
                 times.append(t)
                 t += period * (1 + rng.gauss(0, 0.01))  # a timer's small jitter
         else:
-            t = rng.expovariate(1 / 12.0)
+            t = rng.expovariate(1 / (12.0 * spread))
             while t < duration:
                 times.append(t)
-                t += rng.expovariate(1 / 12.0)
+                t += rng.expovariate(1 / (12.0 * spread))
         trace[i] = times
     return trace
 
@@ -113,9 +113,10 @@ def main() -> int:
     ap.add_argument("--pool", default="48MiB", help="cache_pool_size: too small for all the sessions")
     ap.add_argument("--lead", type=float, default=1.0, help="hints: seconds ahead of a turn")
     ap.add_argument("--seed", type=int, default=16)
+    ap.add_argument("--spread", type=float, default=1.0, help="stretch every gap between wake-ups (a lighter load)")
     args = ap.parse_args()
     model = default_model(args.model)
-    trace = make_trace(args.duration, args.seed)
+    trace = make_trace(args.duration, args.seed, args.spread)
     common = ("--hot-slots", "4", "--context-size", "4096", "--threads", "2", "--cache-pool-size", args.pool)
     rows = {}
     for mode in ("off", "hints", "predict"):
@@ -125,8 +126,9 @@ def main() -> int:
     turns = sum(len(v) for v in trace.values())
     print(
         f"\n{N_SESSIONS} sessions ({N_PERIODIC} periodic, {N_SESSIONS - N_PERIODIC} random), {turns} turns in "
-        f"{args.duration:.0f} s, 4 hot slots, pool {args.pool} (snapshots ~{rows['off']['snapshot_mib']:.1f} MiB "
-        "each); Gemma 3 270M, 2 threads; TTFT daemon-measured"
+        f"{args.duration:.0f} s (gaps x{args.spread:g}), history {args.history} tokens, 4 hot slots, pool "
+        f"{args.pool} (snapshots ~{rows['off']['snapshot_mib']:.1f} MiB each); Gemma 3 270M, 2 threads; TTFT "
+        "daemon-measured"
     )
     print(
         f"{'preloading':<10} | {'p50 ms':>7} | {'p99 ms':>7} | {'mean ms':>7} | {'hit rate':>8} | {'preloads':>8} | "

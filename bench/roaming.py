@@ -32,6 +32,9 @@ from common import default_model, private_daemon, private_redis  # noqa: E402
 from kvpool import protocol as p  # noqa: E402
 from kvpool.client import Client  # noqa: E402
 from kvpool.client.results import expect  # noqa: E402
+from kvpool.daemon.kv.pool.checksum import checksum  # noqa: E402
+from kvpool.daemon.kv.remote.record import Keys, RemoteRecord, encode  # noqa: E402
+from kvpool.daemon.kv.remote.store import RemoteStore  # noqa: E402
 
 SENTENCE = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. "
 TARGETS = [256, 1024, 2048]
@@ -69,7 +72,9 @@ def wait_written(client: Client, writes_before: int) -> None:
         time.sleep(0.05)
 
 
-def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> float:
+def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> tuple[float, float]:
+    """(a plain redis-py SET of ``nbytes``, the remote writer's own path for the same bytes: one copy into the
+    value, the checksum of that copy, the lease-checked WATCH/MULTI write), both in this process, in bytes/s."""
     r = redis.Redis.from_url(url)
     blob = os.urandom(nbytes)
     times = []
@@ -78,7 +83,35 @@ def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> float:
         r.set(f"bench:plain:{i}", blob)
         times.append(time.perf_counter() - started)
     r.delete(*[f"bench:plain:{i}" for i in range(repeat)])
-    return nbytes / statistics.median(times)
+    store = RemoteStore(url, Keys("bench"), "bench", 10.0)
+    held = store.acquire("path", 60_000)
+    record = RemoteRecord(
+        session="path",
+        token_sha256="",
+        task="t",
+        n_tokens=0,
+        n_kv=0,
+        state_bytes=nbytes,
+        fingerprint="",
+        kv_layout="",
+        checksum=0,
+        version=1,
+        generation=held.generation,
+        last_used=0.0,
+        written_at=0.0,
+        node="",
+    )
+    source = memoryview(blob)
+    path_times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        value = encode(record, source)
+        checksum(memoryview(value)[len(value) - nbytes :])
+        store.write("path", held, value, 0)
+        path_times.append(time.perf_counter() - started)
+    store.delete("path", held)
+    store.close()
+    return nbytes / statistics.median(times), nbytes / statistics.median(path_times)
 
 
 def measure_once(a: Client, b: Client, url: str, target: int, samples: dict[str, list[float]]) -> int:
@@ -93,7 +126,9 @@ def measure_once(a: Client, b: Client, url: str, target: int, samples: dict[str,
     if writes2 == writes + 1:
         samples["write_bw"].append((nbytes2 - nbytes) / (seconds2 - seconds))
         samples["sizes"].append(nbytes2 - nbytes)
-        samples["plain_bw"].append(plain_set_bandwidth(url, nbytes2 - nbytes, 5))
+        plain, path = plain_set_bandwidth(url, nbytes2 - nbytes, 5)
+        samples["plain_bw"].append(plain)
+        samples["path_bw"].append(path)
     tokens = len(s.history())
     expect(a._call(p.Migrate(session=s.id, token=s.token)), p.Migrated)
 
@@ -124,6 +159,7 @@ def summary(tokens: int, samples: dict[str, list[float]]) -> dict[str, float]:
         "snapshot_bytes": med(samples["sizes"]) if samples["sizes"] else 0,
         "write_mb_s": med(samples["write_bw"]) / 1e6 if samples["write_bw"] else 0.0,
         "plain_set_mb_s": med(samples["plain_bw"]) / 1e6 if samples["plain_bw"] else 0.0,
+        "path_mb_s": med(samples["path_bw"]) / 1e6 if samples["path_bw"] else 0.0,
         "write_samples": len(samples["write_bw"]),
     }
 
@@ -146,7 +182,7 @@ def main() -> int:
             with client.open_session() as warm:
                 warm.complete(history_text(256), max_tokens=2, temperature=0.0)
         # Sizes take turns, repeat after repeat: the shared machine's slow spells spread over all of them.
-        kinds = ("roam", "roam_daemon", "prefill", "prefill_daemon", "sizes", "write_bw", "plain_bw")
+        kinds = ("roam", "roam_daemon", "prefill", "prefill_daemon", "sizes", "write_bw", "plain_bw", "path_bw")
         samples = {t: {k: [] for k in kinds} for t in TARGETS}
         tokens = dict.fromkeys(TARGETS, 0)
         for repeat in range(args.repeat):
@@ -162,13 +198,18 @@ def main() -> int:
             f"{int(r['tokens']):>8} | {r['roam_ms']:>9.1f} ({r['roam_daemon_ttft_ms']:>7.1f}) | "
             f"{r['prefill_ms']:>8.1f} ({r['prefill_daemon_ttft_ms']:>7.1f}) | {r['prefill_ms'] / r['roam_ms']:>11.1f}x"
         )
-    print("\nRemote write throughput (MB/s, medians; one sample per checkpoint node A wrote)")
-    print(f"{'context':>8} | {'snapshot':>10} | {'kvpool write':>12} | {'plain SET':>10} | {'ratio':>6} | samples")
+    print("\nRemote write throughput (MB/s, medians; one sample per checkpoint node A wrote; plain SET and the")
+    print("writer's path (copy + checksum + lease-checked write) of the same bytes timed in this process, same run)")
+    print(
+        f"{'context':>8} | {'snapshot':>10} | {'kvpoold write':>13} | {'plain SET':>9} | {'ratio':>5} | "
+        f"{'path here':>9} | {'path/plain':>10} | samples"
+    )
     for r in rows:
-        ratio = r["write_mb_s"] / r["plain_set_mb_s"] if r["plain_set_mb_s"] else 0.0
+        plain = r["plain_set_mb_s"] or float("nan")
         print(
-            f"{int(r['tokens']):>8} | {r['snapshot_bytes'] / 2**20:>6.1f} MiB | {r['write_mb_s']:>12.0f} | "
-            f"{r['plain_set_mb_s']:>10.0f} | {ratio:>6.2f} | {r['write_samples']}"
+            f"{int(r['tokens']):>8} | {r['snapshot_bytes'] / 2**20:>6.1f} MiB | {r['write_mb_s']:>13.0f} | "
+            f"{r['plain_set_mb_s']:>9.0f} | {r['write_mb_s'] / plain:>5.2f} | {r['path_mb_s']:>9.0f} | "
+            f"{r['path_mb_s'] / plain:>10.2f} | {r['write_samples']}"
         )
     out = HERE / "out"
     out.mkdir(exist_ok=True)

@@ -3,6 +3,7 @@ stand in for nodes, and a real redis-server on a loopback port is the remote tie
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,9 @@ def test_kvpool_migrate_and_sessions_show_where_it_lives(start_daemon: Start, re
     cli = [sys.executable, "-m", "kvpool.client.cli", "--address"]
     listed = subprocess.run([*cli, a.address, "sessions"], capture_output=True, text=True, timeout=60)
     assert s.id in listed.stdout and "+ remote" in listed.stdout
+    status = subprocess.run([*cli, a.address, "status"], capture_output=True, text=True, timeout=60)
+    assert re.search(r"remote  redis://127\.0\.0\.1:\d+/0 as .*: connected, [1-9]\d* writes", status.stdout)
+    assert "preload  hints: 0 preloads" in status.stdout
     moved = subprocess.run(
         [*cli, a.address, "migrate", f"{s.id}:{s.token}", "--to", b.address], capture_output=True, text=True, timeout=60
     )
