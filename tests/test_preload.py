@@ -3,9 +3,10 @@ turn, never by evicting anything, and the counters tell whether it paid."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
-from .daemon_process import DaemonProcess
+from .daemon_process import DaemonProcess, wait_until
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
@@ -75,3 +76,36 @@ def test_preloading_off_ignores_hints(start_daemon: Start) -> None:
         b.close()
         assert a.prefetch() == "pool"
         assert client.status().preload.preloads == 0
+
+
+def test_prediction_lifts_a_session_with_a_rhythm_before_its_turn(start_daemon: Start) -> None:
+    daemon = start_daemon(
+        "--hot-slots",
+        "1",
+        "--context-size",
+        "2048",
+        "--threads",
+        "1",
+        "--preload",
+        "predict",
+        config="preload_horizon_s = 5.0\n",
+    )
+    with daemon.client() as client:
+        rhythmic, other = client.open_session(), client.open_session()
+        start = time.monotonic()
+
+        def at(t: float) -> None:
+            time.sleep(max(0.0, start + t - time.monotonic()))  # the trace's clock (a rhythm), not a wait for state
+
+        at(0.0)
+        rhythmic.complete("tick", max_tokens=2, **GREEDY)
+        other.complete("first", max_tokens=2, **GREEDY)
+        at(1.0)
+        rhythmic.complete("tick", max_tokens=2, **GREEDY)
+        at(2.0)
+        rhythmic.complete("tick", max_tokens=2, **GREEDY)  # gaps of 1 s: expected again at about 3 s
+        other.complete("second", max_tokens=2, **GREEDY)  # takes the only slot; no rhythm of its own
+        wait_until(lambda: client.status().preload.predicted >= 1, "the predictor to lift the rhythmic session")
+        assert next(i.tier for i in client.sessions() if i.session == rhythmic.id) == "hot"
+        rhythmic.complete("tick", max_tokens=2, **GREEDY)
+        assert client.status().preload.hits == 1

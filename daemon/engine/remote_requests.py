@@ -248,10 +248,11 @@ class TierRequests:
 
 
 def remote_events(tiers_requests: TierRequests) -> Callable[[], None]:
-    """Between steps: apply what the remote writer reported (a session another node took is dropped here once
-    idle; a queued checkpoint whose bytes changed is queued again from the current one)."""
+    """Between steps: preload what the predictor expects; apply what the remote writer reported (a session
+    another node took is dropped here once idle; a queued checkpoint whose bytes changed is queued again)."""
 
     def run() -> None:
+        tiers_requests.preloader.predict()
         remote = tiers_requests.remote
         if remote is None:
             return
@@ -272,7 +273,6 @@ def remote_events(tiers_requests: TierRequests) -> Callable[[], None]:
                 if len(remote.gone) > MAX_GONE_REMEMBERED:  # oldest first
                     del remote.gone[next(iter(remote.gone))]
                 tiers_requests.tiers.drop(s)
-        tiers_requests.preloader.predict()
 
     return run
 
