@@ -132,12 +132,12 @@ def main() -> int:
     )
     print(
         f"{'preloading':<10} | {'p50 ms':>7} | {'p99 ms':>7} | {'mean ms':>7} | {'hit rate':>8} | {'preloads':>8} | "
-        f"{'wasted':>6} | {'pool/disk restores in turns':>27}"
+        f"{'wasted':>6} | {'pool/disk restores (trace, preloads too)':>39}"
     )
     for mode, r in rows.items():
         print(
             f"{mode:<10} | {r['p50']:>7.1f} | {r['p99']:>7.1f} | {r['mean']:>7.1f} | {r['hit_rate']:>8.2f} | "
-            f"{r['preloads']:>8} | {r['wasted']:>6} | {r['restores_pool']:>13} / {r['restores_disk']:<13}"
+            f"{r['preloads']:>8} | {r['wasted']:>6} | {r['restores_pool']:>19} / {r['restores_disk']:<19}"
         )
     print(f"p99 predict / off: {rows['predict']['p99'] / rows['off']['p99']:.2f} (target <= 0.5)")
     out = HERE / "out"
