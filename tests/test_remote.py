@@ -133,6 +133,7 @@ def test_a_live_owner_keeps_its_session_and_the_lease_race_has_one_winner(
             try:
                 moved = client.resume_session(s.id, s.token)
                 outcomes[daemon.address] = moved.complete(TURNS[2], max_tokens=6, **GREEDY).tokens
+                wait_synced(client, s.id)  # the winner's checkpoint of that turn reached Redis
             except Conflict as exc:
                 outcomes[daemon.address] = exc
 

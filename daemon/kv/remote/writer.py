@@ -15,7 +15,9 @@ the thread reads the bytes itself, so a turn never waits for Redis nor for a cop
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -170,6 +172,11 @@ class RemoteWriter:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        # Lowest CPU priority for this thread (Linux schedules threads apart): on a device whose cores all run
+        # llama.cpp's decode threads, a write must take the idle time, not the next turn's (the decode threads
+        # wait for each other at every graph node, so one preempted thread stalls the whole step).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         backoff = 0.0
         next_renewal = 0.0
         while True:
