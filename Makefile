@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.llama-cmake-args scripts/install-lla
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	bash scripts/install-llama-cpp.sh $(PY) $(LLAMA_CPP_VERSION) '$(LLAMA_CMAKE_ARGS)'
-	$(PY) -m pip install --quiet -e '.[model,test,gateway]'
+	$(PY) -m pip install --quiet -e '.[model,test,gateway,remote]'
 	touch $@
 
 demo: setup

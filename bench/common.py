@@ -77,3 +77,35 @@ def default_model(path: str | None) -> str:
     from kvpool.daemon.llama.default_model import resolve_model_path
 
     return str(resolve_model_path(path or ""))
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """A redis-server (Debian's package) on a free 127.0.0.1 port, no persistence; its URL. Always killed."""
+    import socket
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        raise SystemExit("redis-server is not installed: apt-get install redis-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="kvpool-bench-redis-")
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*cmd, "--dir", workdir, "--logfile", f"{workdir}/redis.log"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis(host="127.0.0.1", port=port, socket_timeout=1).ping()
+                break
+            except redis.RedisError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit("redis-server did not start") from None
+                time.sleep(0.05)  # polling interval of a bounded readiness wait
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait(20)
+        shutil.rmtree(workdir, ignore_errors=True)

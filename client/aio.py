@@ -85,8 +85,9 @@ class AsyncClient:
         opened = expect(await self._call(open_request(task, system_prompt)), p.SessionOpened)
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
-    async def resume_session(self, session_id: str, token: str) -> AsyncSession:
-        opened = expect(await self._call(p.ResumeSession(session=session_id, token=token)), p.SessionOpened)
+    async def resume_session(self, session_id: str, token: str, *, prefetch: bool = False) -> AsyncSession:
+        request = p.ResumeSession(session=session_id, token=token, prefetch=prefetch)
+        opened = expect(await self._call(request), p.SessionOpened)
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
     async def close(self) -> None:
@@ -255,6 +256,15 @@ class AsyncSession:
     async def cancel(self) -> bool:
         reply = await self.client._call(p.Cancel(session=self.id, token=self.token))
         return expect(reply, p.Cancelled).cancelled
+
+    async def prefetch(self) -> str:
+        """See Session.prefetch: move the session's KV up the tiers ahead of its next turn."""
+        return expect(await self.client._call(p.Prefetch(session=self.id, token=self.token)), p.Prefetched).tier
+
+    async def migrate(self, to: AsyncClient) -> AsyncSession:
+        """See Session.migrate: hand the session over to the daemon ``to`` is connected to."""
+        expect(await self.client._call(p.Migrate(session=self.id, token=self.token)), p.Migrated)
+        return await to.resume_session(self.id, self.token, prefetch=True)
 
     async def close(self) -> None:
         expect(await self.client._call(p.CloseSession(session=self.id, token=self.token)), p.Closed)

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from kvpool import protocol as p
 from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PrefixStatus, TierSnapshots
 
 from .client import Client
@@ -49,6 +50,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print finish reason, usage and timings to stderr")
+    migrate = sub.add_parser(
+        "migrate", help="hand a session over to another kvpoold through the remote tier (docs/remote.md)"
+    )
+    migrate.add_argument("session", metavar="ID:TOKEN", help="the session and its owner's token")
+    migrate.add_argument("--to", required=True, metavar="ADDRESS", help="the daemon that takes it over")
     chat = sub.add_parser("chat", help="an interactive multi-turn chat on one session, in the model's chat format")
     chat.add_argument("--system", default="", help="a system message to start the conversation with")
     chat.add_argument("--task", default="default")
@@ -147,6 +153,19 @@ def format_status(status: DaemonStatus) -> str:
         ("requests", _counts(c.requests)),
         ("errors", _counts(c.errors | c.frame_errors)),
     ]
+    if status.remote is not None:
+        r = status.remote
+        rows.append(
+            (
+                "remote",
+                f"{r.url} as {r.node!r}: {'connected' if r.connected else 'UNREACHABLE'}, {r.writes} writes "
+                f"({_bytes(r.write_bytes)}), {r.pending} pending, {r.dropped} dropped, {r.write_failures} failed, "
+                f"{r.fetches} fetched, {r.conflicts} conflicts, {r.corrupt} corrupt, {r.leases_held} leases",
+            )
+        )
+    if status.preload is not None:
+        pre = status.preload
+        rows.append(("preload", f"{pre.mode}: {pre.preloads} preloads, {pre.hits} hits, {pre.wasted} wasted"))
     for name, value in rows:
         out.append(f"{name:>9}  {value}")
     scheduler = status.scheduler
@@ -228,14 +247,42 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'shared':>7} {'snapshot':>9} {'kv type':<9} "
-        f"{'saved':<5} {'busy':<5} {'idle s':>8} {'age s':>8}"
+        f"{'saved':<5} {'busy':<5} {'idle s':>8} {'age s':>8}  newest copy"
     )
     for s in sessions:
         print(
             f"{s.session:<18} {s.task:<10} {s.tier:<5} {s.context_tokens:>7} {s.shared_tokens:>7} "
             f"{_bytes(s.snapshot_bytes):>9} {s.kv_type or '-':<9} {'yes' if s.saved else 'no':<5} "
-            f"{'yes' if s.busy else 'no':<5} {s.idle_s:>8.1f} {s.age_s:>8.1f}"
+            f"{'yes' if s.busy else 'no':<5} {s.idle_s:>8.1f} {s.age_s:>8.1f}  {newest_copy(s)}"
         )
+    return 0
+
+
+def newest_copy(s: p.SessionInfo) -> str:
+    """Where the session's newest state lives: this node's tier, and whether the remote tier holds it too."""
+    here = {"hot": "here (hot, checkpointed)" if s.saved else "here (hot only)", "new": "here (new)"}.get(
+        s.tier, f"here ({s.tier})"
+    )
+    remote = {
+        "current": " + remote",
+        "behind": " (remote copy behind)",
+        "lost": ": stale, another node owns it",
+    }.get(s.remote, "")
+    return here + remote
+
+
+def cmd_migrate(client: Client, args: argparse.Namespace) -> int:
+    session_id, sep, token = args.session.partition(":")
+    if not sep or not token:
+        print("kvpool: give the session as ID:TOKEN (its owner's token).", file=sys.stderr)
+        return 2
+    from .client import Session
+
+    moved = Session(client, session_id, token, "", 0).migrate(args.to, timeout=args.timeout)
+    try:
+        print(f"session {session_id} now lives at {args.to} ({len(moved.history())} tokens)")
+    finally:
+        moved.client.close()
     return 0
 
 
@@ -294,6 +341,7 @@ COMMANDS = {
     "health": cmd_health,
     "top": cmd_top,
     "chat": cmd_chat,
+    "migrate": cmd_migrate,
 }
 
 if __name__ == "__main__":

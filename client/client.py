@@ -90,9 +90,12 @@ class Client:
         opened = expect(self._call(open_request(task, system_prompt)), p.SessionOpened)
         return Session(self, opened.session, opened.token, opened.task, opened.context_size)
 
-    def resume_session(self, session_id: str, token: str) -> Session:
-        """Take back a session opened earlier (by this or another process, before or after a daemon restart)."""
-        opened = expect(self._call(p.ResumeSession(session=session_id, token=token)), p.SessionOpened)
+    def resume_session(self, session_id: str, token: str, *, prefetch: bool = False) -> Session:
+        """Take back a session opened earlier (by this or another process, before or after a daemon restart; a
+        daemon with a remote tier also takes sessions of other nodes). ``prefetch``: also move its KV up the
+        tiers now, ahead of its next turn."""
+        request = p.ResumeSession(session=session_id, token=token, prefetch=prefetch)
+        opened = expect(self._call(request), p.SessionOpened)
         return Session(self, opened.session, opened.token, opened.task, opened.context_size)
 
     def close(self) -> None:
@@ -269,6 +272,24 @@ class Session:
         return expect(
             self.client._call(p.History(session=self.id, token=self.token, start=start)), p.HistoryReply
         ).tokens
+
+    def prefetch(self) -> str:
+        """A hint that this session's next turn is coming: the daemon moves its KV from disk or the remote tier
+        into the pool, and into a hot slot when one is free. Returns where its KV is now (hot, pool, disk)."""
+        return expect(self.client._call(p.Prefetch(session=self.id, token=self.token)), p.Prefetched).tier
+
+    def migrate(self, to: str | Client, **client_options: Any) -> Session:
+        """Hand this session over to the daemon at ``to`` (an address, or a Client): this daemon writes its newest
+        checkpoint to the remote tier and lets it go, then the other resumes it (prefetched). Returns the session
+        on the new daemon; a Client made here for an address is the caller's to close (``session.client``)."""
+        expect(self.client._call(p.Migrate(session=self.id, token=self.token)), p.Migrated)
+        target = to if isinstance(to, Client) else Client(to, **client_options)
+        try:
+            return target.resume_session(self.id, self.token, prefetch=True)
+        except BaseException:
+            if target is not to:
+                target.close()
+            raise
 
     def close(self) -> None:
         expect(self.client._call(p.CloseSession(session=self.id, token=self.token)), p.Closed)

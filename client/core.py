@@ -52,7 +52,7 @@ def no_answer(address: str, connect_timeout: float) -> DaemonUnavailable:
 def attempts_for(message: p.Request) -> int:
     """How many times a request may be sent: once for those that must not happen twice (a hello, opening a
     session), else up to RETRIES more after the daemon restarted under it."""
-    return 1 if isinstance(message, p.Hello | p.OpenSession) else RETRIES + 1
+    return 1 if isinstance(message, p.Hello | p.OpenSession | p.Migrate) else RETRIES + 1
 
 
 class ClientCore:

@@ -56,6 +56,7 @@ BudgetUnmeetable = _subclass("BudgetUnmeetable", ErrorCode.BUDGET_UNMEETABLE)
 Overloaded = _subclass("Overloaded", ErrorCode.OVERLOADED)
 ShuttingDown = _subclass("ShuttingDown", ErrorCode.SHUTTING_DOWN)
 WorkerLost = _subclass("WorkerLost", ErrorCode.WORKER_LOST)
+RemoteTierUnavailable = _subclass("RemoteTierUnavailable", ErrorCode.REMOTE_UNAVAILABLE)
 InternalError = _subclass("InternalError", ErrorCode.INTERNAL)
 
 _BY_CODE: dict[str, type[KvpoolError]] = {

@@ -26,6 +26,9 @@ ENDPOINT_PATTERN = r"^([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}$"
 ENDPOINT_WORDS = "must be HOST:PORT, e.g. 127.0.0.1:50052"
 
 
+REMOTE_URL = 'must be a redis:// or rediss:// URL, e.g. "redis://:password@10.0.0.2:6379/0" (or be empty)'
+
+
 def one_of(*values: str) -> Any:
     """A string key that takes one of ``values``; its error names them."""
     words = ", ".join(f'"{v}"' for v in values)
@@ -176,6 +179,26 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # Seconds one engine step may wait for the workers (ggml-rpc itself waits for ever) before the daemon ends
     # as if a worker were lost. Above the longest step a slow link needs (a batch_size prompt chunk).
     rpc_timeout: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    # The cross-node tier (docs/remote.md): a Redis or Valkey URL, "redis://[:password@]host:6379/0" ("rediss://"
+    # for TLS). Every committed checkpoint is also written there, off the engine thread, and any daemon of the same
+    # model resumes a session it does not hold from there. Empty: off.
+    remote: Annotated[str, Meta(pattern=r"^((redis|rediss|unix)://.*)?$", description=REMOTE_URL)] = ""
+    # Seconds a session's remote copy lives after its last write (0: until it is closed).
+    remote_ttl: Annotated[float, Meta(ge=0)] = 7 * 86400.0
+    # A node owns a session through a lease it renews every third of this; a dead node's sessions can move after it.
+    remote_lease_ms: Annotated[int, Meta(ge=100, le=3_600_000)] = 10_000
+    # Each Redis call's bound: slower counts as down (writes retried, resumes from remote refused).
+    remote_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 2_000
+    # Most checkpoint bytes waiting for Redis; beyond, the oldest pending write is dropped and counted.
+    remote_queue_bytes: Annotated[int, Meta(ge=1 << 20)] = 256 << 20
+    # The first part of every key (then the model's fingerprint and KV layout), e.g. one per fleet.
+    remote_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "kvpool"
+    # This daemon's name in leases (a CONFLICT names the owner by it); empty: host name and address.
+    remote_node: Annotated[str, Meta(max_length=200)] = ""
+    # Moving sessions up the tiers ahead of their turn: "off"; "hints" (a client's prefetch); "predict" (hints, and
+    # sessions whose own history says they are due within preload_horizon_s). Never evicts anything for a guess.
+    preload: one_of("off", "hints", "predict") = "hints"
+    preload_horizon_s: Annotated[float, Meta(ge=0.1, le=3600)] = 2.0
     tasks: dict[str, TaskProfile] = msgspec.field(default_factory=_default_tasks)
 
 
@@ -236,6 +259,7 @@ SIZE_KEYS = (
     "memory_high_water",
     "log_max_bytes",
     "max_message_bytes",
+    "remote_queue_bytes",
 )
 ENV_PREFIX = "KVPOOL_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

@@ -18,6 +18,7 @@ from kvpool.client import __version__
 from kvpool.client.address import default_address
 from kvpool.daemon.config import Config, ConfigError, load_config
 from kvpool.daemon.engine.loop import Engine
+from kvpool.daemon.engine.remote_requests import attach as attach_tiers
 from kvpool.daemon.kv.pool.segment import Pool, PoolError
 from kvpool.daemon.kv.recovery import recover
 from kvpool.daemon.kv.sessions import SessionTable
@@ -68,6 +69,8 @@ OVERRIDES = (
     "spill_kv_type",
     "rpc_servers",
     "rpc_layers",
+    "remote",
+    "preload",
 )
 
 
@@ -112,6 +115,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--pool-kv-type", choices=["same", "q8_0", "q4_0"], help="the type pool snapshots may be kept at")
     ap.add_argument("--spill-kv-type", choices=["same", "q8_0", "q4_0"], help="the type spilled snapshots are stored")
     ap.add_argument("--log-file", help="also log to this file (size-rotated)")
+    ap.add_argument("--remote", help="the cross-node tier: redis://[:password@]host:6379/0 (docs/remote.md)")
+    ap.add_argument("--preload", choices=["off", "hints", "predict"], help="move sessions up ahead of their turn")
     ap.add_argument(
         "--rpc-servers",
         type=lambda text: [item.strip() for item in text.split(",") if item.strip()],
@@ -254,6 +259,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
     if config.rpc_servers:
         watch.watch_stalls(lambda: engine.heartbeat, engine.stopping, config.rpc_timeout)
+    try:
+        remote = attach_tiers(engine, config, address)
+    except ImportError as exc:
+        print(f"kvpoold: `remote` needs {exc.name}: pip install 'kvpool[remote]'.", file=sys.stderr)
+        tiers.close()
+        model.close()
+        server.close()
+        return 2
     engine_done = threading.Event()
 
     def run_engine() -> None:
@@ -303,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     notifier.close()
     if http is not None:
         http.close()
+    if remote is not None:
+        remote.close()  # pending writes first (bounded), then the pool they read from
     tiers.close()
     model.close()
     server.close()

@@ -50,6 +50,7 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "SHUTTING_DOWN"
     # An RPC worker holding part of the model was lost: the daemon restarts, its sessions stay in the pool
     WORKER_LOST = "WORKER_LOST"
+    REMOTE_UNAVAILABLE = "REMOTE_UNAVAILABLE"  # the remote tier (Redis) did not answer; local sessions still work
     INTERNAL = "INTERNAL"
 
 
@@ -131,7 +132,21 @@ class History(SessionRequest, tag="history"):
 
 
 class ResumeSession(SessionRequest, tag="resume"):
-    """Take a session back (e.g. from a new process, or after a daemon restart) with its id and token."""
+    """Take a session back (e.g. from a new process, or after a daemon restart) with its id and token. A daemon
+    with a remote tier resumes a session it does not hold from there (docs/remote.md). ``prefetch``: also move
+    its KV up the tiers ahead of the next turn (see Prefetch)."""
+
+    prefetch: bool = False
+
+
+class Prefetch(SessionRequest, tag="prefetch"):
+    """A hint: the session's next turn is coming. Its KV moves from disk or the remote tier into the pool, and
+    into a hot slot when one is free (nothing is evicted for it). Answered by Prefetched."""
+
+
+class Migrate(SessionRequest, tag="migrate"):
+    """Hand the session over to another node: its newest checkpoint is written to the remote tier, its lease
+    given up and its local copy dropped; then resume it on the other node. Answered by Migrated."""
 
 
 class Cancel(SessionRequest, tag="cancel"):
@@ -175,6 +190,8 @@ AnyRequest = (
     | History
     | Tokenize
     | Detokenize
+    | Prefetch
+    | Migrate
 )
 
 
@@ -231,6 +248,9 @@ class SessionInfo(Struct, kw_only=True):
     # take its checkpoint (a crash then brings it back evicted).
     saved: bool = True
     kv_type: str = ""  # the KV type its snapshot is stored at ("f16", "q8_0", ...; "" without one)
+    # The remote tier's copy (docs/remote.md): "current" (holds its newest checkpoint), "behind" (a write is
+    # pending, or Redis is down), "lost" (another node owns it now); "" without a remote tier.
+    remote: str = ""
 
 
 class SessionsReply(Reply, tag="sessions"):
@@ -247,6 +267,16 @@ class SessionOpened(Reply, tag="opened"):
 
 class Closed(Reply, tag="closed"):
     session: str
+
+
+class Prefetched(Reply, tag="prefetched"):
+    session: str
+    tier: str  # where its KV is now: hot, pool, disk (no room was free) or new
+
+
+class Migrated(Reply, tag="migrated"):
+    session: str
+    context_tokens: int  # what the remote tier now holds for it
 
 
 class Cancelled(Reply, tag="cancelled"):
@@ -304,6 +334,8 @@ AnyReply = (
     | HistoryReply
     | TokensReply
     | TextReply
+    | Prefetched
+    | Migrated
 )
 
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)

@@ -247,6 +247,44 @@ class RpcWorkerStatus(Struct, kw_only=True):
     checked_s_ago: float  # since that check (made every few seconds while the engine is idle)
 
 
+class RemoteCounts(Struct, kw_only=True):
+    """What the remote tier counts (docs/remote.md); its writer and fetchers update one in place."""
+
+    writes: int = 0  # checkpoints written to Redis
+    write_bytes: int = 0
+    write_seconds: float = 0.0  # read + check + encode + the round trip, summed over writes
+    write_failures: int = 0  # writes that failed because Redis was down or slow (retried)
+    dropped: int = 0  # writes given up: more than remote_queue_bytes were pending
+    stale: int = 0  # queued checkpoints whose bytes had changed before they were read (the newer one went)
+    fenced: int = 0  # writes refused because another node owns the session's lease
+    disconnects: int = 0  # times Redis became unreachable
+    leases_lost: int = 0
+    fetches: int = 0  # sessions taken from the remote tier (roaming resumes, prefetches)
+    fetch_bytes: int = 0
+    fetch_failures: int = 0  # fetches that failed because Redis was down or slow
+    conflicts: int = 0  # resumes refused because another node owns the session
+    corrupt: int = 0  # remote values that failed a check (SESSION_CORRUPT)
+    migrations: int = 0  # sessions handed over by `migrate`
+
+
+class RemoteStatus(RemoteCounts, kw_only=True):
+    url: str  # without its password
+    node: str  # this daemon's name in leases
+    connected: bool
+    pending: int  # queued writes
+    pending_bytes: int
+    leases_held: int
+
+
+class PreloadStatus(Struct, kw_only=True):
+    mode: str  # off, hints or predict
+    preloads: int = 0  # sessions moved up a tier ahead of their turn (hints and predictions)
+    hinted: int = 0  # of those, asked for by a client (prefetch)
+    predicted: int = 0  # of those, chosen by the predictor
+    hits: int = 0  # turns that found their session hot or warm because of a preload
+    wasted: int = 0  # preloaded sessions that left again (or were closed) before their next turn
+
+
 class DaemonStatus(Struct, kw_only=True):
     daemon_version: str
     protocol_version: int
@@ -269,6 +307,9 @@ class DaemonStatus(Struct, kw_only=True):
     moves: Moves
     prefixes: PrefixStatus
     rpc_workers: list[RpcWorkerStatus] = field(default_factory=list)
+
+    remote: RemoteStatus | None = None  # None: no remote tier configured
+    preload: PreloadStatus | None = None
 
     def stepping(self, max_silence: float = MAX_ENGINE_SILENCE_S) -> bool:
         """The engine loop passed within ``max_silence`` seconds: the daemon is healthy."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from .daemon_process import DaemonProcess
+from .redis_server import RedisServer
 from .tinymodel import build_tiny_model
 
 
@@ -47,3 +48,13 @@ def start_daemon(short_tmp: Path, tiny_model: Path) -> Iterator[Callable[..., Da
 def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
     """One daemon on the tiny model: 4 hot slots, 2048 cells, short of nothing the tests need."""
     return start_daemon("--hot-slots", "4", "--context-size", "2048", "--threads", "2")
+
+
+@pytest.fixture
+def redis_server(short_tmp: Path) -> Iterator[RedisServer]:
+    """A private redis-server on a free 127.0.0.1 port, killed after the test."""
+    server = RedisServer(short_tmp / "redis").start()
+    try:
+        yield server
+    finally:
+        server.kill()

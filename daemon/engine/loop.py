@@ -70,6 +70,9 @@ class Engine:
         self.inbox: queue.Queue[tuple[bytes, p.AnyRequest, float]] = queue.Queue()
         self.stopping = threading.Event()
         self.started = time.monotonic()
+        # Extensions (engine/remote_requests.py): work between steps, and parts they add to the status.
+        self.between_steps: list[Callable[[], None]] = []
+        self.status_parts: list[Callable[[DaemonStatus], None]] = []
         self._inbox_lock = threading.Lock()
         self._inbox_closed = False
         self.handlers = RequestHandlers(model, config, tiers, self.scheduler, self.finish, self.status, daemon_version)
@@ -113,6 +116,8 @@ class Engine:
         self.housekeeping.run()
         if self.workers is not None:
             self.workers.check(idle=self.scheduler.idle)
+        for work in self.between_steps:
+            work()
         plan = self.scheduler.schedule()
         if not plan:
             return
@@ -357,7 +362,7 @@ class Engine:
     # ------------------------------------------------------------------ status
 
     def status(self) -> DaemonStatus:
-        return status_of(
+        status = status_of(
             daemon_version=self.daemon_version,
             started=self.started,
             heartbeat=self.heartbeat,
@@ -369,3 +374,6 @@ class Engine:
             frame_errors=self.frame_errors,
             rpc_workers=self.workers.status() if self.workers is not None else [],
         )
+        for part in self.status_parts:
+            part(status)
+        return status

@@ -20,7 +20,15 @@ from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.pool.layout import HOT_TYPES, NO_PREFIX, TIER_DISK, TIER_POOL, Snapshot, payload_bytes
+from kvpool.daemon.kv.pool.layout import (
+    HOT_TYPES,
+    NO_PREFIX,
+    TIER_DISK,
+    TIER_POOL,
+    TOKEN_BYTES,
+    Snapshot,
+    payload_bytes,
+)
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache
@@ -54,11 +62,13 @@ class SnapshotWriter:
     ):
         self.model, self.pool, self.spill, self.sessions = model, pool, spill, sessions
         self.prefixes, self.counts, self.evict, self.codec = prefixes, counts, evict, codec
+        # Checkpoints hold every cell, shared prefix included, so another node can restore them (the remote tier).
+        self.whole_snapshots = False
 
     def checkpoint(self, s: Session) -> None:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
         assert s.slot is not None
-        first = prefix_links.suffix_start(s)
+        first = 0 if self.whole_snapshots else prefix_links.suffix_start(s)
         with self.model.cells_from(s.slot, first) as source:
             state_bytes = self.model.state_size(source)
             if self.codec.compress_on_write and self.codec.pool_type is not None:
@@ -184,6 +194,44 @@ class SnapshotWriter:
             self.pool.mark_unsaved(s.entry)  # a crash before its first checkpoint evicts it, never empties it
             return
         s.snapshot = self.pool.commit_written(s.entry, extent, 0, s.tokens, 0)
+
+    def install(
+        self,
+        s: Session,
+        payload: memoryview,
+        state_bytes: int,
+        n_kv: int,
+        digest: int,
+        kv_type: int = HOT_TYPES,
+        raw_bytes: int = 0,
+    ) -> None:
+        """Commit a checkpoint that came from elsewhere (the remote tier), already checked against ``digest``, as
+        the session's snapshot: into the pool (spilling others for room), else to disk. ``kv_type``/``raw_bytes``:
+        the type it was compressed to, and its size at the hot types."""
+        n_tokens = (len(payload) - state_bytes) // TOKEN_BYTES
+        extent = self._allocate(len(payload), pinned=s)
+        if extent is None:
+            self._write_disk(s, payload, state_bytes, n_tokens, n_kv, digest, (NO_PREFIX, 0), kv_type, raw_bytes)
+            return
+        view = self.pool.view(extent.offset, len(payload))
+        try:
+            view[:] = payload
+        finally:
+            view.release()
+        s.snapshot = self.pool.commit(
+            s.entry,
+            TIER_POOL,
+            extent,
+            state_bytes,
+            n_tokens,
+            n_kv,
+            digest,
+            len(payload),
+            NO_PREFIX,
+            0,
+            kv_type,
+            raw_bytes,
+        )
 
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""

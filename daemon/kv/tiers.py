@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -46,6 +46,9 @@ class Tiers:
         self.counts = TierCounters()
         self.codec = TierCodec(model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type)
         self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.evict, self.codec)
+        # The remote tier's hooks (daemon/kv/remote): a checkpoint was committed; a session left this node.
+        self.on_commit: Callable[[Session], None] | None = None
+        self.on_drop: Callable[[Session], None] | None = None
 
     # ------------------------------------------------------------------ hot tier
 
@@ -77,6 +80,10 @@ class Tiers:
         s.slot = slot
         self.resident[slot] = s
         return True
+
+    def cells_used(self) -> int:
+        """Cells of the unified KV in use (a shared prefix's cells count once)."""
+        return sum(s.n_kv - s.prefix_len * s.shares_hot for s in self.resident.values()) + self.prefixes.hot_cells()
 
     def hibernate(self, s: Session, preempt: bool = False) -> None:
         """Free the session's slot and cells; its state stays in the pool (or on disk). ``preempt``: the
@@ -244,9 +251,13 @@ class Tiers:
 
     def checkpoint(self, s: Session) -> None:
         self.writer.checkpoint(s)
+        if self.on_commit is not None:
+            self.on_commit(s)
 
     def record_tokens(self, s: Session) -> None:
         self.writer.record_tokens(s)
+        if self.on_commit is not None and s.snapshot is not None:
+            self.on_commit(s)
 
     def give_up_snapshot(self, s: Session) -> None:
         self.writer.give_up(s)
@@ -279,6 +290,8 @@ class Tiers:
         if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
             self.spill.remove(s.id, s.snapshot.version)
         self.sessions.remove(s, evicted=evicted)
+        if self.on_drop is not None:
+            self.on_drop(s)
 
     def close(self) -> None:
         self.pool.close()

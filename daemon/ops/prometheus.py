@@ -11,7 +11,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvpool.daemon.ops.latency_stats import BUCKETS_MS
-from kvpool.protocol.status import DaemonStatus, Histogram
+from kvpool.protocol.status import DaemonStatus, Histogram, RemoteCounts
 
 
 def _family(
@@ -198,6 +198,44 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
             "kvpool_rpc_worker_checked_seconds_ago",
             "Seconds since each rpc worker last answered (a check, or a step that went through it).",
             [({"endpoint": w.endpoint}, w.checked_s_ago) for w in workers],
+        )
+    yield from _remote_and_preload(status)
+
+
+def _remote_and_preload(status: DaemonStatus) -> Iterator[Metric]:
+    counter, gauge = CounterMetricFamily, GaugeMetricFamily
+    if status.remote is not None:
+        r = status.remote
+        events = {k: getattr(r, k) for k in RemoteCounts.__struct_fields__ if not k.endswith(("bytes", "seconds"))}
+        yield _family(
+            counter,
+            "kvpool_remote_events",
+            "Remote tier events: writes, dropped and failed writes, fetches, conflicts, corrupt values...",
+            [({"kind": k}, v) for k, v in events.items()],
+        )
+        yield _family(
+            counter,
+            "kvpool_remote_bytes",
+            "Bytes written to and fetched from the remote tier.",
+            [({"direction": "write"}, r.write_bytes), ({"direction": "fetch"}, r.fetch_bytes)],
+        )
+        yield _family(gauge, "kvpool_remote_connected", "1 while Redis answers.", [({}, int(r.connected))])
+        yield _family(
+            gauge, "kvpool_remote_pending_bytes", "Checkpoint bytes waiting for Redis.", [({}, r.pending_bytes)]
+        )
+        yield _family(gauge, "kvpool_remote_leases", "Session leases this node holds.", [({}, r.leases_held)])
+    if status.preload is not None:
+        p = status.preload
+        yield _family(
+            counter,
+            "kvpool_preloads",
+            "Preloads by outcome: done (hinted or predicted), hits, wasted.",
+            [
+                ({"kind": "hinted"}, p.hinted),
+                ({"kind": "predicted"}, p.predicted),
+                ({"kind": "hits"}, p.hits),
+                ({"kind": "wasted"}, p.wasted),
+            ],
         )
 
 

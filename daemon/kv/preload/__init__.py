@@ -1,0 +1,1 @@
+"""Smart preloading: when a session will speak next, from its own history."""

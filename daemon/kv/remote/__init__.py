@@ -1,0 +1,1 @@
+"""The cross-node tier: session checkpoints in Redis (redis-py), leases, roaming between nodes (docs/remote.md)."""
