@@ -346,3 +346,27 @@ def test_a_hung_redis_never_holds_a_turn_up(start_daemon: Start, redis_server: R
             redis_server.proc.send_signal(signal.SIGCONT)
         wait_synced(client, s.id)
         assert client.status().remote.connected
+
+
+def test_a_compressed_checkpoint_roams_and_is_restored_at_the_hot_types(
+    start_daemon: Start, redis_server: RedisServer
+) -> None:
+    """Node A keeps its pool at q8_0 (KV compression, docs/kv-compression.md): the remote copy is that compressed
+    state, and node B writes it back at its own hot types to continue."""
+    compressed = 'pool_kv_type = "q8_0"\npool_kv_policy = "always"\n'
+    a = node(start_daemon, redis_server, "a", compressed)
+    b = node(start_daemon, redis_server, "b")
+    with a.client() as client:
+        s = client.open_session()
+        first = [s.complete(t, max_tokens=8, **GREEDY).tokens for t in TURNS[:2]]
+        wait_synced(client, s.id)
+        sid, token = s.id, s.token
+    a.stop(signal.SIGKILL)
+    record = stored_record(redis_server, sid)
+    assert record.kv_type == 8 and record.raw_bytes > record.state_bytes  # q8_0, smaller than at f16
+    with b.client() as client:
+        moved = resume_when_free(client, sid, token)
+        last = moved.complete(TURNS[2], max_tokens=8, **GREEDY).tokens
+        assert client.status().moves.restores_decompressed == 1
+    # The tiny model's logits are far apart (tests/tinymodel.py): q8_0 changes no greedy token.
+    assert [*first, last] == reference(start_daemon, TURNS)
