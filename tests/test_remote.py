@@ -10,6 +10,7 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -174,14 +175,20 @@ def test_migrate_hands_a_session_over(start_daemon: Start, redis_server: RedisSe
     assert [*first, last] == reference(start_daemon, TURNS)
 
 
-def test_kvpool_migrate_and_sessions_show_where_it_lives(start_daemon: Start, redis_server: RedisServer) -> None:
-
+def two_nodes_and_a_synced_session(start_daemon: Start, redis_server: RedisServer) -> tuple:
+    """Nodes a and b, and a session of one turn on a whose checkpoint Redis holds (its id and token)."""
     a = node(start_daemon, redis_server, "a")
     b = node(start_daemon, redis_server, "b")
     with a.client() as client:
         s = client.open_session()
         s.complete(TURNS[0], max_tokens=4, **GREEDY)
         wait_synced(client, s.id)
+    return a, b, SimpleNamespace(id=s.id, token=s.token)
+
+
+def test_kvpool_migrate_and_sessions_show_where_it_lives(start_daemon: Start, redis_server: RedisServer) -> None:
+
+    a, b, s = two_nodes_and_a_synced_session(start_daemon, redis_server)
     cli = [sys.executable, "-m", "kvpool.client.cli", "--address"]
     listed = subprocess.run([*cli, a.address, "sessions"], capture_output=True, text=True, timeout=60)
     assert s.id in listed.stdout and "+ remote" in listed.stdout
@@ -257,12 +264,7 @@ def refoot(blob: bytes, **changes: object) -> bytes:
 
 
 def test_bad_remote_values_cost_only_their_session(start_daemon: Start, redis_server: RedisServer) -> None:
-    a = node(start_daemon, redis_server, "a")
-    b = node(start_daemon, redis_server, "b")
-    with a.client() as client:
-        s = client.open_session()
-        s.complete(TURNS[0], max_tokens=4, **GREEDY)
-        wait_synced(client, s.id)
+    _, b, s = two_nodes_and_a_synced_session(start_daemon, redis_server)
     # Each damage applies to a copy of the good value, renamed to a session of its own.
     bad: dict[str, tuple[Callable[[bytes], bytes], str]] = {
         "flipped": (lambda blob: blob[:-50] + bytes([blob[-50] ^ 0xFF]) + blob[-49:], "checksum"),
