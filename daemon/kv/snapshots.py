@@ -100,22 +100,30 @@ class SnapshotWriter:
         self.counts.checkpoints += 1
         self.counts.checkpoint.add(state_bytes, time.perf_counter() - started)
 
-    def _save(self, source: int, state_bytes: int) -> ctypes.Array[ctypes.c_uint8]:
-        """The sequence's state in a private buffer (to compress it, or when the pool has no room)."""
+    def _saved_state(self, source: int, state_bytes: int, to: KvType | None) -> tuple[bytes, int]:
+        """The sequence's state saved into a private buffer (to compress it, or when the pool has no room), at
+        ``to`` when given and the codec can read it: the bytes, and the type they are stored at."""
         buffer = (ctypes.c_uint8 * state_bytes)()
         written = self.model.save_state(source, buffer)
         if written != state_bytes:  # never commit a half-empty buffer over a good snapshot
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
-        return buffer
+        stored = self.codec.compress(memoryview(buffer).cast("B"), to) if to is not None else None
+        if stored is None or to is None:
+            return bytes(buffer), HOT_TYPES
+        return stored, to.ggml_id
+
+    def _compressed_pool_state(self, snap: Snapshot, to: KvType) -> bytes | None:
+        """A pool snapshot's state at ``to`` (None when the codec cannot read it)."""
+        view = self.pool.view(snap.offset, snap.state_bytes)
+        try:
+            return self.codec.compress(view, to)
+        finally:
+            view.release()
 
     def _checkpoint_compressed(self, s: Session, source: int, raw_bytes: int, first: int, to: KvType) -> None:
         """A checkpoint compressed as it is written (pool_kv_policy "always")."""
         started = time.perf_counter()
-        raw = self._save(source, raw_bytes)
-        stored = self.codec.compress(memoryview(raw).cast("B"), to)
-        kv_type = to.ggml_id if stored is not None else HOT_TYPES
-        state = stored if stored is not None else bytes(raw)
-        del raw
+        state, kv_type = self._saved_state(source, raw_bytes, to)
         extent = self._allocate(payload_bytes(len(state), len(s.tokens)), pinned=s)
         prefix_ref = prefix_links.snapshot_ref(s, first)
         if extent is None:
@@ -148,11 +156,7 @@ class SnapshotWriter:
         snap = victim.snapshot
         if not self.pool.verify(snap):
             return False  # its restore will report the damage; spilling it keeps the bytes as they are
-        view = self.pool.view(snap.offset, snap.state_bytes)
-        try:
-            stored = self.codec.compress(view, to)
-        finally:
-            view.release()
+        stored = self._compressed_pool_state(snap, to)
         if stored is None or len(stored) >= snap.state_bytes:
             return False
         extent = self.pool.allocator.allocate(payload_bytes(len(stored), snap.n_tokens))
@@ -235,11 +239,7 @@ class SnapshotWriter:
 
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
-        raw = self._save(source, state_bytes)
-        to = self.codec.spill_type
-        stored = self.codec.compress(memoryview(raw).cast("B"), to) if to is not None else None
-        kv_type = to.ggml_id if stored is not None and to is not None else HOT_TYPES
-        state = stored if stored is not None else bytes(raw)
+        state, kv_type = self._saved_state(source, state_bytes, self.codec.spill_type)
         payload = state + np.asarray(s.tokens, dtype="<i4").tobytes()
         prefix_ref = prefix_links.snapshot_ref(s, first)
         self._write_disk(
@@ -315,11 +315,7 @@ class SnapshotWriter:
         prefix_ref = (snap.prefix_entry, snap.prefix_len)
         to = self.codec.spill_type
         if to is not None and snap.kv_type != to.ggml_id and snap.n_kv and self.pool.verify(snap):
-            view = self.pool.view(snap.offset, snap.state_bytes)
-            try:
-                stored = self.codec.compress(view, to)
-            finally:
-                view.release()
+            stored = self._compressed_pool_state(snap, to)
             if stored is not None:
                 payload = stored + np.asarray(self.pool.tokens(snap), dtype="<i4").tobytes()
                 raw = snap.raw_bytes or snap.state_bytes

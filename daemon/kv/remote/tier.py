@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.errors import RequestRefused
-from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_POOL
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_POOL, payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.remote import record as rec
 from kvpool.daemon.kv.remote.lease import Lease, LeaseHeld
@@ -104,7 +104,7 @@ class RemoteTier:
                 written_at=0.0,
                 node="",
             )
-            length = snap.state_bytes + 4 * snap.n_tokens
+            length = payload_bytes(snap.state_bytes, snap.n_tokens)
             if snap.tier == TIER_POOL:
                 job.source = Source(length, pool_offset=snap.offset)
             else:
