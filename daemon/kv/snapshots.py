@@ -178,7 +178,7 @@ class SnapshotWriter:
             snap.prefix_entry,
             snap.prefix_len,
             to.ggml_id,
-            snap.raw_bytes or snap.state_bytes,
+            snap.hot_bytes,
         )
 
     def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
@@ -318,9 +318,16 @@ class SnapshotWriter:
             stored = self._compressed_pool_state(snap, to)
             if stored is not None:
                 payload = stored + np.asarray(self.pool.tokens(snap), dtype="<i4").tobytes()
-                raw = snap.raw_bytes or snap.state_bytes
                 self._write_disk(
-                    s, memoryview(payload), len(stored), snap.n_tokens, snap.n_kv, None, prefix_ref, to.ggml_id, raw
+                    s,
+                    memoryview(payload),
+                    len(stored),
+                    snap.n_tokens,
+                    snap.n_kv,
+                    None,
+                    prefix_ref,
+                    to.ggml_id,
+                    snap.hot_bytes,
                 )
                 self.counts.spills += 1
                 self.counts.compressions += 1

@@ -23,7 +23,7 @@ from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.codec.state_format import StateFormatError
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
-from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL, Snapshot
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
@@ -308,7 +308,7 @@ class Tiers:
             "snapshots": len(snaps),
             "compressed_snapshots": sum(1 for x in snaps if x.compressed),
             "snapshot_bytes": sum(x.state_bytes for x in snaps),
-            "snapshot_raw_bytes": sum(_raw_bytes(x) for x in snaps),
+            "snapshot_raw_bytes": sum(x.hot_bytes for x in snaps),
         }
 
     def pool_status(self) -> PoolStatus:
@@ -331,7 +331,3 @@ class Tiers:
 
     def prefix_status(self) -> PrefixStatus:
         return self.prefixes.status(sum(s.saved_bytes for s in self.sessions.by_id.values() if s.snapshot))
-
-
-def _raw_bytes(snap: Snapshot) -> int:
-    return snap.raw_bytes or snap.state_bytes

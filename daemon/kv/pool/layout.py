@@ -100,6 +100,11 @@ class Snapshot:
         return self.kv_type != HOT_TYPES
 
     @property
+    def hot_bytes(self) -> int:
+        """Its state's size at the hot KV types (what it would take uncompressed)."""
+        return self.raw_bytes or self.state_bytes
+
+    @property
     def extent(self) -> Extent:
         return Extent(self.offset, self.length)
 
