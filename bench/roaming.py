@@ -8,7 +8,7 @@ Both are timed by the client, from the request that starts them (resume, open) t
 the next turn; the daemon's own TTFT of that turn is printed too. Medians of --repeat runs, the sizes taking turns.
 
 Remote write throughput: each checkpoint node A writes is one sample (the daemon's counters: bytes and seconds of
-that write, which include reading it back from the pool, checking it and the round trip), next to a plain
+that write: staging the payload straight from the pool, checking it, committing it with its record), next to a plain
 redis-py SET of the same number of bytes to the same Redis from this process, measured in the same run.
 
     python bench/roaming.py [--model PATH] [--repeat 5]
@@ -73,8 +73,9 @@ def wait_written(client: Client, writes_before: int) -> None:
 
 
 def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> tuple[float, float]:
-    """(a plain redis-py SET of ``nbytes``, the remote writer's own path for the same bytes: one copy into the
-    value, the checksum of that copy, the lease-checked WATCH/MULTI write), both in this process, in bytes/s."""
+    """(a plain redis-py SET of ``nbytes``, the remote writer's own path for the same bytes: the payload staged
+    straight from memory, its checksum, the lease-checked WATCH/MULTI commit with the record), both in this
+    process, in bytes/s."""
     r = redis.Redis.from_url(url)
     blob = os.urandom(nbytes)
     times = []
@@ -102,12 +103,13 @@ def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> tuple[float, floa
         node="",
     )
     source = memoryview(blob)
+    head = encode(record)
     path_times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        value = encode(record, source)
-        checksum(memoryview(value)[len(value) - nbytes :])
-        store.write("path", held, value, 0)
+        store.stage("path", held, source)
+        checksum(source)
+        store.commit("path", held, head, 0)
         path_times.append(time.perf_counter() - started)
     store.delete("path", held)
     store.close()
@@ -126,7 +128,7 @@ def measure_once(a: Client, b: Client, url: str, target: int, samples: dict[str,
     if writes2 == writes + 1:
         samples["write_bw"].append((nbytes2 - nbytes) / (seconds2 - seconds))
         samples["sizes"].append(nbytes2 - nbytes)
-        plain, path = plain_set_bandwidth(url, nbytes2 - nbytes, 5)
+        plain, path = plain_set_bandwidth(url, nbytes2 - nbytes, 9)
         samples["plain_bw"].append(plain)
         samples["path_bw"].append(path)
     tokens = len(s.history())
@@ -199,7 +201,7 @@ def main() -> int:
             f"{r['prefill_ms']:>8.1f} ({r['prefill_daemon_ttft_ms']:>7.1f}) | {r['prefill_ms'] / r['roam_ms']:>11.1f}x"
         )
     print("\nRemote write throughput (MB/s, medians; one sample per checkpoint node A wrote; plain SET and the")
-    print("writer's path (copy + checksum + lease-checked write) of the same bytes timed in this process, same run)")
+    print("writer's path (stage + checksum + lease-checked commit) of the same bytes timed in this process, same run)")
     print(
         f"{'context':>8} | {'snapshot':>10} | {'kvpoold write':>13} | {'plain SET':>9} | {'ratio':>5} | "
         f"{'path here':>9} | {'path/plain':>10} | samples"

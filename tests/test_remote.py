@@ -90,14 +90,18 @@ def test_a_session_roams_to_node_b_after_node_a_is_killed(start_daemon: Start, r
     assert b.address in record.node and record.n_tokens == len(moved_history(b, sid, token))
 
 
-def snap_key(redis_server: RedisServer, session: str) -> bytes:
-    (key,) = redis_server.client().keys(f"kvpool:*:snap:{session}")
+def session_key(redis_server: RedisServer, kind: str, session: str) -> bytes:
+    (key,) = redis_server.client().keys(f"kvpool:*:{kind}:{session}")
     return key
 
 
+def snap_key(redis_server: RedisServer, session: str) -> bytes:
+    return session_key(redis_server, "snap", session)
+
+
 def stored_record(redis_server: RedisServer, session: str) -> rec.RemoteRecord:
-    """The record part of a session's remote value, read as it is stored (header, then msgpack)."""
-    blob = redis_server.client().get(snap_key(redis_server, session))
+    """A session's remote record, read as it is stored (header, then msgpack)."""
+    blob = redis_server.client().get(session_key(redis_server, "rec", session))
     _, length = rec.HEADER.unpack_from(blob)
     return msgspec.msgpack.decode(blob[rec.HEADER.size : rec.HEADER.size + length], type=rec.RemoteRecord)
 
@@ -251,16 +255,22 @@ def test_redis_killed_and_restarted_mid_run(start_daemon: Start, redis_server: R
 
 
 def corrupt_copy(redis_server: RedisServer, source: str, target: str, damage: Callable[[bytes], bytes]) -> None:
+    """Copy a session's record and payload to another session id, damaged: ``damage`` gets both as one string
+    (so it can fall on either), which is split again where the good record ends."""
     raw = redis_server.client()
-    key = snap_key(redis_server, source)
-    raw.set(key.replace(source.encode(), target.encode()), damage(raw.get(key)))
+    keys = {kind: session_key(redis_server, kind, source) for kind in ("rec", "snap")}
+    good = raw.get(keys["rec"])
+    value = damage(good + raw.get(keys["snap"]))
+    split = len(refoot(good, session=target))
+    raw.set(keys["rec"].replace(source.encode(), target.encode()), value[:split])
+    raw.set(keys["snap"].replace(source.encode(), target.encode()), value[split:])
 
 
 def refoot(blob: bytes, **changes: object) -> bytes:
-    """The same value with record fields changed (its payload and checksum untouched)."""
+    """The same value with record fields changed (its payload, if any, and its checksum untouched)."""
     _, length = rec.HEADER.unpack_from(blob)
     record = msgspec.msgpack.decode(blob[rec.HEADER.size : rec.HEADER.size + length], type=rec.RemoteRecord)
-    return rec.encode(msgspec.structs.replace(record, **changes), blob[rec.HEADER.size + length :])
+    return rec.encode(msgspec.structs.replace(record, **changes)) + blob[rec.HEADER.size + length :]
 
 
 def test_bad_remote_values_cost_only_their_session(start_daemon: Start, redis_server: RedisServer) -> None:

@@ -34,9 +34,20 @@ def checkpoint(session: str = "s1") -> tuple[rec.RemoteRecord, bytes]:
     return record, payload
 
 
+def joined(record: rec.RemoteRecord, payload: bytes) -> bytes:
+    """The record's value and the payload as one string, so that one damage can fall on either."""
+    return rec.encode(record) + payload
+
+
+def decode_joined(value: bytes, record: rec.RemoteRecord, session: str, fingerprint: str, layout: str) -> object:
+    """Split a (damaged) joined value where the undamaged record's value ends, and decode the two parts."""
+    split = len(rec.encode(record))
+    return rec.decode(value[:split], value[split:], session, fingerprint, layout)
+
+
 def test_a_value_decodes_to_its_record_and_payload() -> None:
     record, payload = checkpoint()
-    got, got_payload = rec.decode(rec.encode(record, payload), "s1", record.fingerprint, record.kv_layout)
+    got, got_payload = rec.decode(rec.encode(record), payload, "s1", record.fingerprint, record.kv_layout)
     assert got == record and bytes(got_payload) == payload
     assert rec.token_matches(got, "secret") and not rec.token_matches(got, "guess")
 
@@ -54,18 +65,24 @@ def test_a_value_decodes_to_its_record_and_payload() -> None:
 def test_damaged_values_say_what_is_wrong(damage: object, why: str) -> None:
     record, payload = checkpoint()
     with pytest.raises(rec.RecordCorrupt, match=why):
-        rec.decode(damage(rec.encode(record, payload)), "s1", record.fingerprint, record.kv_layout)  # type: ignore[operator]
+        decode_joined(damage(joined(record, payload)), record, "s1", record.fingerprint, record.kv_layout)  # type: ignore[operator]
+
+
+def test_a_record_with_bytes_past_its_end_is_refused() -> None:
+    record, payload = checkpoint()
+    with pytest.raises(rec.RecordCorrupt, match="past its end"):
+        rec.decode(rec.encode(record) + b"x", payload, "s1", record.fingerprint, record.kv_layout)
 
 
 def test_another_models_or_sessions_value_is_refused() -> None:
     record, payload = checkpoint()
-    value = rec.encode(record, payload)
+    value = rec.encode(record)
     with pytest.raises(rec.RecordCorrupt, match="another model"):
-        rec.decode(value, "s1", "e" * 32, record.kv_layout)
+        rec.decode(value, payload, "s1", "e" * 32, record.kv_layout)
     with pytest.raises(rec.RecordCorrupt, match="another model"):
-        rec.decode(value, "s1", record.fingerprint, "type_k=8,type_v=8,swa_full=0")
+        rec.decode(value, payload, "s1", record.fingerprint, "type_k=8,type_v=8,swa_full=0")
     with pytest.raises(rec.RecordCorrupt, match="another session"):
-        rec.decode(value, "s2", record.fingerprint, record.kv_layout)
+        rec.decode(value, payload, "s2", record.fingerprint, record.kv_layout)
 
 
 def test_keys_are_namespaced_by_model_and_kv_layout() -> None:
@@ -73,6 +90,7 @@ def test_keys_are_namespaced_by_model_and_kv_layout() -> None:
     assert a.snap("s") != rec.Keys.of("kvpool", "e" * 32, "type_k=1").snap("s")
     assert a.snap("s") != rec.Keys.of("kvpool", "f" * 32, "type_k=8").snap("s")
     assert a.snap("s").startswith("kvpool:" + "f" * 32) and a.lease("s") != a.snap("s") != a.gen("s")
+    assert len({a.rec("s"), a.snap("s"), a.stage("s", 1), a.stage("s", 2)}) == 4
 
 
 def test_lease_values_and_redacted_urls() -> None:

@@ -1,13 +1,18 @@
 """What the remote tier stores for a session, and under which keys.
 
-One Redis value per session holds a whole checkpoint: a fixed header, the record (msgpack), then the payload
-(llama.cpp's sequence state, then the tokens as int32, exactly as in the pool). One value, so a reader never
-sees a record of one checkpoint with the bytes of another. Every field that can be damaged is checked on read:
-a value that fails any check costs only its session (SESSION_CORRUPT), never the daemon.
+A checkpoint is two Redis values: the record (a fixed header, then msgpack) and the payload (llama.cpp's
+sequence state, then the tokens as int32, exactly as in the pool). Two values, so the payload goes from the
+pool to the socket without a copy (store.py); they are made visible together by one script and read together in
+one MULTI/EXEC, so a reader never sees a record of one checkpoint with the bytes of another, and the record's length
+and checksum of the payload would catch it if it did. Every field that can be damaged is checked on read: a
+checkpoint that fails any check costs only its session (SESSION_CORRUPT), never the daemon.
 
 Keys are namespaced by the model's fingerprint and KV layout, so daemons of different models (or of the same
 model with another KV format) never read each other's snapshots:
-    {prefix}:{fingerprint}:{layout hash}:snap:{session}    the checkpoint (header + record + payload)
+    {prefix}:{fingerprint}:{layout hash}:rec:{session}     the checkpoint's record (header + msgpack)
+    {prefix}:{fingerprint}:{layout hash}:snap:{session}    its payload
+    {prefix}:{fingerprint}:{layout hash}:stage:{session}:{generation}
+                                                           a payload on its way, until its record commits it
     {prefix}:{fingerprint}:{layout hash}:lease:{session}   "{generation} {node}" while a node owns the session
     {prefix}:{fingerprint}:{layout hash}:gen:{session}     the fencing generation counter (INCR)
 """
@@ -74,8 +79,15 @@ class Keys:
         layout = hashlib.sha256(kv_layout.encode()).hexdigest()[:12]
         return cls(f"{prefix}:{fingerprint}:{layout}")
 
+    def rec(self, session: str) -> str:
+        return f"{self.namespace}:rec:{session}"
+
     def snap(self, session: str) -> str:
         return f"{self.namespace}:snap:{session}"
+
+    def stage(self, session: str, generation: int) -> str:
+        # per generation: a node fenced off but not yet aware of it never overwrites the new owner's staged bytes
+        return f"{self.namespace}:stage:{session}:{generation}"
 
     def lease(self, session: str) -> str:
         return f"{self.namespace}:lease:{session}"
@@ -88,22 +100,27 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RemoteRecord)
 
 
-def encode(record: RemoteRecord, payload: bytes | memoryview) -> bytes:
+def encode(record: RemoteRecord) -> bytes:
+    """The record's value (the payload is stored as it is, under its own key)."""
     head = _encoder.encode(record)
-    return b"".join((HEADER.pack(MAGIC, len(head)), head, payload))
+    return HEADER.pack(MAGIC, len(head)) + head
 
 
-def decode(blob: bytes, session: str, fingerprint: str, kv_layout: str) -> tuple[RemoteRecord, memoryview]:
+def decode(
+    head: bytes, payload: bytes | memoryview, session: str, fingerprint: str, kv_layout: str
+) -> tuple[RemoteRecord, memoryview]:
     """The record and payload of ``session``'s checkpoint, or RecordCorrupt saying why they cannot be used."""
-    if len(blob) < HEADER.size:
+    if len(head) < HEADER.size:
         raise RecordCorrupt("its remote record is truncated")
-    magic, record_bytes = HEADER.unpack_from(blob)
+    magic, record_bytes = HEADER.unpack_from(head)
     if magic != MAGIC:
         raise RecordCorrupt("its remote value is not a kvpool checkpoint")
-    if record_bytes > MAX_RECORD_BYTES or HEADER.size + record_bytes > len(blob):
+    if record_bytes > MAX_RECORD_BYTES or HEADER.size + record_bytes > len(head):
         raise RecordCorrupt("its remote record is truncated")
+    if HEADER.size + record_bytes < len(head):
+        raise RecordCorrupt("its remote record has bytes past its end")
     try:
-        record = _decoder.decode(blob[HEADER.size : HEADER.size + record_bytes])
+        record = _decoder.decode(head[HEADER.size : HEADER.size + record_bytes])
     except msgspec.DecodeError as exc:
         raise RecordCorrupt(f"its remote record cannot be read ({exc})") from None
     if record.fingerprint != fingerprint or record.kv_layout != kv_layout:
@@ -115,7 +132,7 @@ def decode(blob: bytes, session: str, fingerprint: str, kv_layout: str) -> tuple
         raise RecordCorrupt(f"its remote record names another session ({record.session!r})")
     if record.kv_type != HOT_TYPES and record.kv_type not in BY_ID:
         raise RecordCorrupt(f"its remote checkpoint is stored at a KV type kvpool does not know ({record.kv_type})")
-    payload = memoryview(blob)[HEADER.size + record_bytes :]
+    payload = memoryview(payload)
     if len(payload) != payload_bytes(record.state_bytes, record.n_tokens) or record.n_kv > record.n_tokens:
         raise RecordCorrupt("its remote checkpoint is truncated (the bytes do not match the record)")
     if checksum(payload) != record.checksum:

@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import RedisError
 
 from kvpool.daemon.kv.remote import lease as scripts
 from kvpool.daemon.kv.remote.lease import Lease, LeaseHeld
 from kvpool.daemon.kv.remote.record import Keys
+
+STAGE_MS = 60_000  # a staged payload whose commit never came (the node died in between) expires by itself
 
 
 class RemoteUnavailable(Exception):
@@ -39,6 +41,7 @@ class RemoteStore:
         self._renew = self.redis.register_script(scripts.RENEW)
         self._release = self.redis.register_script(scripts.RELEASE)
         self._delete = self.redis.register_script(scripts.DELETE)
+        self._commit = self.redis.register_script(scripts.COMMIT)
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -86,38 +89,48 @@ class RemoteStore:
     def release(self, session: str, held: Lease) -> None:
         self._call(self._release, keys=[self.keys.lease(session)], args=[held.value])
 
-    def write(self, session: str, held: Lease, blob: bytes, ttl_ms: int) -> bool:
-        """Store the checkpoint if ``held`` is still the session's lease; False when fenced off.
+    def stage(self, session: str, held: Lease, payload: memoryview) -> None:
+        """Send a checkpoint's payload ahead of its record, under a key of its own: the current checkpoint stays
+        readable until commit(). redis-py sends a memoryview as it is, so the bytes go from the pool to the
+        socket without a copy (a copy into a new buffer cost more than the checksum and the round trips
+        together: page faults on every fresh 4 KiB, bench/roaming.py)."""
+        self._call(self.redis.set, self.keys.stage(session, held.generation), payload, px=STAGE_MS)
 
-        WATCH/MULTI rather than a script: Redis copies a script's arguments into Lua and back, which made a
-        checkpoint's write 3-5x slower than a plain SET of its bytes (bench/roaming.py)."""
-        return bool(self._call(self._write_watched, session, held, blob, ttl_ms))
+    def unstage(self, session: str, held: Lease) -> None:
+        self._call(self.redis.delete, self.keys.stage(session, held.generation))
 
-    def _write_watched(self, session: str, held: Lease, blob: bytes, ttl_ms: int) -> bool:
-        lease_key = self.keys.lease(session)
-        with self.redis.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(lease_key)  # EXEC fails if the lease changes after this check
-                if pipe.get(lease_key) != held.value.encode():
-                    return False
-                pipe.multi()
-                pipe.set(self.keys.snap(session), blob, px=ttl_ms or None)
-                if ttl_ms:
-                    pipe.pexpire(self.keys.gen(session), ttl_ms)  # the counter lives as long as the checkpoint
-                pipe.execute()
-            except WatchError:
-                return False
-        return True
+    def commit(self, session: str, held: Lease, record: bytes, ttl_ms: int) -> bool:
+        """Make the staged payload and its record the session's checkpoint, atomically, if ``held`` is still the
+        session's lease; False when fenced off."""
+        keys = self.keys
+        names = [
+            keys.lease(session),
+            keys.stage(session, held.generation),
+            keys.snap(session),
+            keys.rec(session),
+            keys.gen(session),
+        ]
+        done = int(self._call(self._commit, keys=names, args=[held.value, record, ttl_ms]))
+        if done < 0:
+            raise RemoteUnavailable(f"{self.url}: the staged checkpoint of session {session} is gone (restarted?)")
+        return done == 1
 
     def delete(self, session: str, held: Lease) -> None:
-        keys = [self.keys.lease(session), self.keys.snap(session), self.keys.gen(session)]
+        keys = [self.keys.lease(session), self.keys.rec(session), self.keys.snap(session), self.keys.gen(session)]
         self._call(self._delete, keys=keys, args=[held.value])
 
     def exists(self, session: str) -> bool:
-        return bool(self._call(self.redis.exists, self.keys.snap(session)))
+        return bool(self._call(self.redis.exists, self.keys.rec(session)))
 
-    def get(self, session: str) -> bytes | None:
-        return self._call(self.redis.get, self.keys.snap(session))
+    def get(self, session: str) -> tuple[bytes, bytes] | None:
+        """The session's record and payload, read in one transaction (so from the same commit); None if none."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(self.keys.rec(session))
+            pipe.get(self.keys.snap(session))
+            record, payload = self._call(pipe.execute)
+        if record is None:
+            return None
+        return record, payload or b""
 
     def close(self) -> None:
         self.redis.close()

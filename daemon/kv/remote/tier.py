@@ -158,14 +158,14 @@ class RemoteTier:
             self.counts.fetch_failures += 1
             raise self.unavailable(exc) from None
         try:
-            blob = store.get(session)
-            if blob is None:
+            stored = store.get(session)
+            if stored is None:
                 store.release(session, lease)
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_SESSION, f"Session {session!r} expired from the remote tier; open a new one."
                 )
             try:
-                record, payload = rec.decode(blob, session, self.fingerprint, self.kv_layout)
+                record, payload = rec.decode(*stored, session, self.fingerprint, self.kv_layout)
             except rec.RecordCorrupt as exc:
                 self.counts.corrupt += 1
                 log.warning("session %s: %s; its remote copy is removed", session, exc)
@@ -183,7 +183,7 @@ class RemoteTier:
             self.counts.fetch_failures += 1
             raise self.unavailable(exc) from None
         self.counts.fetches += 1
-        self.counts.fetch_bytes += len(blob)
+        self.counts.fetch_bytes += len(stored[0]) + len(stored[1])
         return Fetched(record, payload, lease)
 
     def unavailable(self, exc: Exception) -> RequestRefused:

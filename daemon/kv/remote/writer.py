@@ -4,9 +4,10 @@ the thread reads the bytes itself, so a turn never waits for Redis nor for a cop
 
 - Jobs are coalesced per session (only the newest checkpoint of a session is worth writing) and bounded by
   remote_queue_bytes of pending payload: beyond it the oldest job is dropped, counted and logged.
-- The thread reads a checkpoint from the pool (or the spill file) and checks it against the record's checksum:
-  a mismatch means the engine has reused those bytes since (a newer checkpoint, a spill), and the engine is
-  asked to hand over the session's current checkpoint instead ("stale").
+- The thread sends a checkpoint straight from the pool (or the spill file) to a staging key, then checks it
+  against the record's checksum before committing it with its record: a mismatch means the engine has reused
+  those bytes since (a newer checkpoint, a spill), and the engine is asked to hand over the session's current
+  checkpoint instead ("stale").
 - Redis down or slow: a failed job goes back to the queue (still coalesced and bounded), the failure is counted,
   the change of state is logged once, and the thread retries with a growing pause until Redis answers again.
 - Leases are renewed every third of remote_lease_ms in one pipelined round trip; a lease found taken by another
@@ -295,15 +296,29 @@ class RemoteWriter:
         record = msgspec.structs.replace(
             job.record, generation=held.generation, written_at=time.time(), node=self.store.node
         )
-        blob = self._encode(job, record)
-        # The one copy of the bytes is checked after it was made: the engine may have reused the pool extent
-        # since the job was queued (a newer checkpoint, a spill).
-        if blob is None or checksum(memoryview(blob)[len(blob) - job.source.length :]) != record.checksum:
+        payload = self._payload(job.session, job.source)
+        try:
+            if payload is not None:
+                self.store.stage(job.session, held, payload)
+            # The bytes went from the pool as they were while being sent; the engine may have reused the extent
+            # since the job was queued or during the send (a newer checkpoint, a spill). Checked after the send,
+            # before the commit makes them visible.
+            intact = payload is not None and checksum(payload) == record.checksum
+        finally:
+            if payload is not None:
+                payload.release()
+        if not intact:
             self.counts.stale += 1
             self.events.put(Event("stale", job.session))
             self._notify(job, False, "its checkpoint changed while it was queued; retry")
+            if payload is not None:
+                with contextlib.suppress(RemoteUnavailable):  # else it expires by itself (STAGE_MS)
+                    self.store.unstage(job.session, held)
             return False
-        if not self.store.write(job.session, held, blob, self.ttl_ms):
+        head = rec.encode(record)
+        if not self.store.commit(job.session, held, head, self.ttl_ms):
+            with contextlib.suppress(RemoteUnavailable):
+                self.store.unstage(job.session, held)
             self.counts.fenced += 1
             with self._cond:
                 self._leases.pop(job.session, None)
@@ -312,23 +327,17 @@ class RemoteWriter:
             self._notify(job, False, f"fenced off: node {owner.node if owner else '?'} owns it now")
             return False
         self.counts.writes += 1
-        self.counts.write_bytes += len(blob)
+        self.counts.write_bytes += len(head) + job.source.length
         self.counts.write_seconds += time.perf_counter() - started
         self.events.put(Event("written", job.session, (record.n_tokens, record.n_kv)))
         return True
 
-    def _encode(self, job: Job, record: rec.RemoteRecord) -> bytes | None:
-        """The value to store, copied straight from the pool (or read from the spill file)."""
-        source = job.source
-        assert source is not None
+    def _payload(self, session: str, source: Source) -> memoryview | None:
+        """The checkpoint's bytes: a view of the pool extent (no copy), or the spill file's contents."""
         if source.pool_offset is not None:
-            view = self.pool.view(source.pool_offset, source.length)
-            try:
-                return rec.encode(record, view)
-            finally:
-                view.release()
+            return self.pool.view(source.pool_offset, source.length)
         try:
-            return rec.encode(record, self.spill.read(job.session, source.spill_version))
+            return memoryview(self.spill.read(session, source.spill_version))
         except SnapshotCorrupt:
             return None
 
