@@ -7,9 +7,10 @@ writes its checkpoint to Redis and hands it over (`migrate`: newest checkpoint w
 Both are timed by the client, from the request that starts them (resume, open) to the first streamed token of
 the next turn; the daemon's own TTFT of that turn is printed too. Medians of --repeat runs, the sizes taking turns.
 
-Remote write throughput: each checkpoint node A writes is one sample (the daemon's counters: bytes and seconds of
-that write: staging the payload straight from the pool, checking it, committing it with its record), next to a plain
-redis-py SET of the same number of bytes to the same Redis from this process, measured in the same run.
+Remote write throughput: each checkpoint node A writes after a turn is one sample, 4 per session (the daemon's
+counters: bytes and seconds of that write: staging the payload straight from the pool, checking it, committing it
+with its record). Each is followed by a plain redis-py SET of the same number of bytes to the same Redis from this
+process, and by the writer's own path for those bytes in this process: all three interleaved, in the same run.
 
     python bench/roaming.py [--model PATH] [--repeat 5]
 """
@@ -30,15 +31,15 @@ import redis  # noqa: E402
 from common import default_model, private_daemon, private_redis  # noqa: E402
 
 from kvpool import protocol as p  # noqa: E402
-from kvpool.client import Client  # noqa: E402
+from kvpool.client import Client, Session  # noqa: E402
 from kvpool.client.results import expect  # noqa: E402
-from kvpool.daemon.kv.pool.checksum import checksum  # noqa: E402
 from kvpool.daemon.kv.remote.record import Keys, RemoteRecord, encode  # noqa: E402
 from kvpool.daemon.kv.remote.store import RemoteStore  # noqa: E402
 
 SENTENCE = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. "
 TARGETS = [256, 1024, 2048]
 NEXT_TURN = " Now summarise."
+WRITE_ROUNDS = 4  # remote writes sampled per session
 
 
 def history_text(tokens: int) -> str:
@@ -73,17 +74,21 @@ def wait_written(client: Client, writes_before: int) -> None:
 
 
 def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> tuple[float, float]:
-    """(a plain redis-py SET of ``nbytes``, the remote writer's own path for the same bytes: the payload staged
-    straight from memory, its checksum, the lease-checked WATCH/MULTI commit with the record), both in this
-    process, in bytes/s."""
+    """(a plain redis-py SET of ``nbytes``, the remote writer's own path for the same bytes: the payload staged straight
+    from memory, then the lease-checked commit with the record; the checksum it adds only when an extent was
+    freed meanwhile is left out), both in this process, in bytes/s, medians of ``repeat``. Both overwrite one key
+    each time, as the writer replaces a session's checkpoint (a SET to a new key each time also pays for Redis'
+    fresh pages)."""
     r = redis.Redis.from_url(url)
     blob = os.urandom(nbytes)
+    r.set("bench:plain", blob)
     times = []
-    for i in range(repeat):
+    for _ in range(repeat):
         started = time.perf_counter()
-        r.set(f"bench:plain:{i}", blob)
+        r.set("bench:plain", blob)
         times.append(time.perf_counter() - started)
-    r.delete(*[f"bench:plain:{i}" for i in range(repeat)])
+    r.delete("bench:plain")
+    r.close()
     store = RemoteStore(url, Keys("bench"), "bench", 10.0)
     held = store.acquire("path", 60_000)
     record = RemoteRecord(
@@ -105,15 +110,32 @@ def plain_set_bandwidth(url: str, nbytes: int, repeat: int) -> tuple[float, floa
     source = memoryview(blob)
     head = encode(record)
     path_times = []
-    for _ in range(repeat):
+    for i in range(repeat + 1):
         started = time.perf_counter()
         store.stage("path", held, source)
-        checksum(source)
         store.commit("path", held, head, 0)
-        path_times.append(time.perf_counter() - started)
+        if i:  # the first one creates the key
+            path_times.append(time.perf_counter() - started)
     store.delete("path", held)
     store.close()
     return nbytes / statistics.median(times), nbytes / statistics.median(path_times)
+
+
+def sample_writes(a: Client, s: Session, url: str, rounds: int, samples: dict[str, list[float]]) -> None:
+    """``rounds`` writes of the session's checkpoint by node A (each after a one-token turn, so about the same
+    size), each followed by a plain SET and the writer's path of the same bytes from this process."""
+    for _ in range(rounds):
+        writes, nbytes, seconds = remote_counts(a)
+        s.complete(" More.", max_tokens=1, temperature=0.0)
+        wait_written(a, writes)
+        writes2, nbytes2, seconds2 = remote_counts(a)
+        if writes2 != writes + 1:
+            continue  # two checkpoints were coalesced or written at once: not one write's time
+        samples["write_bw"].append((nbytes2 - nbytes) / (seconds2 - seconds))
+        samples["sizes"].append(nbytes2 - nbytes)
+        plain, path = plain_set_bandwidth(url, nbytes2 - nbytes, 3)
+        samples["plain_bw"].append(plain)
+        samples["path_bw"].append(path)
 
 
 def measure_once(a: Client, b: Client, url: str, target: int, samples: dict[str, list[float]]) -> int:
@@ -121,16 +143,10 @@ def measure_once(a: Client, b: Client, url: str, target: int, samples: dict[str,
     same conversation re-prefilled on B. Appends to ``samples``; returns the session's tokens."""
     text = history_text(target)
     s = a.open_session()
-    writes, nbytes, seconds = remote_counts(a)
+    writes = remote_counts(a)[0]
     s.complete(text, max_tokens=1, temperature=0.0)
     wait_written(a, writes)
-    writes2, nbytes2, seconds2 = remote_counts(a)
-    if writes2 == writes + 1:
-        samples["write_bw"].append((nbytes2 - nbytes) / (seconds2 - seconds))
-        samples["sizes"].append(nbytes2 - nbytes)
-        plain, path = plain_set_bandwidth(url, nbytes2 - nbytes, 9)
-        samples["plain_bw"].append(plain)
-        samples["path_bw"].append(path)
+    sample_writes(a, s, url, WRITE_ROUNDS, samples)
     tokens = len(s.history())
     expect(a._call(p.Migrate(session=s.id, token=s.token)), p.Migrated)
 
@@ -201,7 +217,7 @@ def main() -> int:
             f"{r['prefill_ms']:>8.1f} ({r['prefill_daemon_ttft_ms']:>7.1f}) | {r['prefill_ms'] / r['roam_ms']:>11.1f}x"
         )
     print("\nRemote write throughput (MB/s, medians; one sample per checkpoint node A wrote; plain SET and the")
-    print("writer's path (stage + checksum + lease-checked commit) of the same bytes timed in this process, same run)")
+    print("writer's path (stage + lease-checked commit) of the same bytes timed in this process, same run)")
     print(
         f"{'context':>8} | {'snapshot':>10} | {'kvpoold write':>13} | {'plain SET':>9} | {'ratio':>5} | "
         f"{'path here':>9} | {'path/plain':>10} | samples"

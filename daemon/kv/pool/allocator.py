@@ -27,6 +27,10 @@ class ExtentAllocator:
             raise ValueError("the extent area must be aligned")
         self.start, self.size, self.align = start, size, align
         self._free: list[Extent] = [Extent(start, size)] if size else []  # sorted by offset, never adjacent
+        # Extents freed so far. Snapshots are never changed in place, so while this count stands still, every
+        # extent's bytes are as they were: a reader on another thread (the remote writer) checks it instead of
+        # rereading megabytes.
+        self.frees = 0
 
     @classmethod
     def from_used(cls, start: int, size: int, used: list[Extent], align: int = 64) -> ExtentAllocator:
@@ -60,6 +64,7 @@ class ExtentAllocator:
         return None
 
     def free(self, extent: Extent) -> None:
+        self.frees += 1  # first: a reader that sees the old count must not miss a free already under way
         i = bisect.bisect_left(self._free, extent)
         before = self._free[i - 1] if i > 0 else None
         after = self._free[i] if i < len(self._free) else None

@@ -106,7 +106,11 @@ class RemoteTier:
             )
             length = payload_bytes(snap.state_bytes, snap.n_tokens)
             if snap.tier == TIER_POOL:
-                job.source = Source(length, pool_offset=snap.offset)
+                pool = self.writer.pool
+                # The baseline of the writer's check that the extent was not reused: taken here, on the engine
+                # thread, while the extent is the session's committed snapshot (else no baseline: a full check).
+                frees = pool.allocator.frees if pool.committed(s.entry) == snap else -1
+                job.source = Source(length, pool_offset=snap.offset, pool_frees=frees)
             else:
                 job.source = Source(length, spill_version=snap.version)
         self.writer.put(job)

@@ -43,11 +43,13 @@ MAX_BACKOFF_S = 2.0
 
 @dataclass
 class Source:
-    """Where a committed checkpoint's payload is: a pool extent, or a spill file (session, version)."""
+    """Where a committed checkpoint's payload is: a pool extent, or a spill file (session, version).
+    ``pool_frees``: the pool's count of freed extents when the job was made (see _intact)."""
 
     length: int
     pool_offset: int | None = None
     spill_version: int = 0
+    pool_frees: int = -1
 
 
 @dataclass
@@ -300,10 +302,7 @@ class RemoteWriter:
         try:
             if payload is not None:
                 self.store.stage(job.session, held, payload)
-            # The bytes went from the pool as they were while being sent; the engine may have reused the extent
-            # since the job was queued or during the send (a newer checkpoint, a spill). Checked after the send,
-            # before the commit makes them visible.
-            intact = payload is not None and checksum(payload) == record.checksum
+            intact = payload is not None and self._intact(job.source, payload, record.checksum)
         finally:
             if payload is not None:
                 payload.release()
@@ -331,6 +330,16 @@ class RemoteWriter:
         self.counts.write_seconds += time.perf_counter() - started
         self.events.put(Event("written", job.session, (record.n_tokens, record.n_kv)))
         return True
+
+    def _intact(self, source: Source, payload: memoryview, digest: int) -> bool:
+        """Whether the bytes just sent are the checkpoint's. Pool bytes went as they were during the send, and
+        the engine may have reused the extent since the job was queued or during the send (a newer checkpoint,
+        a spill); checked after the send, before the commit makes them visible. While no extent was freed since
+        the job was made, none was reused (snapshots are never changed in place): no need to reread them. A spill
+        file's bytes are a private copy, checked when read."""
+        if source.pool_offset is None or source.pool_frees == self.pool.allocator.frees:
+            return True
+        return checksum(payload) == digest
 
     def _payload(self, session: str, source: Source) -> memoryview | None:
         """The checkpoint's bytes: a view of the pool extent (no copy), or the spill file's contents."""
