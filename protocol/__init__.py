@@ -303,6 +303,8 @@ class Timings(Struct, kw_only=True):
     ttft_ms: float  # arrival until the first generated token
     total_ms: float
     decode_tokens_per_s: float  # generated tokens after the first, per second of decoding
+    # Of ttft_ms: making the session hot (a slot, its KV back from the pool or disk): what preloading can save.
+    restore_ms: float = 0.0
 
 
 class Final(Reply, tag="final"):

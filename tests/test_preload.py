@@ -29,9 +29,10 @@ def test_prefetch_takes_only_room_that_costs_nobody_anything(start_daemon: Start
         assert a.prefetch() == "hot"
         restored = client.status().moves.restores_pool
         assert restored == before.restores_pool + 1
-        a.complete("and again", max_tokens=4, **GREEDY)
+        turn = a.complete("and again", max_tokens=4, **GREEDY)
         status = client.status()
         assert status.moves.restores_pool == restored  # the turn found it hot: no restore on its path
+        assert turn.timings.restore_ms == 0.0  # and says so
         assert (status.preload.preloads, status.preload.hinted, status.preload.hits) == (1, 1, 1)
         assert status.preload.wasted == 0
 
@@ -62,7 +63,8 @@ def test_resume_with_prefetch_and_a_wasted_preload(start_daemon: Start) -> None:
         assert client.status().sessions_by_tier == {"hot": 1}
         c = client.open_session()
         c.complete("someone else's turn takes the slot", max_tokens=3, **GREEDY)
-        again.complete("late", max_tokens=3, **GREEDY)
+        late = again.complete("late", max_tokens=3, **GREEDY)
+        assert 0.0 < late.timings.restore_ms <= late.timings.ttft_ms  # it had to come back from the pool
         preload = client.status().preload
         assert (preload.preloads, preload.hits, preload.wasted) == (1, 0, 1)
 

@@ -33,6 +33,11 @@ class Generation:
     priority: int = 0
     late_tokens: int = 0  # tokens that came later than tpot_s after the previous one
     ended_by_eog: bool = False  # its last token was the model's end-of-generation token
+    restore_seconds_at: float = -1.0  # the session's restore_seconds at arrival (set by __post_init__)
+    restore_ms: float = 0.0  # what of its time to first token went into making the session hot
+
+    def __post_init__(self) -> None:
+        self.restore_seconds_at = self.session.restore_seconds
 
     @property
     def pending_tokens(self) -> int:
@@ -64,6 +69,7 @@ class Generation:
         self.completion_tokens += 1
         if self.first_token_at is None:
             self.first_token_at = now
+            self.restore_ms = round((self.session.restore_seconds - self.restore_seconds_at) * 1000.0, 3)
         self.last_token_at = now
 
     def stop_reason(self) -> FinishReason | None:
@@ -96,6 +102,7 @@ class Generation:
                 ttft_ms=ms(self.arrival, self.first_token_at),
                 total_ms=ms(self.arrival, now),
                 decode_tokens_per_s=round(tps, 3),
+                restore_ms=self.restore_ms,
             ),
             eog=self.ended_by_eog,
         )

@@ -46,6 +46,9 @@ class Session:
     # prompt is fed in chunks that stop there, shared or not, so sharing does not change the steps' shapes.
     boundary: int = 0
     saved_bytes: int = 0  # what its last snapshot did not store again because it builds on a prefix
+    # Time spent making it hot (a slot, hibernating an idle session if none was free, and its KV restored), in
+    # all: a turn reports the part between its arrival and its first token (Timings.restore_ms).
+    restore_seconds: float = 0.0
 
     @property
     def feedable_tokens(self) -> int:

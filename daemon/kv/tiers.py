@@ -56,6 +56,13 @@ class Tiers:
         """Give ``s`` a slot with its KV restored; False when every slot is busy generating."""
         if s.slot is not None:
             return True
+        started = time.perf_counter()
+        try:
+            return self._make_resident(s)
+        finally:
+            s.restore_seconds += time.perf_counter() - started
+
+    def _make_resident(self, s: Session) -> bool:
         if not self.free_slots:
             victim = policy.first_to_go(policy.idle_resident(self.resident.values()))
             if victim is None:
