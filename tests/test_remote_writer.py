@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.daemon.kv.pool.layout import payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
 from kvpool.daemon.kv.remote import record as rec
+from kvpool.daemon.kv.remote import tier
 from kvpool.daemon.kv.remote.record import Keys
 from kvpool.daemon.kv.remote.store import RemoteStore
-from kvpool.daemon.kv.remote.writer import Event, Job, RemoteWriter, Source
+from kvpool.daemon.kv.remote.writer import Event, Job, RemoteWriter
+from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SpillDir
 from kvpool.protocol.status import RemoteCounts
 
@@ -55,26 +56,8 @@ def checkpoint_job(pool: Pool, session: str, fill: int) -> Job:
     index = pool.claim(session, "t" * 32, "voice")
     assert index is not None
     write_snapshot(pool, index, bytes([fill]) * 40_000, TOKENS)
-    snap = pool.committed(index)
-    assert snap is not None
-    record = rec.RemoteRecord(
-        session=session,
-        token_sha256=rec.token_hash("t" * 32),
-        task="voice",
-        n_tokens=snap.n_tokens,
-        n_kv=snap.n_kv,
-        state_bytes=snap.state_bytes,
-        fingerprint=FINGERPRINT,
-        kv_layout=LAYOUT,
-        checksum=snap.checksum,
-        version=snap.version,
-        generation=0,
-        last_used=0.0,
-        written_at=0.0,
-        node="",
-    )
-    length = payload_bytes(snap.state_bytes, snap.n_tokens)
-    return Job(session, record, Source(length, pool_offset=snap.offset, pool_frees=pool.allocator.frees))
+    s = Session(session, "t" * 32, "voice", index, context_limit=1024, snapshot=pool.committed(index))
+    return tier.checkpoint_job(s, pool, FINGERPRINT, LAYOUT)
 
 
 def outcome(writer: RemoteWriter) -> Event:

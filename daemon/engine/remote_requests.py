@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
@@ -150,7 +151,7 @@ class TierRequests:
             raise RequestRefused(
                 ErrorCode.QUOTA_EXCEEDED, "The pool's session table is full; close a session here first."
             )
-        tokens = list(memoryview(fetched.payload[record.state_bytes :]).cast("i"))
+        tokens = np.frombuffer(fetched.payload, dtype="<i4", offset=record.state_bytes).tolist()
         s = Session(
             id=session_id,
             token=token,

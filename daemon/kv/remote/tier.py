@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
+
 from kvpool.daemon.config import Config
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_POOL, payload_bytes
@@ -29,6 +31,44 @@ from kvpool.protocol.status import RemoteCounts, RemoteStatus
 log = logging.getLogger("kvpool.remote")
 
 FLUSH_AT_STOP_S = 5.0
+
+
+def checkpoint_job(s: Session, pool: Pool, fingerprint: str, kv_layout: str) -> Job:
+    """The write job of ``s``'s committed checkpoint: its record and where its bytes are. Runs on the engine
+    thread. A snapshot that builds on a shared prefix holds only its own cells, not a checkpoint another node could
+    use (with the remote tier on, new checkpoints are whole; only one recovered from an older pool is not): its
+    job carries no record, only the lease."""
+    job = Job(s.id)
+    snap = s.snapshot
+    if snap is None or snap.prefix_entry != NO_PREFIX:
+        return job
+    job.record = rec.RemoteRecord(
+        session=s.id,
+        token_sha256=rec.token_hash(s.token),
+        task=s.task,
+        n_tokens=snap.n_tokens,
+        n_kv=snap.n_kv,
+        state_bytes=snap.state_bytes,
+        fingerprint=fingerprint,
+        kv_layout=kv_layout,
+        checksum=snap.checksum,
+        kv_type=snap.kv_type,
+        raw_bytes=snap.raw_bytes,
+        version=snap.version,
+        generation=0,
+        last_used=0.0,
+        written_at=0.0,
+        node="",
+    )
+    length = payload_bytes(snap.state_bytes, snap.n_tokens)
+    if snap.tier == TIER_POOL:
+        # The baseline of the writer's check that the extent was not reused: taken here, on the engine thread,
+        # while the extent is the session's committed snapshot (else no baseline: a full check).
+        frees = pool.allocator.frees if pool.committed(s.entry) == snap else -1
+        job.source = Source(length, pool_offset=snap.offset, pool_frees=frees)
+    else:
+        job.source = Source(length, spill_version=snap.version)
+    return job
 
 
 @dataclass
@@ -81,38 +121,8 @@ class RemoteTier:
 
     def saved(self, s: Session, then: str = "keep", waiter: Callable[[bool, str], None] | None = None) -> None:
         """A checkpoint of ``s`` was committed: queue it for Redis (the writer reads its bytes later)."""
-        job = Job(s.id, then=then, waiters=[waiter] if waiter else [])
-        snap = s.snapshot
-        # A snapshot that builds on a shared prefix holds only its own cells: not a checkpoint another node could
-        # use (with the remote tier on, new checkpoints are whole; only one recovered from an older pool is not).
-        if snap is not None and snap.prefix_entry == NO_PREFIX:
-            job.record = rec.RemoteRecord(
-                session=s.id,
-                token_sha256=rec.token_hash(s.token),
-                task=s.task,
-                n_tokens=snap.n_tokens,
-                n_kv=snap.n_kv,
-                state_bytes=snap.state_bytes,
-                fingerprint=self.fingerprint,
-                kv_layout=self.kv_layout,
-                checksum=snap.checksum,
-                kv_type=snap.kv_type,
-                raw_bytes=snap.raw_bytes,
-                version=snap.version,
-                generation=0,
-                last_used=0.0,
-                written_at=0.0,
-                node="",
-            )
-            length = payload_bytes(snap.state_bytes, snap.n_tokens)
-            if snap.tier == TIER_POOL:
-                pool = self.writer.pool
-                # The baseline of the writer's check that the extent was not reused: taken here, on the engine
-                # thread, while the extent is the session's committed snapshot (else no baseline: a full check).
-                frees = pool.allocator.frees if pool.committed(s.entry) == snap else -1
-                job.source = Source(length, pool_offset=snap.offset, pool_frees=frees)
-            else:
-                job.source = Source(length, spill_version=snap.version)
+        job = checkpoint_job(s, self.writer.pool, self.fingerprint, self.kv_layout)
+        job.then, job.waiters = then, [waiter] if waiter else []
         self.writer.put(job)
 
     def forget(self, session: str, delete: bool) -> None:
@@ -258,7 +268,7 @@ class RemoteTier:
     def status(self) -> RemoteStatus:
         c = self.counts
         return RemoteStatus(
-            **{name: getattr(c, name) for name in RemoteCounts.__struct_fields__},
+            **msgspec.structs.asdict(c),
             url=self.store.url,
             node=self.store.node,
             connected=self.writer.up,
