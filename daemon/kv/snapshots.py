@@ -16,6 +16,7 @@ import numpy as np
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.codec.kv_types import KvType
+from kvpool.daemon.kv.codec.state_format import StateBytes
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
@@ -46,6 +47,11 @@ class SessionCorrupt(RequestRefused):
             ErrorCode.SESSION_CORRUPT,
             f"Session {session.id}'s saved state is damaged ({why}); it was closed, open a new one.",
         )
+
+
+def with_tokens(state: StateBytes, tokens: list[int]) -> bytes:
+    """A snapshot's payload: its state, then its tokens as int32 (as the pool and spill files hold it)."""
+    return b"".join((state, np.asarray(tokens, dtype="<i4").tobytes()))
 
 
 class SnapshotWriter:
@@ -100,7 +106,7 @@ class SnapshotWriter:
         self.counts.checkpoints += 1
         self.counts.checkpoint.add(state_bytes, time.perf_counter() - started)
 
-    def _saved_state(self, source: int, state_bytes: int, to: KvType | None) -> tuple[bytes, int]:
+    def _saved_state(self, source: int, state_bytes: int, to: KvType | None) -> tuple[StateBytes, int]:
         """The sequence's state saved into a private buffer (to compress it, or when the pool has no room), at
         ``to`` when given and the codec can read it: the bytes, and the type they are stored at."""
         buffer = (ctypes.c_uint8 * state_bytes)()
@@ -109,10 +115,10 @@ class SnapshotWriter:
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         stored = self.codec.compress(memoryview(buffer).cast("B"), to) if to is not None else None
         if stored is None or to is None:
-            return bytes(buffer), HOT_TYPES
+            return memoryview(buffer).cast("B"), HOT_TYPES
         return stored, to.ggml_id
 
-    def _compressed_pool_state(self, snap: Snapshot, to: KvType) -> bytes | None:
+    def _compressed_pool_state(self, snap: Snapshot, to: KvType) -> bytearray | None:
         """A pool snapshot's state at ``to`` (None when the codec cannot read it)."""
         view = self.pool.view(snap.offset, snap.state_bytes)
         try:
@@ -127,7 +133,7 @@ class SnapshotWriter:
         extent = self._allocate(payload_bytes(len(state), len(s.tokens)), pinned=s)
         prefix_ref = prefix_links.snapshot_ref(s, first)
         if extent is None:
-            payload = state + np.asarray(s.tokens, dtype="<i4").tobytes()
+            payload = with_tokens(state, s.tokens)
             self._write_disk(
                 s, memoryview(payload), len(state), len(s.tokens), s.n_kv, None, prefix_ref, kv_type, raw_bytes
             )
@@ -240,7 +246,7 @@ class SnapshotWriter:
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
         state, kv_type = self._saved_state(source, state_bytes, self.codec.spill_type)
-        payload = state + np.asarray(s.tokens, dtype="<i4").tobytes()
+        payload = with_tokens(state, s.tokens)
         prefix_ref = prefix_links.snapshot_ref(s, first)
         self._write_disk(
             s, memoryview(payload), len(state), len(s.tokens), s.n_kv, None, prefix_ref, kv_type, state_bytes
@@ -317,7 +323,7 @@ class SnapshotWriter:
         if to is not None and snap.kv_type != to.ggml_id and snap.n_kv and self.pool.verify(snap):
             stored = self._compressed_pool_state(snap, to)
             if stored is not None:
-                payload = stored + np.asarray(self.pool.tokens(snap), dtype="<i4").tobytes()
+                payload = with_tokens(stored, self.pool.tokens(snap))
                 self._write_disk(
                     s,
                     memoryview(payload),

@@ -218,7 +218,7 @@ class Tiers:
             self.counts.checksum_failures += 1
             raise SessionCorrupt(s, f"its compressed state cannot be read: {exc}") from None
         self.counts.restores_decompressed += 1
-        return (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return (ctypes.c_uint8 * len(state)).from_buffer(state)  # a fresh buffer of its own: no copy
 
     # ------------------------------------------------------------------ shared prefixes
 

@@ -158,7 +158,7 @@ def _skip_transposed(r: _Reader, n_cells: int) -> None:
     r.skip(n_embd * n_cells * element_bytes)
 
 
-def rewrite(state: SequenceState, replace: dict[int, tuple[KvType, bytes]]) -> bytes:
+def rewrite(state: SequenceState, replace: dict[int, tuple[KvType, bytes]]) -> bytearray:
     """The state with the layers at the given indexes (into ``state.layers``) replaced by rows of another type
     (the new rows' bytes, ``n_rows`` x the type's row size); every other byte as it was."""
     out = bytearray()
@@ -175,4 +175,4 @@ def rewrite(state: SequenceState, replace: dict[int, tuple[KvType, bytes]]) -> b
         out += rows
         at = layer.end
     out += state.data[at:]
-    return bytes(out)
+    return out

@@ -50,7 +50,7 @@ class TierCodec:
         k, v = self.hot.type_k.name, self.hot.type_v.name
         return k if k == v else f"{k}/{v}"
 
-    def compress(self, state: StateBytes, to: KvType) -> bytes | None:
+    def compress(self, state: StateBytes, to: KvType) -> bytearray | None:
         """The state with its K and V rows at ``to``; None when it cannot be read (kept as it is then)."""
         try:
             parsed = parse(state)
@@ -62,7 +62,7 @@ class TierCodec:
                 self._refused = True
             return None
 
-    def to_hot(self, state: StateBytes) -> bytes:
+    def to_hot(self, state: StateBytes) -> bytearray:
         """A compressed state back at the hot types, for llama.cpp to load. Raises StateFormatError."""
         parsed = parse(state)
         self._check_layout(parsed.transposed_v)

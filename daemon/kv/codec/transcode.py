@@ -46,7 +46,7 @@ def convertible(layer: Rows, to: KvType) -> bool:
     return layer.n_cols % to.block == 0
 
 
-def transcode(state: StateBytes | SequenceState, target: Target) -> bytes:
+def transcode(state: StateBytes | SequenceState, target: Target) -> bytearray:
     """The state with every K/V row block at the target types (layers whose width is not a whole number of the
     target's blocks, and transposed V, stay as they are). Raises StateFormatError for bytes it cannot read."""
     parsed = state if isinstance(state, SequenceState) else parse(state)
@@ -59,5 +59,5 @@ def transcode(state: StateBytes | SequenceState, target: Target) -> bytes:
         values = decode_rows(rows.reshape(layer.n_rows, layer.row_bytes), layer.kv_type)
         replace[index] = (to, encode_rows(values, to).tobytes())
     if not replace:
-        return bytes(parsed.data)
+        return bytearray(parsed.data)
     return rewrite(parsed, replace)
