@@ -19,7 +19,7 @@ import msgspec
 from kvpool import protocol as p
 from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PrefixStatus, TierSnapshots
 
-from .client import Client
+from .client import Client, Session
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
 
 EXIT_REFUSED, EXIT_UNAVAILABLE = 1, 3
@@ -276,8 +276,6 @@ def cmd_migrate(client: Client, args: argparse.Namespace) -> int:
     if not sep or not token:
         print("kvpool: give the session as ID:TOKEN (its owner's token).", file=sys.stderr)
         return 2
-    from .client import Session
-
     moved = Session(client, session_id, token, "", 0).migrate(args.to, timeout=args.timeout)
     try:
         print(f"session {session_id} now lives at {args.to} ({len(moved.history())} tokens)")

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from kvpool.daemon.kv.codec.kv_types import KV_TYPES, STORE_TYPES
+from kvpool.daemon.rpc.endpoints import ENDPOINT_PATTERN
 
 TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 Positive = Annotated[int, Meta(ge=1)]
@@ -22,7 +23,6 @@ NonNegative = Annotated[int, Meta(ge=0)]
 
 
 Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
-ENDPOINT_PATTERN = r"^([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}$"
 ENDPOINT_WORDS = "must be HOST:PORT, e.g. 127.0.0.1:50052"
 
 

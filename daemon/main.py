@@ -19,6 +19,7 @@ from kvpool.client.address import default_address
 from kvpool.daemon.config import Config, ConfigError, load_config
 from kvpool.daemon.engine.loop import Engine
 from kvpool.daemon.engine.remote_requests import attach as attach_tiers
+from kvpool.daemon.kv.codec.kv_types import STORE_TYPES
 from kvpool.daemon.kv.pool.segment import Pool, PoolError
 from kvpool.daemon.kv.recovery import recover
 from kvpool.daemon.kv.sessions import SessionTable
@@ -112,8 +113,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--cache-type-k", help="the hot KV's K type: f16 (default), q8_0, q5_1, q5_0, q4_1, q4_0, ...")
     ap.add_argument("--cache-type-v", help="the hot KV's V type (a quantized V turns flash attention on)")
     ap.add_argument("--flash-attn", choices=["auto", "on", "off"], help="llama.cpp's flash attention (auto: on)")
-    ap.add_argument("--pool-kv-type", choices=["same", "q8_0", "q4_0"], help="the type pool snapshots may be kept at")
-    ap.add_argument("--spill-kv-type", choices=["same", "q8_0", "q4_0"], help="the type spilled snapshots are stored")
+    ap.add_argument("--pool-kv-type", choices=STORE_TYPES, help="the type pool snapshots may be kept at")
+    ap.add_argument("--spill-kv-type", choices=STORE_TYPES, help="the type spilled snapshots are stored")
     ap.add_argument("--log-file", help="also log to this file (size-rotated)")
     ap.add_argument("--remote", help="the cross-node tier: redis://[:password@]host:6379/0 (docs/remote.md)")
     ap.add_argument("--preload", choices=["off", "hints", "predict"], help="move sessions up ahead of their turn")

@@ -55,9 +55,7 @@ def status_of(
         slots=SlotStatus(total=model.hot_slots, used=len(tiers.resident)),
         kv=KvStatus(
             cells_total=model.context_size,
-            # shared prefix cells count once, however many sessions share them
-            cells_used=sum(s.n_kv - s.prefix_len * s.shares_hot for s in tiers.resident.values())
-            + tiers.prefixes.hot_cells(),
+            cells_used=tiers.cells_used(),  # shared prefix cells count once, however many sessions share them
         ),
         sessions=SessionCounts(
             open=len(tiers.sessions.by_id),

@@ -65,9 +65,9 @@ def connect_workers(
             f"({', '.join(d.name + ' on ' + d.endpoint for d in devices)}): give one share per device.",
             2,
         )
-    shares = list(config.tensor_split) or [float(d.memory()[0]) for d in devices]
-    for device in devices:
-        free, total = device.memory()
+    memory = [d.memory() for d in devices]  # one round trip to each worker
+    shares = list(config.tensor_split) or [float(free) for free, _ in memory]
+    for device, (free, total) in zip(devices, memory, strict=True):
         log.info(
             "rpc worker %s: device %s, %.0f MiB free of %.0f MiB",
             device.endpoint,

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvpool.daemon.llama.default_model import model_cache_dir
 from kvpool.daemon.llama.ggml_rpc import RpcUnavailable, serve
 from kvpool.daemon.rpc.endpoints import is_private, parse_endpoint
 
@@ -24,9 +25,7 @@ DEFAULT_PORT = 50052
 def default_cache_dir() -> Path:
     """Where the worker keeps tensors it has received, so a restarted master sends hashes instead of weights:
     $CACHE_DIRECTORY/rpc (systemd), else $XDG_CACHE_HOME/kvpool/rpc, else ~/.cache/kvpool/rpc."""
-    if state := os.environ.get("CACHE_DIRECTORY"):
-        return Path(state.split(":")[0]) / "rpc"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpool" / "rpc"
+    return model_cache_dir() / "rpc"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
