@@ -96,6 +96,7 @@ def replay(address: str, trace: dict[int, list[float]], history: int, hints: boo
         for t in threads:
             t.join()
         after = client.status()
+        snapshots = [x.snapshot_bytes for x in client.sessions() if x.snapshot_bytes]
     pre = after.preload
     assert pre is not None
     return {
@@ -114,8 +115,7 @@ def replay(address: str, trace: dict[int, list[float]], history: int, hints: boo
         "wasted": pre.wasted,
         "restores_pool": after.moves.restores_pool - before.moves.restores_pool,
         "restores_disk": after.moves.restores_disk - before.moves.restores_disk,
-        "snapshot_mib": statistics.median(x.snapshot_bytes for x in Client(address).sessions() if x.snapshot_bytes)
-        / 2**20,
+        "snapshot_mib": statistics.median(snapshots) / 2**20,
     }
 
 

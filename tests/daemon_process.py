@@ -6,6 +6,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -130,3 +131,10 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(STOP_TIMEOUT_S)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the kernel's pick; another process could take it before the server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -4,19 +4,12 @@ its own directory, always killed."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import redis
 
-from .daemon_process import STOP_TIMEOUT_S, wait_until
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .daemon_process import STOP_TIMEOUT_S, free_port, wait_until
 
 
 class RedisServer:

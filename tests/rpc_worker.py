@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from kvpool.daemon.rpc.endpoints import parse_endpoint, unreachable
 
-from .daemon_process import STOP_TIMEOUT_S, wait_until
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (the kernel's pick; another process could take it before the worker)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .daemon_process import STOP_TIMEOUT_S, free_port, wait_until
 
 
 class RpcWorker:

@@ -23,7 +23,7 @@ from kvpool.daemon.config import load_config
 from kvpool.daemon.main import default_pool_name
 from kvpool.daemon.serve.notify import Notifier
 
-from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit
+from .daemon_process import DaemonProcess, free_port, kvpoold_command, run_until_exit
 
 Start = Callable[..., DaemonProcess]
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,12 +86,6 @@ def test_watchdog_pings_stop_when_the_engine_is_stuck(notify_socket: tuple[str, 
             messages(sock)
     finally:
         notifier.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fetch(url: str) -> tuple[int, str]:

@@ -20,8 +20,8 @@ from kvpool.client import Client
 from kvpool.client.errors import BadRequest, Conflict, RemoteTierUnavailable, SessionCorrupt, UnknownSession
 from kvpool.daemon.kv.remote import record as rec
 
-from .daemon_process import DaemonProcess, wait_until
-from .redis_server import RedisServer, free_port
+from .daemon_process import DaemonProcess, free_port, wait_until
+from .redis_server import RedisServer
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}

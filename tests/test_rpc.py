@@ -22,9 +22,9 @@ from kvpool.daemon.rpc.endpoints import Endpoint, is_private, parse_endpoint
 from kvpool.daemon.rpc.faults import EXIT_WORKER_LOST
 from kvpool.daemon.rpc.placement import LOCAL, place_layers
 
-from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit, wait_until
+from .daemon_process import DaemonProcess, free_port, kvpoold_command, run_until_exit, wait_until
 from .raw import RawConnection
-from .rpc_worker import RpcWorker, free_port
+from .rpc_worker import RpcWorker
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
