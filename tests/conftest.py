@@ -11,6 +11,7 @@ import pytest
 
 from .daemon_process import DaemonProcess
 from .redis_server import RedisServer
+from .system_packages import missing, need, require_all
 from .tinymodel import build_tiny_model
 
 
@@ -53,8 +54,27 @@ def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
 @pytest.fixture
 def redis_server(short_tmp: Path) -> Iterator[RedisServer]:
     """A private redis-server on a free 127.0.0.1 port, killed after the test."""
+    need("redis-server")
     server = RedisServer(short_tmp / "redis").start()
     try:
         yield server
     finally:
         server.kill()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if missing:
+        names = " ".join(sorted(missing))
+        terminalreporter.write_line(
+            f"kvpool: tests skipped for missing Debian packages: {names} (sudo apt-get install {names})", yellow=True
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under KVPOOL_REQUIRE_ALL (CI) a run that skipped anything has not tested everything: it fails."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if require_all() and skipped and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        for report in skipped:
+            reporter.write_line(f"KVPOOL_REQUIRE_ALL: {report.nodeid} was skipped: {report.longrepr}", red=True)

@@ -13,18 +13,16 @@ import pytest
 
 from .daemon_process import DaemonProcess
 from .gateway_process import GatewayProcess
+from .system_packages import need
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 WAIT_S = 30.0
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None,
-    reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)",
-)
 
 
 @pytest.fixture
 def browser(short_tmp: Path) -> Iterator[object]:
+    need("chromium", "chromedriver")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -51,7 +49,7 @@ def browser(short_tmp: Path) -> Iterator[object]:
 
 
 def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
-    daemon: DaemonProcess, browser: object, short_tmp: Path
+    browser: object, daemon: DaemonProcess, short_tmp: Path
 ) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
