@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool import protocol as p
+from kvpool.daemon.engine import cost_model
 from kvpool.daemon.engine.cost_model import CostModel, StepShape, calibrate
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.scheduler import Budget, Scheduler
@@ -87,31 +90,31 @@ def test_ties_go_to_priority_then_age_and_best_effort_goes_last() -> None:
 
 
 def test_chunks_are_sized_to_the_time_cap() -> None:
-    # 10 ms fixed + 1 ms per token, cap 50 ms: two decode tokens leave room for a 38-token chunk.
+    # 10 ms fixed + 1 ms per token, cap 50.5 ms: two decode tokens leave room for a 38-token chunk.
     decoders = [Item(1, 1.0, deadline=1.1), Item(1, 1.0, deadline=1.2)]
     prompt = Item(1000, 0.5, deadline=9.0)
-    plan = plan_budgeted([prompt, *decoders], 512, fixed_cost(), time_cap=0.050)
+    plan = plan_budgeted([prompt, *decoders], 512, fixed_cost(), time_cap=0.0505)
     assert summary(plan) == [(decoders[0], 1, True), (decoders[1], 1, True), (prompt, 38, False)]
     without_cap = plan_budgeted([prompt, *decoders], 512, fixed_cost(), time_cap=None)
     assert summary(without_cap)[2] == (prompt, 510, False)
 
 
 def test_deadline_bound_decodes_always_ride_but_best_effort_yields() -> None:
-    # cap 12 ms: room for two tokens beyond the fixed cost. Three deadline-bound decodes exceed it and still
+    # cap 12.5 ms: room for two tokens beyond the fixed cost. Three deadline-bound decodes exceed it and still
     # all ride; the best-effort decode and the best-effort prompt wait.
     bound = [Item(1, 1.0, deadline=1.0 + i) for i in range(3)]
     background = Item(1, 0.0, best_effort=True)
     prompt = Item(100, 0.0, best_effort=True)
-    plan = plan_budgeted([background, prompt, *bound], 512, fixed_cost(), time_cap=0.012)
+    plan = plan_budgeted([background, prompt, *bound], 512, fixed_cost(), time_cap=0.0125)
     assert [w.item for w in plan] == bound
 
 
 def test_best_effort_prompts_stay_out_of_a_step_that_starts_a_deadline_bound_answer() -> None:
     voice = Item(20, 2.0, deadline=2.3)
     vision = Item(1000, 1.0, best_effort=True)
-    plan = plan_budgeted([vision, voice], 512, fixed_cost(), time_cap=0.150)
+    plan = plan_budgeted([vision, voice], 512, fixed_cost(), time_cap=0.1505)
     assert summary(plan) == [(voice, 20, True)]
-    assert summary(plan_budgeted([vision], 512, fixed_cost(), time_cap=0.150)) == [(vision, 140, False)]
+    assert summary(plan_budgeted([vision], 512, fixed_cost(), time_cap=0.1505)) == [(vision, 140, False)]
 
 
 def test_best_effort_work_alone_still_moves_when_nothing_fits_the_cap() -> None:
@@ -144,12 +147,42 @@ def test_plan_respects_budget_and_pending(items: list, budget: int, cap: float |
         assert fixed_cost().predict(StepShape(sum(w.n_tokens for w in plan), 0, 0)) <= cap + 1e-9
 
 
+def dot_without_fma(features: np.ndarray, coefficients: np.ndarray) -> float:
+    total = 0.0
+    for x, c in zip(features.tolist(), coefficients.tolist(), strict=True):
+        total = total + x * c  # each product rounded, then each sum: no fused multiply-add
+    return total
+
+
+def dot_with_fma(features: np.ndarray, coefficients: np.ndarray) -> float:
+    total = 0.0
+    for x, c in zip(features.tolist(), coefficients.tolist(), strict=True):
+        total = float(Fraction(x) * Fraction(c) + Fraction(total))  # fma: one rounding of the exact x * c + total
+    return total
+
+
+def test_the_plan_on_a_cap_does_not_depend_on_a_fused_multiply_add(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10 ms + 140 x 1 ms sits exactly on a 150 ms cap: the two ways a CPU may sum it differ in the last bit.
+    features = StepShape(140, 0, 0).features()
+    coefficients = fixed_cost().small.usable
+    assert dot_with_fma(features, coefficients) == 0.15
+    assert dot_without_fma(features, coefficients) == 0.15000000000000002
+    plans, estimates = [], []
+    for way in (dot_with_fma, dot_without_fma):
+        monkeypatch.setattr(cost_model, "dot", way)
+        plan = plan_budgeted([Item(1000, 1.0, best_effort=True)], 512, fixed_cost(), time_cap=0.150)
+        plans.append([(w.n_tokens, w.completes) for w in plan])
+        estimates.append(steps_for(280, decoders=0, position=0, token_budget=512, cost=fixed_cost(), time_cap=0.150))
+    assert plans[0] == plans[1] == [(140, False)]
+    assert estimates[0][0] == estimates[1][0] == 2  # two chunks of 140
+
+
 # ---------------------------------------------------------------- admission estimate and cost model
 
 
 def test_admission_estimate_counts_chunks_under_the_cap() -> None:
     cost = fixed_cost()
-    steps, seconds = steps_for(100, decoders=2, position=0, token_budget=512, cost=cost, time_cap=0.050)
+    steps, seconds = steps_for(100, decoders=2, position=0, token_budget=512, cost=cost, time_cap=0.0505)
     assert steps == 3  # 38 tokens per step next to 2 decodes, then 24
     assert math.isclose(seconds, 2 * 0.050 + (0.010 + 0.026), rel_tol=1e-6)
     steps, seconds = steps_for(100, decoders=0, position=0, token_budget=512, cost=cost, time_cap=None)

@@ -19,6 +19,20 @@ from kvpool.protocol.status import CalibrationPoint, CostFit, CostModelStatus
 
 FORGET = 0.995  # weight of the past per update: about the last 200 steps count
 SMALL_STEP = 32  # tokens: steps up to this size use the small-step fit
+# A prediction is a sum of products, and whether numpy's dot fuses a multiply-add depends on the CPU: the last bit
+# of a prediction differs between machines (0.010 + 140 x 0.001 is 0.15 with FMA, 0.15000000000000002 without).
+# Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
+TOLERANCE_S = 1e-6
+
+
+def within(seconds: float, limit: float) -> bool:
+    """Whether a predicted time stays within ``limit``, up to TOLERANCE_S."""
+    return seconds <= limit + TOLERANCE_S
+
+
+def dot(features: np.ndarray, coefficients: np.ndarray) -> float:
+    """The prediction's sum of products (one name, so a test can compute it with and without FMA)."""
+    return float(features @ coefficients)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +96,7 @@ class CostModel:
 
     def predict(self, shape: StepShape) -> float:
         """Seconds; never below a small floor (a step always costs something)."""
-        return max(1e-4, float(shape.features() @ self._fit(shape).usable))
+        return max(1e-4, dot(shape.features(), self._fit(shape).usable))
 
     def update(self, shape: StepShape, seconds: float) -> None:
         self._fit(shape).update(shape.features(), seconds)

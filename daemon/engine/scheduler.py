@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.daemon.config import Config, TaskProfile
-from kvpool.daemon.engine.cost_model import CostModel
+from kvpool.daemon.engine.cost_model import CostModel, within
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.step_plan import Work, plan_budgeted, plan_fcfs, steps_for, urgency
 from kvpool.daemon.errors import RequestRefused
@@ -129,7 +129,7 @@ class Scheduler:
         if ttft_ms and not profile.best_effort and self.config.scheduling == "budgets":
             deadline = received_at + ttft_ms / 1000.0
             estimate = self.estimate_ttft(prompt_tokens, len(session.tokens), deadline, received_at)
-            if estimate * 1000.0 > ttft_ms:
+            if not within(estimate, ttft_ms / 1000.0):
                 stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
                 raise RequestRefused(
                     ErrorCode.BUDGET_UNMEETABLE,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from kvpool.daemon.engine.cost_model import CostModel, StepShape
+from kvpool.daemon.engine.cost_model import CostModel, StepShape, within
 
 MIN_CHUNK = 8  # the most urgent prompt always moves by at least this much, however tight the cap
 
@@ -81,7 +81,7 @@ def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap
     def fits(chunk: tuple[int, int, bool]) -> bool:
         if sum(c[1] for c in chunks) + chunk[1] > token_budget:
             return False
-        return time_cap is None or cost.predict(StepShape.of([*chunks, chunk])) <= time_cap
+        return time_cap is None or within(cost.predict(StepShape.of([*chunks, chunk])), time_cap)
 
     def add(g: T, n: int) -> None:
         chunk = (g.position, n, n == g.pending_tokens)
@@ -138,7 +138,7 @@ def steps_for(
         while lo < hi:
             mid = (lo + hi + 1) // 2
             shape = StepShape(decoders + mid, decoders + 1, decoders * position + mid * (position + mid // 2))
-            if cost.predict(shape) <= time_cap:
+            if within(cost.predict(shape), time_cap):
                 lo = mid
             else:
                 hi = mid - 1
