@@ -30,14 +30,24 @@ from .results import Collector, Completion, expect, generate_request, open_reque
 
 
 class AsyncClient:
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0):
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = 30.0,
+        curve: tuple[bytes, bytes, bytes] | None = None,
+    ):
+        """Not connected yet: use ``await AsyncClient.connect(...)``, which takes the sync Client's arguments."""
         self.address = address or default_address()
         self.timeout = timeout
         self._context = zmq.asyncio.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = curve
         self._core = ClientCore(self.address)
         self._queues: dict[int, asyncio.Queue[p.AnyReply]] = {}
+        self._sends: dict[int, asyncio.Future[Any]] = {}  # sends ZeroMQ could not complete at once
         self._reader: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
         self.daemon_version = ""
@@ -45,10 +55,17 @@ class AsyncClient:
 
     @classmethod
     async def connect(
-        cls, address: str | None = None, *, timeout: float = 30.0, connect_timeout: float = 5.0, name: str = ""
+        cls,
+        address: str | None = None,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        name: str = "",
+        curve: tuple[bytes, bytes, bytes] | None = None,
     ) -> AsyncClient:
-        """Connect and say hello (None: $KVPOOL_ADDRESS, else the daemon's default address)."""
-        client = cls(address, timeout=timeout)
+        """Connect and say hello (None: $KVPOOL_ADDRESS, else the daemon's default address). ``curve``: (daemon
+        public key, client public key, client secret key) for a tcp:// daemon."""
+        client = cls(address, timeout=timeout, curve=curve)
         core.check_socket_exists(client.address)
         client._sock.connect(client.address)
         client._reader = asyncio.get_running_loop().create_task(client._read())
@@ -125,10 +142,16 @@ class AsyncClient:
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
 
-    async def _send(self, message: p.Request) -> int:
+    def _send(self, message: p.Request) -> int:
+        """Send now, as the sync client does (called on the event loop's thread). ZeroMQ sends at once unless its
+        queue is full; such a send completes on the loop, and the first wait for its reply awaits it."""
         request_id, frame = self._core.prepare(message)
         self._queues[request_id] = asyncio.Queue()
-        await self._sock.send(frame)
+        sent = self._sock.send(frame)
+        if sent.done():
+            sent.result()  # a send that failed at once raises here
+        else:
+            self._sends[request_id] = sent  # type: ignore[assignment]
         return request_id
 
     async def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
@@ -137,6 +160,8 @@ class AsyncClient:
         queue = self._queues.get(request_id)
         if queue is None:
             raise KvpoolError(f"Request {request_id} is no longer awaited: its stream was closed.")
+        if (sending := self._sends.pop(request_id, None)) is not None:
+            await asyncio.wait_for(sending, max(0.0, deadline - started))
         while True:
             remaining = self._core.check(request_id, started, deadline)
             try:
@@ -146,6 +171,7 @@ class AsyncClient:
 
     def _done(self, request_id: int) -> None:
         self._queues.pop(request_id, None)
+        self._sends.pop(request_id, None)
         self._core.done(request_id)
 
     async def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
@@ -153,13 +179,13 @@ class AsyncClient:
         daemon restarted under them."""
         attempts = core.attempts_for(message)
         for attempt in range(attempts):
-            request_id = await self._send(message)
+            request_id = self._send(message)
             try:
                 return await self._next(request_id, timeout)
             except DaemonUnavailable:
                 if attempt + 1 == attempts:
                     raise
-                await asyncio.sleep(HEARTBEAT_S)  # let ZeroMQ reconnect
+                await asyncio.sleep(core.RESEND_PAUSE_S)  # let ZeroMQ reconnect
             finally:
                 self._done(request_id)
         raise AssertionError("unreachable")
@@ -167,14 +193,14 @@ class AsyncClient:
 
 class AsyncStream:
     """The chunks of one generation, as they arrive: an async iterator (``await anext(stream)`` reads one chunk,
-    ``async for`` the rest). The request is sent when the first chunk is asked for. ``final`` holds the final
-    message once it came; ``aclose()`` (or leaving an ``async with`` block) early cancels the generation."""
+    ``async for`` the rest). The request was sent when ``generate()`` made the stream. ``final`` holds the final
+    message once it came (so does the session's ``final``); ``aclose()`` (or leaving an ``async with`` block)
+    early cancels the generation."""
 
-    def __init__(self, session: AsyncSession, request: p.Generate):
+    def __init__(self, session: AsyncSession, request_id: int):
         self._session = session
         self._client = session.client
-        self._request = request
-        self._id: int | None = None
+        self._id = request_id
         self._closed = False
         self.final: p.Final | None = None
 
@@ -182,10 +208,7 @@ class AsyncStream:
         return self
 
     async def __anext__(self) -> p.Chunk:
-        if self._id is None and not self._closed:
-            self._id = await self._client._send(self._request)
         while not self._closed:
-            assert self._id is not None
             try:
                 reply = raise_if_error(await self._client._next(self._id))
             except DaemonUnavailable:
@@ -206,8 +229,6 @@ class AsyncStream:
         if self._closed:
             return
         self._closed = True
-        if self._id is None:
-            return
         self._client._done(self._id)
         if self.final is None and cancel:
             with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
@@ -222,7 +243,7 @@ class AsyncStream:
     def __del__(self) -> None:
         # Dropped unfinished (a `break` out of `async for`): cancel on the loop it ran on, as an async generator's
         # finaliser would.
-        if getattr(self, "_closed", True) or self._id is None or self.final is not None:
+        if getattr(self, "_closed", True) or self.final is not None:
             return
         with contextlib.suppress(RuntimeError):  # no running loop: the client is gone with it
             asyncio.get_running_loop().create_task(self.aclose())
@@ -238,8 +259,10 @@ class AsyncSession:
         self.final: p.Final | None = None  # the final message of the last generation
 
     def generate(self, prompt: str | list[int] = "", **params: Any) -> AsyncStream:
-        """Stream the continuation of ``prompt``; same parameters as the sync Session.generate()."""
-        return AsyncStream(self, generate_request(self.id, self.token, prompt, params))
+        """Append ``prompt`` to the session and stream the continuation; the request is sent now (call it on the
+        event loop's thread). Same parameters as the sync Session.generate()."""
+        request = generate_request(self.id, self.token, prompt, params)
+        return AsyncStream(self, self.client._send(request))
 
     async def complete(self, prompt: str | list[int] = "", **params: Any) -> Completion:
         collector = Collector()
@@ -261,10 +284,17 @@ class AsyncSession:
         """See Session.prefetch: move the session's KV up the tiers ahead of its next turn."""
         return expect(await self.client._call(p.Prefetch(session=self.id, token=self.token)), p.Prefetched).tier
 
-    async def migrate(self, to: AsyncClient) -> AsyncSession:
-        """See Session.migrate: hand the session over to the daemon ``to`` is connected to."""
+    async def migrate(self, to: str | AsyncClient, **client_options: Any) -> AsyncSession:
+        """See Session.migrate: hand the session over to the daemon at ``to`` (an address, or an AsyncClient); a
+        client connected here for an address is the caller's to close (``session.client``)."""
         expect(await self.client._call(p.Migrate(session=self.id, token=self.token)), p.Migrated)
-        return await to.resume_session(self.id, self.token, prefetch=True)
+        target = to if isinstance(to, AsyncClient) else await AsyncClient.connect(to, **client_options)
+        try:
+            return await target.resume_session(self.id, self.token, prefetch=True)
+        except BaseException:
+            if target is not to:
+                await target.close()
+            raise
 
     async def close(self) -> None:
         expect(await self.client._call(p.CloseSession(session=self.id, token=self.token)), p.Closed)

@@ -20,6 +20,7 @@ from kvpool import protocol as p
 from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PrefixStatus, TierSnapshots
 
 from .client import Client, Session
+from .curve import CurveKeyError, curve_from_files
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
 
 EXIT_REFUSED, EXIT_UNAVAILABLE = 1, 3
@@ -29,6 +30,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvpool", description="Talk to a running kvpoold.")
     ap.add_argument("--address", help="daemon address (default: $KVPOOL_ADDRESS or the daemon's default)")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer")
+    ap.add_argument(
+        "--curve-server-key",
+        default=os.environ.get("KVPOOL_CURVE_SERVER_KEY", ""),
+        metavar="FILE",
+        help="a tcp:// daemon's public key file (with --curve-client-key)",
+    )
+    ap.add_argument(
+        "--curve-client-key",
+        default=os.environ.get("KVPOOL_CURVE_CLIENT_KEY", ""),
+        metavar="FILE",
+        help="this client's secret key file, listed in the daemon's curve_clients_dir",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="model, slots, sessions and counters")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -87,7 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_rpc_worker(argv[1:])
     args = parse_args(argv)
     try:
-        with Client(args.address, timeout=args.timeout, name="kvpool-cli") as client:
+        curve = curve_from_files(args.curve_server_key, args.curve_client_key)
+    except CurveKeyError as exc:
+        print(f"kvpool: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.address, timeout=args.timeout, name="kvpool-cli", curve=curve) as client:
             return COMMANDS[args.command](client, args)
     except (DaemonUnavailable, RequestTimeout) as exc:
         print(f"kvpool: {exc.message}", file=sys.stderr)
@@ -276,7 +294,9 @@ def cmd_migrate(client: Client, args: argparse.Namespace) -> int:
     if not sep or not token:
         print("kvpool: give the session as ID:TOKEN (its owner's token).", file=sys.stderr)
         return 2
-    moved = Session(client, session_id, token, "", 0).migrate(args.to, timeout=args.timeout)
+    moved = Session(client, session_id, token, "", 0).migrate(
+        args.to, timeout=args.timeout, curve=curve_from_files(args.curve_server_key, args.curve_client_key)
+    )
     try:
         print(f"session {session_id} now lives at {args.to} ({len(moved.history())} tokens)")
     finally:

@@ -177,6 +177,7 @@ class Client:
             except DaemonUnavailable:
                 if attempt + 1 == attempts:
                     raise
+                time.sleep(core.RESEND_PAUSE_S)  # let ZeroMQ reconnect
             finally:
                 self._done(request_id)
         raise AssertionError("unreachable")
@@ -184,8 +185,9 @@ class Client:
 
 class Stream:
     """The chunks of one generation, as they arrive: an iterator (``next(stream)`` reads one chunk, a ``for`` loop
-    the rest); ``final`` holds the final message once it came. Closing it early (``close()``, leaving a ``with``
-    block, or dropping it) stops the generation, so the session is free again."""
+    the rest). The request was sent when ``generate()`` made the stream. ``final`` holds the final message once it
+    came (so does the session's ``final``). Closing it early (``close()``, leaving a ``with`` block, or dropping
+    it) stops the generation, so the session is free again."""
 
     def __init__(self, session: Session, request_id: int):
         self._session = session
@@ -208,7 +210,7 @@ class Stream:
                 self.close()
                 raise
             if isinstance(reply, p.Final):
-                self.final = reply
+                self.final = self._session.final = reply
                 self.close()
             elif isinstance(reply, p.Chunk):
                 return reply
@@ -244,9 +246,11 @@ class Session:
         self.token = token
         self.task = task
         self.context_size = context_size
+        self.final: p.Final | None = None  # the final message of its last generation (finish reason, timings)
 
     def generate(self, prompt: str | list[int] = "", **params: Any) -> Stream:
-        """Append ``prompt`` (text or token ids) to the session and stream the continuation.
+        """Append ``prompt`` (text or token ids) to the session and stream the continuation; the request is sent
+        now, the chunks are read from the stream.
 
         Parameters: max_tokens, temperature (0 = greedy), top_k, top_p, min_p, repeat_penalty,
         repeat_last_n, seed, stop (list of strings).

@@ -7,7 +7,7 @@ decide alike lives here, so they cannot drift apart:
 - a reply frame that cannot be decoded is counted and logged, never silently dropped;
 - a request is lost to a restart when the old daemon spoke after it was sent (restarts.RestartWatch);
 - once heartbeats flow, a daemon silent for DAEMON_SILENCE_S has died or is restarting;
-- requests that are safe to send twice are resent, a bounded number of times.
+- requests that are safe to send twice are resent, a bounded number of times, after RESEND_PAUSE_S.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ log = logging.getLogger("kvpool.client")
 HEARTBEAT_S = 0.25  # the daemon stops the generations of a client it has not heard from for a second
 DAEMON_SILENCE_S = 3.0  # no reply, not even to heartbeats, for this long: the daemon died or is restarting
 RETRIES = 3  # resends of a request that is safe to repeat, after the daemon fell silent
+RESEND_PAUSE_S = HEARTBEAT_S  # before a resend: time for ZeroMQ to reconnect to a restarted daemon
 
 
 def check_socket_exists(address: str) -> None:

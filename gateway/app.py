@@ -73,7 +73,7 @@ class Gateway:
         async with self._connecting:
             if self._client is None:
                 self._client = await AsyncClient.connect(
-                    self.config.daemon, timeout=self.config.timeout, name="gateway"
+                    self.config.daemon, timeout=self.config.timeout, name="gateway", curve=self.config.curve()
                 )
                 status = await self._client.status()
                 # Sessions kept for requests without a name: a quarter of what the daemon may hold.

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool.client.curve import CurveKeyError, CurveKeys, curve_from_files
+
 
 class GatewayConfigError(Exception):
     """A setting the gateway refuses to start with; the message says why and what to do."""
@@ -25,6 +27,8 @@ class GatewayConfig:
     timeout: float = 300.0  # per answer from the daemon
     reuse: bool = True  # False (--no-reuse): every request on a fresh session, closed when it ends
     chat_template: str = "auto"  # auto (the GGUF's, else a transcript), a shipped name, or a Jinja file
+    curve_server_key: str = ""  # a tcp:// daemon's public key file
+    curve_client_key: str = ""  # the gateway's secret key file, listed in the daemon's curve_clients_dir
 
     def check(self) -> None:
         if not self.health_path.startswith("/") or self.health_path.startswith("/v1/"):
@@ -34,11 +38,24 @@ class GatewayConfig:
             raise GatewayConfigError(
                 f"--chat-template {self.chat_template!r}: give one of {', '.join(shipped)} or a Jinja file that exists."
             )
+        try:
+            curve = self.curve()
+        except CurveKeyError as exc:
+            raise GatewayConfigError(f"--curve-server-key/--curve-client-key: {exc.message}") from None
+        if self.daemon and self.daemon.startswith("tcp://") and curve is None:
+            raise GatewayConfigError(
+                f"--daemon {self.daemon}: a tcp:// daemon only lets in CURVE clients; pass --curve-server-key (its "
+                "public key file) and --curve-client-key (this gateway's secret key file)."
+            )
         if not is_loopback(self.host) and not self.api_key:
             raise GatewayConfigError(
                 f"--host {self.host} would expose the gateway beyond this machine without a key: pass --api-key "
                 "(or set KVPOOL_GATEWAY_API_KEY), or bind to 127.0.0.1."
             )
+
+
+    def curve(self) -> CurveKeys | None:
+        return curve_from_files(self.curve_server_key, self.curve_client_key)
 
 
 def is_loopback(host: str) -> bool:

@@ -32,6 +32,18 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         default="auto",
         help="auto (the GGUF's own; a transcript for a GGUF without one), gemma3, chatml, transcript, or a .jinja file",
     )
+    ap.add_argument(
+        "--curve-server-key",
+        default=env("KVPOOL_CURVE_SERVER_KEY", ""),
+        metavar="FILE",
+        help="a tcp:// daemon's public key file (with --curve-client-key)",
+    )
+    ap.add_argument(
+        "--curve-client-key",
+        default=env("KVPOOL_CURVE_CLIENT_KEY", ""),
+        metavar="FILE",
+        help="this gateway's secret key file, listed in the daemon's curve_clients_dir",
+    )
     args = ap.parse_args(argv)
     return GatewayConfig(
         host=args.host,
@@ -45,6 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         timeout=args.timeout,
         chat_template=args.chat_template,
         reuse=not args.no_reuse,
+        curve_server_key=args.curve_server_key,
+        curve_client_key=args.curve_client_key,
     )
 
 

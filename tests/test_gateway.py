@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from .curve_keys import curve_setup
 from .daemon_process import DaemonProcess, wait_until
 from .gateway_process import GatewayProcess
 
@@ -209,6 +210,28 @@ def test_binding_beyond_loopback_without_a_key_is_refused(short_tmp: Path) -> No
         timeout=WAIT_S,
     )
     assert done.returncode == 2 and "without a key" in done.stderr and "--api-key" in done.stderr
+
+
+def test_the_gateway_reaches_a_curve_daemon_over_tcp(
+    start_daemon: Start, start_gateway: Callable[..., GatewayProcess], short_tmp: Path
+) -> None:
+    curve = curve_setup(short_tmp / "curve")
+    start_daemon("--address", curve.address, config=curve.daemon_config, wait=False)
+    keys = ("--curve-server-key", str(curve.server_public_file), "--curve-client-key", str(curve.client_secret_file))
+    gateway = start_gateway(curve.address, *keys)
+    wait_until(lambda: httpx.get(gateway.url + "/health", timeout=WAIT_S).status_code == 200, "the daemon over tcp")
+    answer = chat(client_of(gateway), [{"role": "user", "content": "over curve"}])
+    assert answer.choices[0].message.content is not None and answer.usage.completion_tokens == 8
+    without = subprocess.run(  # a tcp:// daemon without keys: refused at start, with the flags to pass
+        [sys.executable, "-m", "kvpool.gateway.main", "--daemon", curve.address], capture_output=True, text=True
+    )
+    assert without.returncode == 2 and "--curve-server-key" in without.stderr
+    stranger = (
+        *("--curve-server-key", str(curve.server_public_file)),
+        *("--curve-client-key", str(curve.stranger_secret_file)),
+    )
+    unlisted = start_gateway(curve.address, *stranger, "--timeout", "2", name="gw-stranger")
+    assert httpx.get(unlisted.url + "/health", timeout=WAIT_S).status_code == 503  # never let in
 
 
 def test_a_daemon_that_is_down_is_a_503(short_tmp: Path, start_gateway: Callable[..., GatewayProcess]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from .curve_keys import curve_setup
 from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit, wait_until
 
 Start = Callable[..., DaemonProcess]
@@ -216,43 +217,24 @@ def test_unwritable_spill_dir_is_one_clear_start_up_error(short_tmp: Path, tiny_
 
 
 def test_tcp_needs_curve_and_lets_in_only_listed_keys(start_daemon: Start, short_tmp: Path, tiny_model: Path) -> None:
-    import socket as stdsocket
-
-    import zmq.auth
-
     from kvpool.client import Client, DaemonUnavailable
 
-    keys, allowed = short_tmp / "keys", short_tmp / "allowed"
-    keys.mkdir()
-    allowed.mkdir()
-    server_public_file, server_secret_file = zmq.auth.create_certificates(keys, "server")
-    client_public_file, client_secret_file = zmq.auth.create_certificates(keys, "client")
-    _stranger_public, stranger_secret = zmq.auth.create_certificates(keys, "stranger")
-    (allowed / "client.key").write_bytes(Path(client_public_file).read_bytes())
-    with stdsocket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
-
-    refused = run_until_exit(kvpoold_command(tiny_model, address))  # tcp:// without keys: refused at start
+    curve = curve_setup(short_tmp)
+    refused = run_until_exit(kvpoold_command(tiny_model, curve.address))  # tcp:// without keys: refused at start
     assert refused.returncode == 1 and "CURVE" in refused.stderr
 
-    config = f'curve_secret_file = "{server_secret_file}"\ncurve_clients_dir = "{allowed}"\n[tasks.default]\n'
-    daemon = start_daemon("--address", address, config=config, wait=False)
-    server_public, _ = zmq.auth.load_certificate(server_public_file)
-    client_public, client_secret = zmq.auth.load_certificate(client_secret_file)
+    daemon = start_daemon("--address", curve.address, config=curve.daemon_config, wait=False)
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
-            client = Client(address, connect_timeout=1.0, curve=(server_public, client_public, client_secret))
+            client = Client(curve.address, connect_timeout=1.0, curve=curve.keys())
             break
         except DaemonUnavailable:
             assert time.monotonic() < deadline, daemon.log()
     with client, client.open_session() as session:
         assert session.complete("over tcp", max_tokens=3).usage.completion_tokens == 3
-    other_public, other_secret = zmq.auth.load_certificate(stranger_secret)
     with pytest.raises(DaemonUnavailable):  # a key that is not listed never gets an answer
-        Client(address, connect_timeout=1.0, curve=(server_public, other_public, other_secret))
+        Client(curve.address, connect_timeout=1.0, curve=curve.keys(curve.stranger_secret_file))
 
 
 def test_asyncio_client_learns_of_a_restart_at_once(start_daemon: Start) -> None:
