@@ -126,7 +126,7 @@ def decode_speed(path: Path, hot: str, prompts: list[str]) -> float:
     m.batch.clear()
     rows = [m.batch.add(i, pending[i], 0, True) for i in range(STREAMS)]
     assert m.decode() == 0
-    pending = [[samplers[i].sample(rows[i])] for i in range(STREAMS)]
+    pending = [[samplers[i].sample(rows[i]).token] for i in range(STREAMS)]
     pos = [len(m.tokenize(p, add_bos=True)) for p in prompts]
     started = time.perf_counter()
     for _ in range(DECODE_TOKENS):
@@ -135,7 +135,7 @@ def decode_speed(path: Path, hot: str, prompts: list[str]) -> float:
         assert m.decode() == 0
         for i in range(STREAMS):
             pos[i] += 1
-            pending[i] = [samplers[i].sample(rows[i])]
+            pending[i] = [samplers[i].sample(rows[i]).token]
     elapsed = time.perf_counter() - started
     m.close()
     return STREAMS * DECODE_TOKENS / elapsed

@@ -99,7 +99,7 @@ def role_bare(model: str, n: int, repack: bool) -> None:
         assert m.decode() == 0
         for i in list(alive):
             pos[i] += len(pending[i])
-            token = samplers[i].sample(rows[i])
+            token = samplers[i].sample(rows[i]).token
             tokens += 1
             pending[i] = [token]
             if m.is_end_of_generation(token):

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -60,9 +61,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--min-p", type=float, default=0.05)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print finish reason, usage and timings to stderr")
+    constrained = gen.add_mutually_exclusive_group()
+    constrained.add_argument("--json-schema", metavar="SCHEMA", help="the answer follows this JSON Schema (or @FILE)")
+    constrained.add_argument("--grammar", metavar="GBNF", help="the answer follows this GBNF grammar (or @FILE)")
+    gen.add_argument("--logprobs", type=int, metavar="N", help="print each token's log-probability and its top N")
     migrate = sub.add_parser(
         "migrate", help="hand a session over to another kvpoold through the remote tier (docs/remote.md)"
     )
@@ -304,6 +310,11 @@ def cmd_migrate(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def argument_text(value: str) -> str:
+    """A flag's text, or the contents of the file it names as @FILE."""
+    return Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
+
+
 def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = {
@@ -311,15 +322,30 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
+        "min_p": args.min_p,
         "seed": args.seed,
         "stop": args.stop,
+        "logprobs": args.logprobs,
     }
+    try:
+        if args.json_schema:
+            params["json_schema"] = argument_text(args.json_schema)
+        if args.grammar:
+            params["grammar"] = argument_text(args.grammar)
+    except OSError as exc:
+        print(f"kvpool: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     with client.open_session(task=args.task) as session:
         stream = session.generate(prompt, **params)
+        logprobs: list[p.TokenLogprob] = []
         for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+            logprobs += chunk.logprobs or []
         sys.stdout.write("\n")
+        for entry in logprobs:
+            top = " ".join(f"{client.detokenize([t.token])!r}:{t.logprob:.3f}" for t in entry.top)
+            print(f"{client.detokenize([entry.token])!r} {entry.logprob:.4f}  {top}", file=sys.stderr)
         final = stream.final
         if args.stats and final is not None:
             t, u = final.timings, final.usage

@@ -252,8 +252,11 @@ class Session:
         """Append ``prompt`` (text or token ids) to the session and stream the continuation; the request is sent
         now, the chunks are read from the stream.
 
-        Parameters: max_tokens, temperature (0 = greedy), top_k, top_p, min_p, repeat_penalty,
-        repeat_last_n, seed, stop (list of strings).
+        Parameters: max_tokens, temperature (0 = greedy), top_k, top_p, min_p, typical_p, repeat_penalty,
+        repeat_last_n, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed, stop (list of
+        strings), logprobs (top log-probabilities per token), deadline_ms, after; constrained decoding: grammar
+        (GBNF) or json_schema (a dict or its JSON text), grammar_trigger_words / grammar_trigger_tokens (a lazy
+        grammar), grammar_from (continue a constrained answer). docs/client.md has them all.
         """
         request = generate_request(self.id, self.token, prompt, params)
         return Stream(self, self.client._send(request))

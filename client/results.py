@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ class Completion:
     finish_reason: str
     usage: p.Usage
     timings: p.Timings
+    logprobs: list[p.TokenLogprob] = field(default_factory=list)  # one per token, when asked for (logprobs=)
 
     @property
     def ttft_ms(self) -> float:
@@ -35,18 +37,23 @@ class Collector:
 
     parts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[p.TokenLogprob] = field(default_factory=list)
 
     def add(self, chunk: p.Chunk) -> None:
         self.parts.append(chunk.text)
         self.tokens.extend(chunk.tokens)
+        self.logprobs.extend(chunk.logprobs or ())
 
     def result(self, final: p.Final) -> Completion:
-        return Completion("".join(self.parts), self.tokens, str(final.finish_reason), final.usage, final.timings)
+        text = "".join(self.parts)
+        return Completion(text, self.tokens, str(final.finish_reason), final.usage, final.timings, self.logprobs)
 
 
 def generate_request(session: str, token: str, prompt: str | list[int], params: dict[str, Any]) -> p.Generate:
     """Build a Generate message; bad parameter types or values raise BadRequest before anything is sent."""
     fields: dict[str, Any] = {"session": session, "token": token, **params}
+    if isinstance(fields.get("json_schema"), dict):  # a schema as Python data travels as its JSON text
+        fields["json_schema"] = json.dumps(fields["json_schema"])
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     else:

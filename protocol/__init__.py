@@ -153,10 +153,22 @@ class Cancel(SessionRequest, tag="cancel"):
     pass
 
 
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TriggerWord = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
 class Generate(SessionRequest, tag="generate"):
     """Append ``prompt`` (text, or ``prompt_tokens``) to the session and generate a continuation.
 
     Sampling defaults follow llama.cpp's; ``temperature=0`` is greedy. ``seed=None`` draws a random seed.
+
+    Constrained decoding (docs/protocol.md): ``grammar`` (GBNF, start rule ``root``) or ``json_schema`` (a JSON
+    Schema as JSON text, converted to GBNF) limits the generated tokens to what it allows. With
+    ``grammar_trigger_words`` or ``grammar_trigger_tokens`` the grammar is lazy: free text until one of them is
+    generated, then the grammar applies from that word (or token) on. ``grammar_from`` replays the session's
+    tokens from that position into the grammar first, so a constrained answer cut short (by max_tokens, or a
+    daemon restart) can be continued under the same grammar.
     """
 
     prompt: Annotated[str, Meta(max_length=1 << 20)] = ""
@@ -175,6 +187,18 @@ class Generate(SessionRequest, tag="generate"):
     after: NonNegInt | None = None
     # Tighten the task's time-to-first-token budget for this request (milliseconds); it cannot loosen it.
     deadline_ms: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
+    typical_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0  # locally typical sampling (1: off)
+    presence_penalty: Penalty = 0.0  # subtracted once from each token seen in the last repeat_last_n
+    frequency_penalty: Penalty = 0.0  # subtracted per occurrence in the last repeat_last_n
+    logit_bias: Annotated[dict[NonNegInt, Bias], Meta(max_length=1024)] = {}  # token id -> added to its logit
+    # The log-probabilities (of the raw logits, before any sampler) of each sampled token and of this many most
+    # likely ones, in every chunk (None: none).
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    grammar: Annotated[str, Meta(min_length=1, max_length=1 << 20)] | None = None
+    json_schema: Annotated[str, Meta(min_length=1, max_length=1 << 20)] | None = None
+    grammar_trigger_words: Annotated[list[TriggerWord], Meta(max_length=16)] = []
+    grammar_trigger_tokens: Annotated[list[NonNegInt], Meta(max_length=16)] = []
+    grammar_from: NonNegInt | None = None
 
 
 AnyRequest = (
@@ -287,9 +311,24 @@ class Cancelled(Reply, tag="cancelled"):
     completion_tokens: int = 0
 
 
+class TopLogprob(Struct, array_like=True):
+    token: int
+    logprob: float
+
+
+class TokenLogprob(Struct, kw_only=True):
+    """A sampled token's log-probability under the raw logits (log-softmax over the vocabulary, before any
+    sampler), and the ``top`` most likely tokens' (most likely first)."""
+
+    token: int
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class Chunk(Reply, tag="chunk"):
     text: str
     tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 class Usage(Struct, kw_only=True):

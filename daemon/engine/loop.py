@@ -28,7 +28,7 @@ from kvpool.daemon.engine.step_plan import Work
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
-from kvpool.daemon.llama.model import Model
+from kvpool.daemon.llama.model import Model, Sampled
 from kvpool.daemon.ops.status import status_of
 from kvpool.daemon.rpc.workers import Workers
 from kvpool.protocol import ErrorCode, FinishReason
@@ -149,9 +149,9 @@ class Engine:
             session = work.item.session
             if session.boundary and session.n_kv >= session.boundary:
                 self._make_prefix(session)
-        for work, token in zip(plan, outcome.tokens, strict=True):
-            if token is not None:
-                self._accept(work.item, token, now)
+        for work, sampled in zip(plan, outcome.tokens, strict=True):
+            if sampled is not None:
+                self._accept(work.item, sampled, now)
         self.last_step_seconds = time.monotonic() - started
         self.counters.busy_seconds += self.last_step_seconds
 
@@ -225,8 +225,10 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
 
-    def _accept(self, g: Generation, token: int, now: float) -> None:
+    def _accept(self, g: Generation, sampled: Sampled, now: float) -> None:
         """A token was sampled for ``g``: append it to the session, stream it, and check the stop conditions."""
+        token = sampled.token
+        logprobs = [sampled.logprob] if sampled.logprob is not None else None
         g.session.tokens.append(token)
         g.note_token(now)
         self.counters.generated_tokens += 1
@@ -234,14 +236,14 @@ class Engine:
             self._record_first_token(g, now)
         if self.model.is_end_of_generation(token):
             g.ended_by_eog = True
-            self.send(g.client, p.Chunk(id=g.request.id, text=g.text.flush(), tokens=[token]))
+            self.send(g.client, p.Chunk(id=g.request.id, text=g.text.flush(), tokens=[token], logprobs=logprobs))
             self.finish(g, FinishReason.STOP, now, flushed=True)
             return
         text = g.text.feed(self.model.token_bytes(token))
         reason = g.stop_reason()
         if reason is not None:
             text += g.text.flush()
-        self.send(g.client, p.Chunk(id=g.request.id, text=text, tokens=[token]))
+        self.send(g.client, p.Chunk(id=g.request.id, text=text, tokens=[token], logprobs=logprobs))
         if reason is not None:
             self.finish(g, reason, now, flushed=True)
 

@@ -20,7 +20,8 @@ from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
-from kvpool.daemon.llama.model import Model, SamplingParams
+from kvpool.daemon.llama.constraints import ConstraintError, parse_schema
+from kvpool.daemon.llama.model import Grammar, GrammarError, Model, SamplingParams, json_schema_grammar
 from kvpool.protocol import ErrorCode, FinishReason
 from kvpool.protocol.status import DaemonStatus
 
@@ -242,21 +243,18 @@ class RequestHandlers:
         if s.n_kv == 0 and s.prefix is None:  # the part a shared prefix holds will not be computed
             match = self.tiers.prefixes.match(s.tokens + new, most=len(s.tokens) + len(new) - 1)
             to_compute -= match[1] if match else 0
+        params = self._sampling(r)
+        replay = self._replay(r, s.tokens + new)
         budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at)
-        params = SamplingParams(
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            min_p=r.min_p,
-            repeat_penalty=r.repeat_penalty,
-            repeat_last_n=r.repeat_last_n,
-            seed=r.seed,
-        )
+        try:
+            sampler = self.model.new_sampler(params, s.tokens + new, replay)
+        except GrammarError as exc:
+            raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
         g = Generation(
             client=client,
             request=r,
             session=s,
-            sampler=self.model.new_sampler(params, s.tokens + new),
+            sampler=sampler,
             prompt_tokens=len(new),
             text=StreamText(r.stop),
             new_tokens=new,
@@ -269,6 +267,53 @@ class RequestHandlers:
         s.last_used = g.arrival
         self.scheduler.add(g)
         return None  # the reply is the stream of chunks and the final message
+
+    def _sampling(self, r: p.Generate) -> SamplingParams:
+        self._checked_tokens([*r.logit_bias, *r.grammar_trigger_tokens])
+        return SamplingParams(
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
+            typical_p=r.typical_p,
+            repeat_penalty=r.repeat_penalty,
+            repeat_last_n=r.repeat_last_n,
+            presence_penalty=r.presence_penalty,
+            frequency_penalty=r.frequency_penalty,
+            logit_bias=tuple(sorted(r.logit_bias.items())),
+            seed=r.seed,
+            logprobs=r.logprobs,
+            grammar=self._grammar(r),
+        )
+
+    def _grammar(self, r: p.Generate) -> Grammar | None:
+        """The request's grammar: its GBNF, or the one its JSON schema converts to (BAD_REQUEST with the reason
+        when the schema uses what a grammar cannot enforce)."""
+        if r.grammar is not None and r.json_schema is not None:
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "Send either `grammar` or `json_schema`, not both.")
+        if r.grammar is None and r.json_schema is None:
+            if r.grammar_trigger_words or r.grammar_trigger_tokens or r.grammar_from is not None:
+                raise RequestRefused(
+                    ErrorCode.BAD_REQUEST, "Grammar triggers and `grammar_from` need a `grammar` or `json_schema`."
+                )
+            return None
+        try:
+            text = r.grammar if r.grammar is not None else json_schema_grammar(parse_schema(r.json_schema or ""))
+        except (ConstraintError, GrammarError) as exc:
+            raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
+        return Grammar(text, tuple(r.grammar_trigger_words), tuple(r.grammar_trigger_tokens))
+
+    @staticmethod
+    def _replay(r: p.Generate, tokens: list[int]) -> list[int]:
+        if r.grammar_from is None:
+            return []
+        if r.grammar_from > len(tokens):
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                f"`grammar_from` is {r.grammar_from} but the session (with this prompt) holds {len(tokens)} tokens; "
+                "give the position where the constrained answer started.",
+            )
+        return tokens[r.grammar_from :]
 
     def _check_quota(self, s: Session) -> None:
         profile = self.config.tasks.get(s.task)  # a recovered session's task may have left the config

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from kvpool.daemon.engine.cost_model import StepShape
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.step_plan import Work
-from kvpool.daemon.llama.model import Model
+from kvpool.daemon.llama.model import Model, Sampled
 
 
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
     rc: int  # llama_decode's answer: 0 done, 1 no room in the unified KV (nothing changed), else a failure
-    tokens: list[int | None]  # per work item, the token sampled for it (None: its chunk left pending tokens)
+    tokens: list[Sampled | None]  # per work item, the token sampled for it (None: its chunk left pending tokens)
     batch_tokens: int  # tokens fed in the batch
     shape: StepShape  # what the cost model predicts a step's time from
     seconds: float  # decode plus sampling: what the cost model predicts

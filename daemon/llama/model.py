@@ -11,10 +11,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import os
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as lc
 import numpy as np
@@ -22,8 +26,10 @@ import numpy as np
 from kvpool.daemon.config import sequence_count
 from kvpool.daemon.kv.codec.kv_types import F16
 from kvpool.daemon.llama import ggml_rpc
+from kvpool.daemon.llama.constraints import integer_bounds, integer_range_gbnf, trigger_pattern
 from kvpool.daemon.llama.ggml_rpc import RemoteDevice
 from kvpool.daemon.llama.kv_settings import KvSettings
+from kvpool.protocol import TokenLogprob, TopLogprob
 from kvpool.protocol.status import ModelStatus
 
 log = logging.getLogger("kvpool.llama")
@@ -37,6 +43,8 @@ _GGML_LOG_LEVEL_ERROR = 4
 def _route_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     # llama.cpp prints progress dots and continuation pieces too; only whole lines are worth a record.
     message = text.decode("utf-8", errors="replace").rstrip("\n") if text else ""
+    if _capture is not None:
+        _capture.append(message)
     if message.strip(" ."):
         log.log(logging.WARNING if level == _GGML_LOG_LEVEL_ERROR else logging.DEBUG, "%s", message)
 
@@ -53,14 +61,42 @@ def _init_backend() -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Grammar:
+    """GBNF whose start rule is ``root``. With trigger words or tokens it is lazy: the text is free until one of
+    them is generated, and the grammar applies from there on (it must start with that word)."""
+
+    text: str
+    trigger_words: tuple[str, ...] = ()
+    trigger_tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    typical_p: float = 1.0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # top log-probabilities to report per token (None: none)
+    grammar: Grammar | None = None
+
+    @property
+    def penalised(self) -> bool:
+        return self.repeat_last_n > 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    token: int
+    logprob: TokenLogprob | None = None
 
 
 def system_info() -> str:
@@ -99,49 +135,264 @@ class ModelLoadError(Exception):
     """The GGUF could not be loaded or the context could not be created."""
 
 
-class Sampler:
-    """A llama.cpp sampler chain owned by one generation; free() it when the generation ends."""
+class GrammarError(ValueError):
+    """llama.cpp refused a grammar (the message is its parser's sentence), or the tokens replayed into it."""
 
-    def __init__(self, model: Model, params: SamplingParams, history: list[int]):
+
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
+SUBSET = 512  # a grammar checks the most likely tokens first: the whole vocabulary only when none of them fits
+
+
+class Sampler:
+    """One generation's sampling: llama.cpp's sampler chain (logit bias, penalties, then greedy or top-k, typical,
+    top-p, min-p, temperature and a seeded draw) and, apart from it, its grammar, the way llama.cpp's own
+    common_sampler combines them: the chain picks, the grammar checks that one token, and only when it refuses
+    is the grammar applied to the candidates and the chain run again. A token is accepted (into the grammar and
+    the penalties) only once it is chosen: llama.cpp aborts on a token its grammar does not allow. free() it
+    when the generation ends."""
+
+    def __init__(self, model: Model, params: SamplingParams, history: list[int], replay: list[int] | None = None):
+        """``history``: the session's tokens (the penalties look back into them); ``replay``: tokens to feed the
+        grammar before the first sample (a constrained answer being continued); GrammarError if they do not
+        fit it, or if llama.cpp cannot parse the grammar."""
         self._ctx = model.ctx
         self._n_vocab = model.n_vocab
+        self._params = params
+        self._grammar = _new_grammar(model, params.grammar) if params.grammar is not None else None
+        self._chain = _new_chain(model, params)
+        self._ids = model.token_ids
+        self._one = np.zeros(1, dtype=TOKEN_DATA)
         # Plain greedy is an argmax over the logits row; numpy does it without the sampler chain's copy of the
         # whole vocabulary into a candidate array (262k entries for Gemma 3), the same first-maximum rule.
-        self._argmax = params.temperature == 0.0 and params.repeat_penalty == 1.0
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lc.llama_sampler_chain_add
-        if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
-            add(
-                chain,
-                lc.llama_sampler_init_penalties(model.n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0),
-            )
-        if params.temperature == 0.0:
-            add(chain, lc.llama_sampler_init_greedy())
-        else:
-            if params.top_k > 0:
-                add(chain, lc.llama_sampler_init_top_k(params.top_k))
-            add(chain, lc.llama_sampler_init_top_p(params.top_p, 1))
-            add(chain, lc.llama_sampler_init_min_p(params.min_p, 1))
-            add(chain, lc.llama_sampler_init_temp(params.temperature))
-            seed = lc.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
-            add(chain, lc.llama_sampler_init_dist(seed))
-        # The repeat penalty looks at recent tokens; the session's history counts, not just this turn.
-        if params.repeat_penalty != 1.0:
+        self._argmax = params.temperature == 0.0 and not params.logit_bias and not params.penalised
+        if params.penalised:  # the penalties count recent tokens: the session's history, not just this turn
             for token in history[-params.repeat_last_n :]:
-                lc.llama_sampler_accept(chain, token)
-        self._chain = chain
+                lc.llama_sampler_accept(self._chain, token)
+        try:
+            for position, token in enumerate(replay or ()):
+                if not self._allowed(token):
+                    raise GrammarError(
+                        f"The session's token {token} at grammar_from + {position} does not fit the grammar: "
+                        "continue with the grammar the answer was started with, from where it started."
+                    )
+                lc.llama_sampler_accept(self._grammar, token)
+        except BaseException:
+            self.free()
+            raise
 
-    def sample(self, batch_index: int) -> int:
-        """Sample from the logits of batch row ``batch_index`` of the last decode (and accept the token)."""
-        if self._argmax:
-            logits = lc.llama_get_logits_ith(self._ctx, batch_index)
-            return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
-        return lc.llama_sampler_sample(self._chain, self._ctx, batch_index)
+    def sample(self, row: int) -> Sampled:
+        """Sample from the logits of batch row ``row`` of the last decode, and accept the token."""
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, row), shape=(self._n_vocab,))
+        token = self._greedy(logits) if self._argmax else self._from_chain(logits)
+        if self._grammar is not None:
+            lc.llama_sampler_accept(self._grammar, token)
+        if not self._argmax:
+            lc.llama_sampler_accept(self._chain, token)
+        if self._params.logprobs is None:
+            return Sampled(token)
+        return Sampled(token, token_logprob(logits, token, self._params.logprobs))
+
+    def _greedy(self, logits: np.ndarray) -> int:
+        token = int(logits.argmax())
+        if self._grammar is None or self._allowed(token):
+            return token
+        for candidates in (self._subset(logits), None):  # the grammar refused the best: the best it allows
+            cand = self._candidates(logits) if candidates is None else candidates
+            self._apply(self._grammar, cand)
+            if np.isfinite(cand["logit"]).any():
+                return int(cand["id"][int(cand["logit"].argmax())])
+        raise GrammarError("The grammar allows no token here (not even the end of the answer).")
+
+    def _from_chain(self, logits: np.ndarray) -> int:
+        token = self._pick(self._candidates(logits))
+        if self._grammar is None or self._allowed(token):
+            return token
+        # The chain's pick breaks the grammar: the grammar first, then the chain again. With top_k on (and no
+        # bias or penalty reordering logits before it), the k best tokens the grammar allows are among the most
+        # likely SUBSET whenever at least k of those fit, and then the result is the whole vocabulary's.
+        k = self._params.top_k
+        if k > 0 and not self._params.logit_bias and not self._params.penalised:
+            cand = self._subset(logits)
+            self._apply(self._grammar, cand)
+            allowed = cand[np.isfinite(cand["logit"])]
+            if len(allowed) >= k:
+                return self._pick(np.ascontiguousarray(allowed))
+        cand = self._candidates(logits)
+        self._apply(self._grammar, cand)
+        return self._pick(cand)
+
+    def _candidates(self, logits: np.ndarray) -> np.ndarray:
+        cand = np.empty(self._n_vocab, dtype=TOKEN_DATA)
+        cand["id"] = self._ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        return cand
+
+    def _subset(self, logits: np.ndarray) -> np.ndarray:
+        """The SUBSET most likely tokens, most likely first."""
+        size = min(SUBSET, self._n_vocab)
+        top = np.argpartition(logits, -size)[-size:]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        cand = np.empty(len(top), dtype=TOKEN_DATA)
+        cand["id"], cand["logit"], cand["p"] = top, logits[top], 0.0
+        return cand
+
+    def _pick(self, cand: np.ndarray) -> int:
+        array = self._apply(self._chain, cand)
+        if array.selected < 0:
+            raise GrammarError("The sampler chain selected no token (every candidate was excluded).")
+        return int(array.data[array.selected].id)
+
+    @staticmethod
+    def _apply(sampler: ctypes.c_void_p, cand: np.ndarray) -> lc.llama_token_data_array:
+        array = lc.llama_token_data_array(
+            data=cand.ctypes.data_as(lc.llama_token_data_p), size=len(cand), selected=-1, sorted=False
+        )
+        lc.llama_sampler_apply(sampler, ctypes.byref(array))
+        return array
+
+    def _allowed(self, token: int) -> bool:
+        """Whether the grammar lets ``token`` come next (a lazy grammar still waiting for its trigger allows all)."""
+        one = self._one
+        one["id"], one["logit"], one["p"] = token, 1.0, 0.0
+        self._apply(self._grammar, one)
+        return bool(np.isfinite(one["logit"][0]))
 
     def free(self) -> None:
-        if self._chain is not None:
-            lc.llama_sampler_free(self._chain)
-            self._chain = None
+        for name in ("_chain", "_grammar"):
+            sampler = getattr(self, name, None)
+            if sampler is not None:
+                lc.llama_sampler_free(sampler)
+                setattr(self, name, None)
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under the raw logits (log-softmax over the vocabulary, before any sampler, as
+    llama-server reports them by default), and the ``top`` most likely tokens' (most likely first)."""
+    peak = float(logits.max())
+    norm = peak + float(np.log(np.exp(logits - peak, dtype=np.float32).sum(dtype=np.float64)))
+    best: list[TopLogprob] = []
+    top = min(top, len(logits))
+    if top:
+        idx = np.argpartition(logits, -top)[-top:]
+        idx = idx[np.lexsort((idx, -logits[idx]))]
+        best = [TopLogprob(int(i), float(logits[i]) - norm) for i in idx]
+    return TokenLogprob(token=token, logprob=float(logits[token]) - norm, top=best)
+
+
+def _new_chain(model: Model, params: SamplingParams) -> ctypes.c_void_p:
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    add = lc.llama_sampler_chain_add
+    if params.logit_bias:
+        biases = (lc.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)
+        add(chain, lc.llama_sampler_init_logit_bias(model.n_vocab, len(params.logit_bias), biases))
+    if params.penalised:
+        add(
+            chain,
+            lc.llama_sampler_init_penalties(
+                model.n_vocab,
+                params.repeat_last_n,
+                params.repeat_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
+            ),
+        )
+    if params.temperature == 0.0:
+        add(chain, lc.llama_sampler_init_greedy())
+        return chain
+    if params.top_k > 0:
+        add(chain, lc.llama_sampler_init_top_k(params.top_k))
+    if params.typical_p < 1.0:
+        add(chain, lc.llama_sampler_init_typical(params.typical_p, 1))
+    add(chain, lc.llama_sampler_init_top_p(params.top_p, 1))
+    add(chain, lc.llama_sampler_init_min_p(params.min_p, 1))
+    add(chain, lc.llama_sampler_init_temp(params.temperature))
+    add(chain, lc.llama_sampler_init_dist(lc.LLAMA_DEFAULT_SEED if params.seed is None else params.seed))
+    return chain
+
+
+def _new_grammar(model: Model, grammar: Grammar) -> ctypes.c_void_p:
+    """llama.cpp's grammar sampler, or GrammarError with its parser's sentence (which llama.cpp prints to stderr,
+    or logs: both are caught here while it parses)."""
+    with _llama_messages() as messages:
+        if grammar.trigger_words or grammar.trigger_tokens:
+            patterns = [trigger_pattern(list(grammar.trigger_words))] if grammar.trigger_words else []
+            words = (ctypes.c_char_p * len(patterns))(*[w.encode() for w in patterns])
+            tokens = (lc.llama_token * len(grammar.trigger_tokens))(*grammar.trigger_tokens)
+            sampler = lc.llama_sampler_init_grammar_lazy_patterns(
+                model.vocab, grammar.text.encode(), b"root", words, len(patterns), tokens, len(tokens)
+            )
+        else:
+            sampler = lc.llama_sampler_init_grammar(model.vocab, grammar.text.encode(), b"root")
+    if not sampler:
+        raise GrammarError(f"The grammar is not valid GBNF: {_parser_sentence(messages)}")
+    return sampler
+
+
+def _parser_sentence(messages: list[str]) -> str:
+    """The parser's reason from what llama.cpp printed (messages[0]) or logged (the rest)."""
+    for line in messages[0].splitlines():
+        if "error parsing grammar:" in line:
+            return line.split("error parsing grammar:", 1)[1].strip()
+    logged = [m.strip() for m in messages[1:] if m.strip() and "failed to parse grammar" not in m]
+    return logged[0] if logged else "llama.cpp could not parse it."
+
+
+_capture: list[str] | None = None  # llama.cpp's log lines, while _llama_messages() listens
+
+
+@contextmanager
+def _llama_messages() -> Iterator[list[str]]:
+    """What llama.cpp says while the block runs: its log lines, and what it prints to stderr (the grammar parser
+    prints its reason there). fd 2 is redirected only for that call."""
+    global _capture
+    messages: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as printed:
+        os.dup2(printed.fileno(), 2)
+        _capture = messages
+        try:
+            yield messages
+        finally:
+            _capture = None
+            os.dup2(saved, 2)
+            os.close(saved)
+            printed.seek(0)
+            messages.insert(0, printed.read(1 << 16).decode("utf-8", errors="replace"))
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """GBNF for the JSON values a (checked, constraints.parse_schema) schema allows, by llama-cpp-python's
+    converter (a port of llama.cpp's), with what it lacks: integer bounds, strings whose characters are valid
+    JSON (its own admit raw control characters), and a `.` in a pattern that cannot swallow a quote."""
+    from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+
+    class Converter(SchemaConverter):  # type: ignore[misc]
+        def visit(self, schema: Any, name: str) -> str:
+            bounds = integer_bounds(schema) if isinstance(schema, dict) else None
+            if bounds is None:
+                return str(super().visit(schema, name))
+            rule = name + "-" if name in RESERVED_NAMES else name or "root"
+            return str(self._add_rule(rule, integer_range_gbnf(*bounds) + " space"))
+
+    converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    try:
+        converter.visit(converter.resolve_refs(schema, "schema"), "")
+    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise GrammarError(f"The JSON schema cannot be turned into a grammar: {exc or type(exc).__name__}.") from None
+    rules = converter._rules
+    if "char" in rules:
+        rules["char"] = JSON_CHAR
+    if "dot" in rules:
+        rules["dot"] = JSON_CHAR_UNESCAPED
+    return str(converter.format_grammar())
+
+
+# Any character JSON allows unescaped (no quote, backslash or control; no surrogate or value past U+10FFFF, which
+# llama.cpp's UTF-8 decoder would let through), or an escape.
+JSON_CHAR_UNESCAPED = r'[^"\\\x7F\x00-\x1F\uD800-\uDFFF\U00110000-\U001FFFFF]'
+JSON_CHAR = JSON_CHAR_UNESCAPED + r' | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
 
 
 class Batch:
@@ -266,6 +517,7 @@ class Model:
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         self.n_swa = lc.llama_model_n_swa(self._model)  # 0: every layer attends to the whole context
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.token_ids = np.arange(self.n_vocab, dtype=np.int32)  # the id column of a candidate array
         self.description = self._desc()
         self.fingerprint = self._fingerprint()
         # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
@@ -349,8 +601,8 @@ class Model:
         """The logits of the last decode's first ``rows`` outputs, [rows, n_vocab] (a view: copy to keep)."""
         return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(rows, self.n_vocab))
 
-    def new_sampler(self, params: SamplingParams, history: list[int]) -> Sampler:
-        return Sampler(self, params, history)
+    def new_sampler(self, params: SamplingParams, history: list[int], replay: list[int] | None = None) -> Sampler:
+        return Sampler(self, params, history, replay)
 
     def forget_sequence(self, seq_id: int) -> None:
         """Free every KV cell of a sequence (the slot becomes empty)."""
