@@ -52,6 +52,7 @@ class AsyncClient:
         self._beater: asyncio.Task[None] | None = None
         self.daemon_version = ""
         self.model = ""
+        self.max_inflight = 0  # generations this connection may have in flight (the daemon's hello says)
 
     @classmethod
     async def connect(
@@ -62,15 +63,16 @@ class AsyncClient:
         connect_timeout: float = 5.0,
         name: str = "",
         curve: tuple[bytes, bytes, bytes] | None = None,
+        multiplexer: bool = False,
     ) -> AsyncClient:
         """Connect and say hello (None: $KVPOOL_ADDRESS, else the daemon's default address). ``curve``: (daemon
-        public key, client public key, client secret key) for a tcp:// daemon."""
+        public key, client public key, client secret key) for a tcp:// daemon. ``multiplexer``: see Client."""
         client = cls(address, timeout=timeout, curve=curve)
         core.check_socket_exists(client.address)
         client._sock.connect(client.address)
         client._reader = asyncio.get_running_loop().create_task(client._read())
         try:
-            hello = expect(await client._call(core.hello(name), connect_timeout), p.HelloReply)
+            hello = expect(await client._call(core.hello(name, multiplexer), connect_timeout), p.HelloReply)
         except RequestTimeout:
             await client.close()
             raise core.no_answer(client.address, connect_timeout) from None
@@ -79,6 +81,7 @@ class AsyncClient:
             raise
         client.daemon_version, client.model = hello.daemon_version, hello.model
         client._core.max_frame = hello.max_message_bytes
+        client.max_inflight = hello.max_inflight
         client._core.heartbeat_on = True
         client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client

@@ -36,9 +36,12 @@ class Client:
         connect_timeout: float = 5.0,
         name: str = "",
         curve: tuple[bytes, bytes, bytes] | None = None,
+        multiplexer: bool = False,
     ):
         """Connect to kvpoold at ``address`` (None: $KVPOOL_ADDRESS, else the daemon's default address).
-        ``curve``: (daemon public key, client public key, client secret key) for a tcp:// daemon."""
+        ``curve``: (daemon public key, client public key, client secret key) for a tcp:// daemon.
+        ``multiplexer``: this connection serves many users (a gateway): the daemon lets it have more generations
+        in flight (``max_inflight`` says how many)."""
         self.address = address or default_address()
         self.timeout = timeout
         core.check_socket_exists(self.address)
@@ -52,7 +55,7 @@ class Client:
         self._lock = threading.Lock()
         self._inboxes: dict[int, deque[p.AnyReply]] = {}
         try:
-            hello = expect(self._call(core.hello(name), connect_timeout), p.HelloReply)
+            hello = expect(self._call(core.hello(name, multiplexer), connect_timeout), p.HelloReply)
         except RequestTimeout:
             self.close()
             raise core.no_answer(self.address, connect_timeout) from None
@@ -62,6 +65,7 @@ class Client:
         self.daemon_version = hello.daemon_version
         self.model = hello.model
         self._core.max_frame = hello.max_message_bytes
+        self.max_inflight = hello.max_inflight
         self._closed = threading.Event()
         self._core.heartbeat_on = True
         self._heartbeat = threading.Thread(target=self._beat, name="kvpool-heartbeat", daemon=True)

@@ -42,8 +42,8 @@ def check_socket_exists(address: str) -> None:
         )
 
 
-def hello(name: str) -> p.Hello:
-    return p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True)
+def hello(name: str, multiplexer: bool = False) -> p.Hello:
+    return p.Hello(version=p.PROTOCOL_VERSION, client=name, heartbeat=True, multiplexer=multiplexer)
 
 
 def no_answer(address: str, connect_timeout: float) -> DaemonUnavailable:

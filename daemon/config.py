@@ -88,6 +88,8 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     max_message_bytes: Annotated[int, Meta(ge=1 << 12, le=1 << 30)] = 4 << 20
     max_prompt_tokens: NonNegative = 0  # 0 = the session's context limit
     max_inflight_per_client: Annotated[int, Meta(ge=1, le=1 << 16)] = 16
+    # A connection that multiplexes many users (the HTTP gateway says so in its hello) may have this many.
+    max_inflight_per_multiplexer: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
     # Hot slots: llama.cpp sequences decoded together (n_seq_max); each open session holds one.
     hot_slots: Annotated[int, Meta(ge=1, le=256)] = 4
     # KV cells shared by all hot slots (unified KV); also the most context one session can hold.

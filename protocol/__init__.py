@@ -73,6 +73,8 @@ class Hello(Request, tag="hello"):
     client: Annotated[str, Meta(max_length=128)] = ""
     # The client pings while it waits for replies: when it falls silent its generations are stopped.
     heartbeat: bool = False
+    # It multiplexes many users (the HTTP gateway): it may have max_inflight_per_multiplexer generations in flight.
+    multiplexer: bool = False
 
 
 class Status(Request, tag="status"):
@@ -233,6 +235,7 @@ class HelloReply(Reply, tag="hello"):
     daemon_version: str
     model: str
     max_message_bytes: int = 0  # the largest request frame the daemon accepts (0: not said, an older daemon)
+    max_inflight: int = 0  # generations this connection may have queued or running at once (0: not said)
 
 
 class Pong(Reply, tag="pong"):
@@ -314,14 +317,16 @@ class Cancelled(Reply, tag="cancelled"):
 class TopLogprob(Struct, array_like=True):
     token: int
     logprob: float
+    piece: bytes = b""  # the bytes the token stands for (a piece of a UTF-8 character, possibly)
 
 
 class TokenLogprob(Struct, kw_only=True):
     """A sampled token's log-probability under the raw logits (log-softmax over the vocabulary, before any
-    sampler), and the ``top`` most likely tokens' (most likely first)."""
+    sampler), its bytes, and the ``top`` most likely tokens' (most likely first)."""
 
     token: int
     logprob: float
+    piece: bytes = b""
     top: list[TopLogprob] = []
 
 

@@ -157,6 +157,7 @@ def test_logprobs_come_with_every_token(daemon: DaemonProcess) -> None:
         assert len(answer.logprobs) == len(answer.tokens) == 6
         for entry, token in zip(answer.logprobs, answer.tokens, strict=True):
             assert entry.token == token and entry.logprob <= 0.0 and len(entry.top) == 3
+            assert entry.piece == bytes([token - 3]) and all(t.piece == bytes([t.token - 3]) for t in entry.top)
             assert entry.top[0].token == token and entry.top[0].logprob == entry.logprob  # greedy took the best
             assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
             assert math.fsum(math.exp(t.logprob) for t in entry.top) <= 1.0 + 1e-6

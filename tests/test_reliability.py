@@ -191,6 +191,29 @@ def test_limits_on_prompts_connections_and_frames(start_daemon: Start) -> None:
         assert client.open_session().complete("ok", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_multiplexing_connection_may_have_more_in_flight(start_daemon: Start) -> None:
+    from kvpool import protocol as p
+
+    from .raw import RawConnection
+
+    config = "max_inflight_per_client = 1\nmax_inflight_per_multiplexer = 2\n[tasks.default]\n"
+    daemon = start_daemon(config=config)
+    raw = RawConnection(daemon.address)
+    try:
+        hello = raw.call(p.Hello(id=1, version=p.PROTOCOL_VERSION, multiplexer=True))
+        assert isinstance(hello, p.HelloReply) and hello.max_inflight == 2
+        a, b, c = raw.open(), raw.open(), raw.open()
+        for i, s in enumerate((a, b)):  # two long generations: a plain connection could have only one
+            raw.send(p.Generate(id=10 + i, session=s.session, token=s.token, prompt="go", max_tokens=1500))
+        reply = raw.call(p.Generate(id=12, session=c.session, token=c.token, prompt="more", max_tokens=2))
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.OVERLOADED
+        assert "max_inflight_per_multiplexer=2" in reply.message
+    finally:
+        raw.close()
+    with daemon.client() as client:
+        assert client.max_inflight == 1
+
+
 def test_unwritable_spill_dir_is_one_clear_start_up_error(short_tmp: Path, tiny_model: Path) -> None:
     from kvpool.daemon.kv.pool.segment import Pool
 

@@ -29,6 +29,7 @@ log = logging.getLogger("kvpool.engine")
 
 
 Finish = Callable[..., None]  # Engine.finish(g, reason, now, checkpoint=...)
+MULTIPLEXERS_KEPT = 1024
 
 
 class RequestHandlers:
@@ -46,6 +47,7 @@ class RequestHandlers:
         self.sessions = tiers.sessions
         self.pool = tiers.pool
         self.finish, self._status, self.daemon_version = finish, status, daemon_version
+        self._multiplexers: dict[bytes, None] = {}  # connections that said they multiplex users, oldest first
         self.by_type: dict[type, Any] = {
             p.Hello: self.hello,
             p.Status: self.status,
@@ -67,13 +69,23 @@ class RequestHandlers:
                 f"This daemon speaks protocol {p.PROTOCOL_VERSION}, the client {r.version}; "
                 "install matching kvpool versions.",
             )
+        if r.multiplexer:
+            self._multiplexers[client] = None
+            while len(self._multiplexers) > MULTIPLEXERS_KEPT:  # identities of connections long gone
+                del self._multiplexers[next(iter(self._multiplexers))]
         return p.HelloReply(
             id=r.id,
             version=p.PROTOCOL_VERSION,
             daemon_version=self.daemon_version,
             model=self.model.description,
             max_message_bytes=self.config.max_message_bytes,
+            max_inflight=self._inflight_limit(client),
         )
+
+    def _inflight_limit(self, client: bytes) -> int:
+        if client in self._multiplexers:
+            return self.config.max_inflight_per_multiplexer
+        return self.config.max_inflight_per_client
 
     def status(self, client: bytes, r: p.Status, received_at: float) -> p.Reply:
         return p.StatusReply(id=r.id, status=self._status())
@@ -211,11 +223,12 @@ class RequestHandlers:
             )
         self._check_quota(s)
         in_flight = self.scheduler.in_flight_for(client)
-        limit = self.config.max_inflight_per_client
+        limit = self._inflight_limit(client)
         if in_flight >= limit:
+            setting = "max_inflight_per_multiplexer" if client in self._multiplexers else "max_inflight_per_client"
             raise RequestRefused(
                 ErrorCode.OVERLOADED,
-                f"This connection already has {in_flight} generations in flight (max_inflight_per_client={limit}); "
+                f"This connection already has {in_flight} generations in flight ({setting}={limit}); "
                 "wait for one to finish.",
             )
         new = self._prompt_tokens(r, s)

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +161,7 @@ class Sampler:
         self._grammar = _new_grammar(model, params.grammar) if params.grammar is not None else None
         self._chain = _new_chain(model, params)
         self._ids = model.token_ids
+        self._piece = model.token_bytes
         self._one = np.zeros(1, dtype=TOKEN_DATA)
         # Plain greedy is an argmax over the logits row; numpy does it without the sampler chain's copy of the
         # whole vocabulary into a candidate array (262k entries for Gemma 3), the same first-maximum rule.
@@ -190,7 +191,7 @@ class Sampler:
             lc.llama_sampler_accept(self._chain, token)
         if self._params.logprobs is None:
             return Sampled(token)
-        return Sampled(token, token_logprob(logits, token, self._params.logprobs))
+        return Sampled(token, token_logprob(logits, token, self._params.logprobs, self._piece))
 
     def _greedy(self, logits: np.ndarray) -> int:
         token = int(logits.argmax())
@@ -266,9 +267,10 @@ class Sampler:
                 setattr(self, name, None)
 
 
-def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+def token_logprob(logits: np.ndarray, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprob:
     """``token``'s log-probability under the raw logits (log-softmax over the vocabulary, before any sampler, as
-    llama-server reports them by default), and the ``top`` most likely tokens' (most likely first)."""
+    llama-server reports them by default), and the ``top`` most likely tokens' (most likely first), with the
+    bytes each stands for."""
     peak = float(logits.max())
     norm = peak + float(np.log(np.exp(logits - peak, dtype=np.float32).sum(dtype=np.float64)))
     best: list[TopLogprob] = []
@@ -276,8 +278,8 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     if top:
         idx = np.argpartition(logits, -top)[-top:]
         idx = idx[np.lexsort((idx, -logits[idx]))]
-        best = [TopLogprob(int(i), float(logits[i]) - norm) for i in idx]
-    return TokenLogprob(token=token, logprob=float(logits[token]) - norm, top=best)
+        best = [TopLogprob(int(i), float(logits[i]) - norm, piece(int(i))) for i in idx]
+    return TokenLogprob(token=token, logprob=float(logits[token]) - norm, piece=piece(token), top=best)
 
 
 def _new_chain(model: Model, params: SamplingParams) -> ctypes.c_void_p:
