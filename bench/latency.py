@@ -6,11 +6,12 @@ best effort), for --seconds each, against the default model with configs/default
   (a) budgets   the default scheduler: deadlines first, chunked prompts, preemption
   (b) fcfs      the same daemon with budgets off: first come first served, whole-batch prompt chunks
   (c) serial    one request at a time (one hot slot, first come first served)
+  deterministic (a) with deterministic decoding (docs/determinism.md): its cost, side by side with (a)
 Reports voice time to first token (client-measured, send to first chunk) p50/p99, the deadline-miss rate
 (late or refused), and vision throughput (prompt + generated tokens per second). Writes a plot of the TTFT
 distributions to bench/out/latency.png and the raw numbers to bench/out/latency.json.
 
-    python bench/latency.py [--model PATH] [--seconds 60]
+    python bench/latency.py [--model PATH] [--seconds 60] [--setups budgets fcfs serial deterministic]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ SETUPS = {
     "budgets": ("--scheduling", "budgets"),
     "fcfs": ("--scheduling", "fcfs"),
     "serial": ("--scheduling", "fcfs", "--hot-slots", "1"),
+    "deterministic": ("--scheduling", "budgets", "--deterministic"),  # (a) with deterministic decoding
 }
 
 
@@ -174,6 +176,14 @@ def main() -> int:
         print(
             f"{name:>8} | {r['voice_turns']:>5} | {p50:>8.0f} | {p99:>8.0f} | {missed:>6.1%} | "
             f"{r['voice_refused']:>7} | {r['vision_tokens_per_s']:>12.1f} | {r['vision_requests']:>11}"
+        )
+    if {"budgets", "deterministic"} <= results.keys():
+        a, d = results["budgets"], results["deterministic"]
+        print(
+            f"\ndeterministic vs budgets: voice p50 {np.percentile(d['voice_ttft_ms'], 50):.0f} vs "
+            f"{np.percentile(a['voice_ttft_ms'], 50):.0f} ms, p99 {np.percentile(d['voice_ttft_ms'], 99):.0f} vs "
+            f"{np.percentile(a['voice_ttft_ms'], 99):.0f} ms; vision throughput "
+            f"{d['vision_tokens_per_s'] / a['vision_tokens_per_s']:.0%} of budgets"
         )
     if {"budgets", "fcfs"} <= results.keys():
         a, b = results["budgets"], results["fcfs"]

@@ -12,10 +12,13 @@ Each other cell is the median of --repeat runs measured side by side. Results al
 The table's title says which cpu_repack mode the daemon and (b) ran with (--cpu-repack, default: what auto picks).
 
 --repack-compare measures only (b), with llama.cpp's weight repacking on and off, alternating, so the cost of
-`cpu_repack = "off"` is known on a machine where both work:
+`cpu_repack = "off"` is known on a machine where both work. --deterministic-compare measures the daemon's
+client-side tokens/s with deterministic decoding off (the default) and on, two daemons side by side, alternating
+within each round (docs/determinism.md):
 
     python bench/throughput.py [--model PATH] [--clients 1 2 4 8] [--repeat 3] [--cpu-repack auto|on|off]
     python bench/throughput.py --repack-compare [--clients 1 4] [--repeat 5]
+    python bench/throughput.py --deterministic-compare [--clients 1 4 8] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -220,6 +223,24 @@ def repack_compare(model: str, clients: list[int], repeat: int) -> None:
         print(f"{n:>2} | {on:>9.1f} | {off:>10.1f} | {off / on:>5.2f}x", flush=True)
 
 
+def deterministic_compare(model: str, clients: list[int], repeat: int) -> None:
+    """The daemon's decode tokens/s with deterministic decoding off and on, alternating within each round."""
+    slots = ("--hot-slots", str(max(clients)), "--context-size", "4096", "--threads", str(THREADS))
+    with private_daemon(model, *slots) as default, private_daemon(model, *slots, "--deterministic") as fixed:
+        print(
+            f"\nClient-side decode tokens/s, {MAX_TOKENS} greedy tokens per client, {THREADS} threads, median of "
+            f"{repeat} alternating runs (default: cpu_repack auto)"
+        )
+        print(f"{'N':>2} | {'default':>8} | {'deterministic':>13} | {'det/default':>11}")
+        for n in clients:
+            runs: dict[str, list[float]] = {"default": [], "deterministic": []}
+            for _ in range(repeat):
+                for name, daemon in (("default", default), ("deterministic", fixed)):
+                    runs[name].append(run_released([me("client", daemon.address, i) for i in range(n)])["tps"])
+            a, b = statistics.median(runs["default"]), statistics.median(runs["deterministic"])
+            print(f"{n:>2} | {a:>8.1f} | {b:>13.1f} | {b / a:>10.2f}x", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -229,6 +250,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cpu-repack", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--repack-compare", action="store_true", help="only (b), with repacking on and off")
+    ap.add_argument(
+        "--deterministic-compare", action="store_true", help="only the daemon, deterministic decoding off and on"
+    )
     args = ap.parse_args()
     if args.role:
         roles = {"client": role_client, "llama": role_llama, "bare-go": role_bare_go}
@@ -238,6 +262,9 @@ def main() -> int:
     from kvpool.daemon.llama.cpu_probe import choose_repack
 
     model = default_model(args.model)
+    if args.deterministic_compare:
+        deterministic_compare(model, args.clients, args.repeat)
+        return 0
     choice = choose_repack(args.cpu_repack, Path(model))
     print(f"{choice.describe()}", file=sys.stderr, flush=True)
     if args.repack_compare:

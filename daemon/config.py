@@ -37,11 +37,11 @@ def one_of(*values: str) -> Any:
     ]
 
 
-def sequence_count(hot_slots: int, prefix_slots: int) -> int:
-    """llama.cpp sequence ids the daemon uses: the hot slots, one per shared prefix, and one scratch sequence
-    when sharing is on. The model sizes its context with it, and the memory plan too (every sequence id widens
-    the sliding-window cache)."""
-    return hot_slots + prefix_slots + (1 if prefix_slots else 0)
+def sequence_count(hot_slots: int, prefix_slots: int, deterministic: bool = False) -> int:
+    """llama.cpp sequence ids the daemon uses: the hot slots, one per shared prefix, one scratch sequence when
+    sharing is on, and the graveyard of deterministic decoding (docs/determinism.md). The model sizes its context
+    with it, and the memory plan too (every sequence id widens the sliding-window cache)."""
+    return hot_slots + prefix_slots + (1 if prefix_slots else 0) + (1 if deterministic else 0)
 
 
 class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -164,6 +164,11 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     cpu_repack: one_of("auto", "on", "off") = "auto"
     # CPU threads for decoding; 0 means one per core.
     threads: Annotated[int, Meta(ge=0, le=1024)] = 0
+    # A session's tokens and logits, bit for bit, whatever else runs beside it, wherever its cells sit and however
+    # its prompt was chunked (docs/determinism.md): one kernel per matrix whatever a batch's row count (no weight
+    # repacking, no tiled K-quant matmul), batches of at most 63 tokens, one-token batches on one thread, and a KV
+    # that keeps every sequence's cells in position order. Costs throughput (docs/targets.md).
+    deterministic: bool = False
     log_level: one_of("debug", "info", "warning", "error") = "info"
     # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"
     # each; empty: the whole model on this machine. Unauthenticated: loopback or a private link (docs/rpc.md).
@@ -251,7 +256,26 @@ def load_config(
             raise ConfigError(_explain(exc, table, f"tasks.{name}", source, {}, {})) from None
     if "default" not in tasks:
         raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
+    _check_deterministic(config, source)
     return msgspec.structs.replace(config, tasks=tasks)
+
+
+def _check_deterministic(config: Config, source: str) -> None:
+    """Deterministic decoding rules out what would pick a kernel by a batch's shape (docs/determinism.md)."""
+    if not config.deterministic:
+        return
+    refusals = {
+        "cpu_repack": (config.cpu_repack == "on", "repacked weights take one kernel for a lone row and another "
+                       'for groups of four; leave cpu_repack = "auto" (off in deterministic mode) or set "off"'),
+        "flash_attn": (config.flash_attn == "off", "without flash attention a row's sums follow absolute cell "
+                       'indices; use flash_attn = "auto" or "on"'),
+        "rpc_servers": (bool(config.rpc_servers), "layers on rpc workers run their own build and threads; "
+                        "run the whole model here"),
+    }  # fmt: skip
+    for key, (refused, why) in refusals.items():
+        if refused:
+            value = getattr(config, key)
+            raise ConfigError(f"{source}: deterministic = true does not go with {key} = {value!r}: {why}.")
 
 
 SIZE_KEYS = (

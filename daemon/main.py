@@ -72,6 +72,7 @@ OVERRIDES = (
     "rpc_layers",
     "remote",
     "preload",
+    "deterministic",
 )
 
 
@@ -119,6 +120,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--remote", help="the cross-node tier: redis://[:password@]host:6379/0 (docs/remote.md)")
     ap.add_argument("--preload", choices=["off", "hints", "predict"], help="move sessions up ahead of their turn")
     ap.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a session's answer depends on its tokens alone, whoever else runs (docs/determinism.md)",
+    )
+    ap.add_argument(
         "--rpc-servers",
         type=lambda text: [item.strip() for item in text.split(",") if item.strip()],
         help="kvpool rpc-worker endpoints to split the model across, HOST:PORT[,HOST:PORT...] (docs/rpc.md)",
@@ -144,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv, kv_why = resolve_kv_settings(
             config.cache_type_k, config.cache_type_v, config.flash_attn, shape.head_k, shape.head_v
         )
-        repack = choose_repack(config.cpu_repack, model_path)
+        # Deterministic decoding turns repacking off: see config._check_deterministic.
+        repack = choose_repack("off" if config.deterministic else config.cpu_repack, model_path)
     except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, OSError) as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
         return 2
@@ -221,6 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvpoold: {exc}", file=sys.stderr)
         server.close()
         return 1
+    if config.deterministic:
+        # llama.cpp's tiled K-quant matmul serves batches of 8 rows and more, vec_dot fewer: another sum order.
+        # ggml reads this once, at the first decode of the process.
+        os.environ["GGML_CPU_TILED_MM"] = "0"
+        log.info("deterministic decoding: repacking and the tiled matmul off, steps of at most 63 tokens")
     try:
         threads = config.threads or os.cpu_count() or 1
         model = Model(
@@ -233,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repack=repack.enabled,
             kv=kv,
             placement=placement,
+            deterministic=config.deterministic,
         )
     except ModelLoadError as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)

@@ -29,6 +29,7 @@ class ModelStatus(Struct, kw_only=True):
     context_size_train: int
     sliding_window: int  # 0: every layer attends to the whole context
     cpu_repack: bool = True  # llama.cpp's weight repacking (docs/build.md)
+    deterministic: bool = False  # a session's logits depend on its tokens alone (docs/determinism.md)
     # The hot KV's types and flash attention (docs/kv-compression.md).
     kv_type_k: str = "f16"
     kv_type_v: str = "f16"
@@ -180,6 +181,8 @@ class MoveCounts(Struct, kw_only=True):
     restores_without_room: int = 0  # llama.cpp had no cells for a restore: idle sessions made room
     compressions: int = 0  # snapshots written at a smaller KV type (pool or spill, docs/kv-compression.md)
     restores_decompressed: int = 0  # restores that wrote a compressed snapshot back at the hot types
+    # Deterministic decoding: the KV laid out again (every hot sequence contiguous, the graveyard emptied).
+    compactions: int = 0
 
 
 class Moves(MoveCounts, kw_only=True):

@@ -30,6 +30,7 @@ class FakeModel:
     kv_layout = "fake"
     kv = KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
     n_swa = 0
+    deterministic = False  # (the real model's deterministic KV is tested on the real model)
 
     def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):
         self.context_size = context_size

@@ -60,7 +60,7 @@ class Engine:
         self.send = send
         self.daemon_version = daemon_version
         self.counters = Counters()
-        self.scheduler = Scheduler(config, tiers, model.batch.capacity, self._refused_admission)
+        self.scheduler = Scheduler(config, tiers, model.step_tokens, self._refused_admission)
         self.runner = Runner(model)
         self.last_step_seconds = 0.0
         self.heartbeat = time.monotonic()
@@ -121,6 +121,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return
+        self.tiers.ensure_room(sum(w.n_tokens for w in plan))
         started = time.monotonic()
         outcome = self.runner.run(plan)
         self._postprocess(plan, outcome, started)
@@ -167,6 +168,8 @@ class Engine:
         """Start the cost model from this machine's speed (budgets need it; fcfs does not)."""
         if self.config.calibrate and self.config.scheduling != "fcfs" and self.tiers.free_slots:
             calibrate_on_slot(self.model, self.tiers.free_slots[-1], self.scheduler.cost)
+            if self.model.deterministic:
+                self.tiers.compact()  # the calibration's cells went to the graveyard
 
     def _take_requests(self, block: bool) -> None:
         try:
@@ -298,6 +301,8 @@ class Engine:
         self.counters.kv_full_events += 1
         try:
             if self.tiers.free_cells(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
+                if self.model.deterministic:
+                    self.tiers.compact()  # what was freed went to the graveyard: take it back now
                 return
         except RequestRefused as refused:
             log.warning("could not hibernate idle sessions to free KV cells: %s", refused.message)

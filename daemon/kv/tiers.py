@@ -88,6 +88,34 @@ class Tiers:
         self.resident[slot] = s
         return True
 
+    def ensure_room(self, cells: int) -> None:
+        """Deterministic decoding appends cells and never frees one between compactions: compact when the next
+        ``cells`` would not fit after the last appended cell."""
+        if self.model.deterministic and self.model.cells_free() < cells:
+            self.compact()
+
+    def compact(self) -> None:
+        """Lay the KV out again: every hot sequence's cells contiguous and in position order from the first
+        cell, the graveyard emptied. Shared prefixes first, then each resident session's own cells, then the
+        prefix cells it shares given back: what a restore does, in one pass, from copies taken first."""
+        model = self.model
+        prefixes = sorted((p.seq, model.copy_state(p.seq)) for p in self.prefixes.hot())
+        sessions = []
+        for slot, s in sorted(self.resident.items()):
+            shared = s.prefix_len if s.prefix is not None and s.shares_hot else 0
+            sessions.append((slot, s, shared, model.copy_state(slot, shared) if s.n_kv > shared else None))
+        model.clear()
+        for seq, state in prefixes:
+            if not model.load_state(seq, state):
+                raise RuntimeError(f"llama.cpp refused a shared prefix's cells back while compacting (sequence {seq})")
+        for slot, s, shared, own in sessions:
+            if own is not None and not model.load_state(slot, own):
+                raise RuntimeError(f"llama.cpp refused session {s.id}'s cells back while compacting")
+            if shared:
+                assert s.prefix is not None and s.prefix.seq is not None
+                model.share_cells(s.prefix.seq, slot, 0, shared)
+        self.counts.compactions += 1
+
     def cells_used(self) -> int:
         """Cells of the unified KV in use (a shared prefix's cells count once)."""
         return sum(s.n_kv - s.prefix_len * s.shares_hot for s in self.resident.values()) + self.prefixes.hot_cells()
@@ -128,6 +156,7 @@ class Tiers:
             self.model.forget_sequence(slot)
             s.n_kv = 0
             return True
+        self.ensure_room(snap.n_kv)  # (its own cells, and a prefix's when that comes back too)
         if snap.prefix_entry == NO_PREFIX:
             ok = self._load_own_cells(s, slot)
         else:

@@ -150,7 +150,7 @@ def plan_memory(
     if window and arch in GLOBAL_LAYER_EVERY:
         every = GLOBAL_LAYER_EVERY[arch]
         # llama.cpp keeps a window of cells per sequence id: hot slots, shared prefixes and the scratch sequence
-        sequences = sequence_count(config.hot_slots, config.prefix_slots)
+        sequences = sequence_count(config.hot_slots, config.prefix_slots, config.deterministic)
         swa_cells = min(cells, _round_up(window * sequences + config.batch_size, 256))
         layer_cells = [cells if (il + 1) % every == 0 else swa_cells for il in range(n_layer)]
     layer_kv = [per_cell_layer * c for c in layer_cells]

@@ -135,6 +135,11 @@ class ModelLoadError(Exception):
     """The GGUF could not be loaded or the context could not be created."""
 
 
+# Flash attention takes a tiled path from 64 query rows on, whose sums follow absolute cell indices (ggml-cpu's
+# ops.cpp, GGML_FA_TILE_Q): deterministic decoding keeps every batch below it (docs/determinism.md).
+DETERMINISTIC_STEP_TOKENS = 63
+
+
 class GrammarError(ValueError):
     """llama.cpp refused a grammar (the message is its parser's sentence), or the tokens replayed into it."""
 
@@ -155,13 +160,13 @@ class Sampler:
         """``history``: the session's tokens (the penalties look back into them); ``replay``: tokens to feed the
         grammar before the first sample (a constrained answer being continued); GrammarError if they do not
         fit it, or if llama.cpp cannot parse the grammar."""
-        self._ctx = model.ctx
         self._n_vocab = model.n_vocab
         self._params = params
         self._grammar = _new_grammar(model, params.grammar) if params.grammar is not None else None
         self._chain = _new_chain(model, params)
         self._ids = model.token_ids
         self._piece = model.token_bytes
+        self._row_logits = model.row_logits
         self._one = np.zeros(1, dtype=TOKEN_DATA)
         # Plain greedy is an argmax over the logits row; numpy does it without the sampler chain's copy of the
         # whole vocabulary into a candidate array (262k entries for Gemma 3), the same first-maximum rule.
@@ -183,7 +188,7 @@ class Sampler:
 
     def sample(self, row: int) -> Sampled:
         """Sample from the logits of batch row ``row`` of the last decode, and accept the token."""
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, row), shape=(self._n_vocab,))
+        logits = self._row_logits(row)
         token = self._greedy(logits) if self._argmax else self._from_chain(logits)
         if self._grammar is not None:
             lc.llama_sampler_accept(self._grammar, token)
@@ -456,9 +461,15 @@ class Model:
         kv: KvSettings | None = None,
         outputs: int = 0,
         placement: Placement | None = None,
+        lone_threads: int = 0,
+        deterministic: bool = False,
     ):
         """``kv``: the hot KV's types and flash attention (default f16, on). ``outputs``: rows of logits one
-        decode may return (default one per sequence, all a step samples; a quality benchmark wants more)."""
+        decode may return (default one per sequence, all a step samples; a quality benchmark wants more).
+        ``lone_threads``: threads for a one-token batch (default ``threads``). ``deterministic``: a sequence's
+        logits depend on nothing but its own tokens (docs/determinism.md): one-token batches on one thread, and
+        cells kept in position order (see keep_cell_order); the caller also turns repacking and llama.cpp's
+        tiled matmul off and keeps batches under DETERMINISTIC_STEP_TOKENS."""
         _init_backend()
         self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
@@ -491,7 +502,12 @@ class Model:
         # snapshot is cut out through (only when sharing is on: every sequence id widens the sliding-window cache).
         self.prefix_seqs = list(range(hot_slots, hot_slots + prefix_slots))
         self.scratch_seq = hot_slots + prefix_slots if prefix_slots else -1
-        cparams.n_seq_max = sequence_count(hot_slots, prefix_slots)
+        self.deterministic = deterministic
+        cparams.n_seq_max = sequence_count(hot_slots, prefix_slots, deterministic)
+        # Deterministic decoding never frees a cell between compactions: a sequence's cells are handed to this one
+        # instead (they stay occupied, masked for everyone), so no later token can land before a sequence's older
+        # cells, whose order flash attention's reduction follows.
+        self.graveyard = cparams.n_seq_max - 1 if deterministic else -1
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
         cparams.n_outputs_max = outputs or cparams.n_seq_max  # llama.cpp reserves its graph for these outputs
@@ -500,7 +516,8 @@ class Model:
             lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.kv.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         cparams.swa_full = self.kv.swa_full
-        cparams.n_threads = threads
+        # llama.cpp runs a one-token batch on n_threads and any other on n_threads_batch.
+        cparams.n_threads = 1 if deterministic else (lone_threads or threads)
         cparams.n_threads_batch = threads
         cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on
         cparams.no_perf = True
@@ -514,10 +531,18 @@ class Model:
             )
         self.memory = lc.llama_get_memory(self.ctx)
         self.context_size = lc.llama_n_ctx(self.ctx)
+        self.n_swa = lc.llama_model_n_swa(self._model)  # 0: every layer attends to the whole context
+        # Cells appended since the KV was last laid out (deterministic decoding): the cells before this count are
+        # taken (live or in the graveyard), those after it free. Each cache of the model has its own size: the
+        # sliding-window one (llama-kv-cache-iswa.cpp) is smaller when the window times the sequences is.
+        self.appended = 0
+        swa_cells = self.n_swa * cparams.n_seq_max + batch_size
+        self.cell_room = self.context_size if not self.n_swa or self.kv.swa_full else min(
+            self.context_size, -(-swa_cells // 256) * 256
+        )
         self.hot_slots = hot_slots
         self.batch = Batch(batch_size)
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
-        self.n_swa = lc.llama_model_n_swa(self._model)  # 0: every layer attends to the whole context
         self._piece_buf = ctypes.create_string_buffer(256)
         self.token_ids = np.arange(self.n_vocab, dtype=np.int32)  # the id column of a candidate array
         self.description = self._desc()
@@ -597,7 +622,28 @@ class Model:
 
     def decode(self) -> int:
         """Run the filled batch through the model. 0: done; 1: no room in the KV (state unchanged)."""
-        return lc.llama_decode(self.ctx, self.batch.as_llama_batch())
+        rc = lc.llama_decode(self.ctx, self.batch.as_llama_batch())
+        if rc == 0:
+            self.appended += self.batch.n
+        return rc
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one decode may take."""
+        return min(self.batch.capacity, DETERMINISTIC_STEP_TOKENS) if self.deterministic else self.batch.capacity
+
+    def cells_free(self) -> int:
+        """Deterministic decoding: cells left after the last appended one (a compaction makes more)."""
+        return self.cell_room - self.appended
+
+    def clear(self) -> None:
+        """Empty the whole KV (every sequence, the graveyard too): the first step of a compaction."""
+        lc.llama_memory_clear(self.memory, False)
+        self.appended = 0
+
+    def row_logits(self, row: int) -> np.ndarray:
+        """The logits of batch row ``row`` of the last decode (a view: copy to keep)."""
+        return np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
 
     def output_logits(self, rows: int) -> np.ndarray:
         """The logits of the last decode's first ``rows`` outputs, [rows, n_vocab] (a view: copy to keep)."""
@@ -607,7 +653,10 @@ class Model:
         return Sampler(self, params, history, replay)
 
     def forget_sequence(self, seq_id: int) -> None:
-        """Free every KV cell of a sequence (the slot becomes empty)."""
+        """Empty a sequence (the slot becomes empty). Its cells are freed, or, in deterministic decoding, handed
+        to the graveyard: a freed cell would take the next token of any sequence out of position order."""
+        if self.graveyard >= 0 and seq_id != self.graveyard:
+            lc.llama_memory_seq_cp(self.memory, seq_id, self.graveyard, -1, -1)
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
     def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
@@ -652,7 +701,16 @@ class Model:
         if lc.llama_state_seq_set_data(self.ctx, src, len(src), seq_id) == 0:
             self.forget_sequence(seq_id)
             return False
+        low, high = self.lowest_position(seq_id), self.highest_position(seq_id)
+        self.appended += high - low + 1 if high >= 0 else 0
         return True
+
+    def copy_state(self, seq_id: int, first: int = 0) -> ctypes.Array[ctypes.c_uint8]:
+        """The sequence's state from position ``first`` on, in a buffer of its own (a compaction's copy)."""
+        with self.cells_from(seq_id, first) as seq:
+            buf = (ctypes.c_uint8 * self.state_size(seq))()
+            written = self.save_state(seq, buf)
+        return (ctypes.c_uint8 * written).from_buffer(buf) if written != len(buf) else buf
 
     # ------------------------------------------------------------------ identity
 
@@ -684,6 +742,7 @@ class Model:
             context_size_train=lc.llama_model_n_ctx_train(self._model),
             sliding_window=lc.llama_model_n_swa(self._model),
             cpu_repack=self.repack,
+            deterministic=self.deterministic,
             kv_type_k=self.kv.type_k.name,
             kv_type_v=self.kv.type_v.name,
             flash_attn=self.kv.flash_attn,

@@ -255,6 +255,10 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ figures
 
+    def hot(self) -> list[Prefix]:
+        """The prefixes in the unified KV."""
+        return [x for x in self.by_id.values() if x.seq is not None]
+
     def hot_cells(self) -> int:
         return sum(len(x.tokens) for x in self.by_id.values() if x.seq is not None)
 
