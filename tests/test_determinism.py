@@ -124,6 +124,14 @@ def test_hibernation_on_two_slots_changes_nothing(start_daemon: Start) -> None:
         assert client.status().moves.hibernations > 0
 
 
+def test_restores_from_the_disk_tier_change_nothing(start_daemon: Start) -> None:
+    daemon = deterministic(start_daemon, "--hot-slots", "2", "--cache-pool-size", "1MiB")  # snapshots spill
+    reference = alone(daemon)
+    assert at_once(daemon, 4) == reference
+    with daemon.client() as client:
+        assert client.status().moves.restores_disk > 0
+
+
 def test_a_sigkill_and_restart_between_turns_changes_nothing(start_daemon: Start) -> None:
     import signal
 
