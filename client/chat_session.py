@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvpool import protocol as p
 
@@ -114,9 +115,10 @@ class ChatSession:
         """Close the session (the conversation is gone with it)."""
         self._session().close()
 
-    def say(self, text: str, on_text: Callable[[str], None] | None = None) -> Reply:
-        """One turn: ``text`` from the user, the answer streamed to ``on_text``. A turn that fails (refused for
-        its budget, say) leaves the conversation as it was, so it can be sent again."""
+    def say(self, text: str, on_text: Callable[[str], None] | None = None, **params: Any) -> Reply:
+        """One turn: ``text`` from the user, the answer streamed to ``on_text``. ``params``: generate parameters
+        for this turn beyond the session's own (e.g. ``json_schema=`` for an answer in JSON). A turn that fails
+        (refused for its budget, say) leaves the conversation as it was, so it can be sent again."""
         c = self.conversation
         messages = [*c.messages, {"role": "user", "content": text}]
         rendered = self.template.render(messages, add_generation_prompt=True)
@@ -133,7 +135,7 @@ class ChatSession:
         started = time.monotonic()
         first: float | None = None
         answer, generated = [], []
-        params = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stop": self.stops}
+        params = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stop": self.stops, **params}
         try:
             with session.generate(tokens, after=held, **params) as stream:
                 for chunk in stream:

@@ -1,8 +1,10 @@
-"""Vision captioner task: turns long scene descriptions (from a vision model upstream) into one-line captions.
+"""Vision captioner task: turns long scene descriptions (from a vision model upstream) into one JSON record per
+frame (the objects, how many people, the animals, a one-line caption), validated against its schema.
 
 Reads JSON lines {"scene": "..."} from --scenes FILE; each scene gets a fresh session (frames are
 independent), and a latency summary is printed at the end. Every session starts with the same instructions
-(its system prompt): the daemon computes them once and shares their KV with every later frame.
+(its system prompt): the daemon computes them once and shares their KV with every later frame. The record is
+constrained by the schema in the daemon (docs/protocol.md), so every frame's record parses and validates.
 
     python examples/vision_captioner.py --scenes examples/data/scenes.jsonl
 """
@@ -14,14 +16,25 @@ import json
 import sys
 import time
 
+import jsonschema
 from latency import summary
 
 from kvpool.client import Client, KvpoolError
 
 INSTRUCTIONS = (
-    "You write short captions for the camera frames of a home robot. Each caption is one sentence that names "
-    "the main objects and what moves.\n\n"
+    "You describe the camera frames of a home robot as JSON: the main objects, the number of people, the "
+    "animals, and a caption of one sentence that names what moves.\n\n"
 )
+RECORD = {
+    "type": "object",
+    "properties": {
+        "objects": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 6},
+        "people": {"type": "integer", "minimum": 0, "maximum": 20},
+        "animals": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 4},
+        "caption": {"type": "string", "maxLength": 120},
+    },
+    "required": ["objects", "people", "animals", "caption"],
+}
 
 
 def main() -> int:
@@ -29,7 +42,7 @@ def main() -> int:
     ap.add_argument("--address", help="kvpoold address (default: $KVPOOL_ADDRESS or the daemon's default)")
     ap.add_argument("--scenes", required=True, help='JSON-lines file of {"scene": text}')
     ap.add_argument("--task", default="vision")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=160)
     args = ap.parse_args()
     with open(args.scenes, encoding="utf-8") as f:
         scenes = [json.loads(line)["scene"] for line in f if line.strip()]
@@ -41,12 +54,14 @@ def main() -> int:
             for i, scene in enumerate(scenes):
                 with client.open_session(args.task, system_prompt=INSTRUCTIONS) as session:
                     result = session.complete(
-                        f"Scene: {scene}\nCaption:",
-                        max_tokens=args.max_tokens,
-                        temperature=0.0,
-                        stop=["\n"],
+                        f"Scene: {scene}\nRecord:", max_tokens=args.max_tokens, temperature=0.0, json_schema=RECORD
                     )
-                print(f"[vision] frame {i}:{result.text}", flush=True)
+                if result.finish_reason == "stop":
+                    record = json.loads(result.text)
+                    jsonschema.validate(record, RECORD)  # the daemon's grammar guarantees it; the task checks
+                    print(f"[vision] frame {i}: {json.dumps(record)}", flush=True)
+                else:  # cut by max_tokens: the record is unfinished
+                    print(f"[vision] frame {i}: (no whole record within {args.max_tokens} tokens)", flush=True)
                 ttfts.append(result.ttft_ms)
                 tokens += result.usage.completion_tokens
             shared = client.status().prefixes

@@ -1,8 +1,10 @@
-"""Voice assistant task: short turns in one multi-turn session (the daemon keeps the conversation).
+"""Voice assistant task: each utterance becomes a call of one of the robot's device functions (lights, volume,
+timer) or a short spoken answer, in one multi-turn session (the daemon keeps the conversation).
 
-Reads one user turn per line from --script FILE or stdin, prints each answer, and a latency summary at the end.
-The conversation is in the model's chat format (kvpool.client.chat_session: the GGUF's chat template; the
-default model is a base model without one, so a plain transcript), and each turn computes only its new part.
+Reads one user turn per line from --script FILE or stdin, and prints each call or answer and a latency summary at the
+end. The answer is constrained by a JSON Schema (constrained decoding in the daemon, docs/protocol.md): the model
+picks the function and its arguments, the grammar guarantees the syntax, so every turn parses. The conversation is in
+the model's chat format (kvpool.client.chat_session), and each turn computes only its new part.
 
     python examples/voice_assistant.py --script examples/data/voice_turns.txt
 """
@@ -10,6 +12,7 @@ default model is a base model without one, so a plain transcript), and each turn
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,7 +23,41 @@ from kvpool.client import Client, KvpoolError
 from kvpool.client.chat_session import ChatSession
 from kvpool.client.errors import BudgetUnmeetable
 
-PREAMBLE = "A friendly voice assistant on a home robot answers each question in one short sentence."
+PREAMBLE = (
+    "You are the voice of a home robot. Answer every request with one JSON object: to switch lights, "
+    '{"device": "lights", "room": ROOM, "on": true or false}; to change the volume, {"device": "volume", "level": '
+    '0 to 100}; to start a timer, {"device": "timer", "minutes": N}; otherwise {"say": "one short sentence"}.'
+)
+ROOMS = ["kitchen", "living room", "bedroom", "hall"]
+# The device functions, and a spoken answer: what the model may produce, and nothing else.
+ANSWER = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {"device": {"const": "lights"}, "room": {"enum": ROOMS}, "on": {"type": "boolean"}},
+            "required": ["device", "room", "on"],
+        },
+        {
+            "type": "object",
+            "properties": {"device": {"const": "volume"}, "level": {"type": "integer", "minimum": 0, "maximum": 100}},
+            "required": ["device", "level"],
+        },
+        {
+            "type": "object",
+            "properties": {"device": {"const": "timer"}, "minutes": {"type": "integer", "minimum": 1, "maximum": 180}},
+            "required": ["device", "minutes"],
+        },
+        {"type": "object", "properties": {"say": {"type": "string", "maxLength": 160}}, "required": ["say"]},
+    ]
+}
+
+
+def act(answer: dict[str, object]) -> str:
+    """What the robot does with an answer: a device call (printed here), or words to speak."""
+    if "say" in answer:
+        return f"[voice] assistant: {answer['say']}"
+    arguments = ", ".join(f"{k}={v!r}" for k, v in answer.items() if k != "device")
+    return f"[voice] device: {answer['device']}({arguments})"
 
 
 def main() -> int:
@@ -28,7 +65,7 @@ def main() -> int:
     ap.add_argument("--address", help="kvpoold address (default: $KVPOOL_ADDRESS or the daemon's default)")
     ap.add_argument("--script", help="file with one user turn per line (default: stdin)")
     ap.add_argument("--task", default="voice")
-    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     lines = Path(args.script).read_text(encoding="utf-8").splitlines() if args.script else sys.stdin
     ttfts: list[float] = []
@@ -37,7 +74,7 @@ def main() -> int:
     started = time.monotonic()
     try:
         with Client(args.address, name="voice-assistant") as client:
-            chat = ChatSession(client, task=args.task, system=PREAMBLE, max_tokens=args.max_tokens, stop=["\n"])
+            chat = ChatSession(client, task=args.task, system=PREAMBLE, max_tokens=args.max_tokens)
             for line in lines:
                 question = line.strip()
                 if not question:
@@ -45,7 +82,7 @@ def main() -> int:
                 print(f"[voice] user: {question}", flush=True)
                 for attempt in range(3):
                     try:
-                        reply = chat.say(question)
+                        reply = chat.say(question, json_schema=ANSWER)
                         break
                     except BudgetUnmeetable as exc:  # told at once that it would be late: say so, try again
                         print(
@@ -57,8 +94,11 @@ def main() -> int:
                     print("[voice] assistant: (too busy right now)", flush=True)
                     refused += 1
                     continue
-                print(f"[voice] assistant: {reply.text.strip()}", flush=True)
                 assert reply.final is not None
+                if reply.final.finish_reason != "stop":  # cut by max_tokens: the JSON is unfinished
+                    print(f"[voice] assistant: (no answer within {args.max_tokens} tokens)", flush=True)
+                else:
+                    print(act(json.loads(reply.text)), flush=True)
                 ttfts.append(reply.final.timings.ttft_ms)
                 tokens += reply.final.usage.completion_tokens
             chat.close()

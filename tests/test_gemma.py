@@ -262,9 +262,9 @@ def test_a_chat_through_the_gateway_answers_with_the_template(
         gateway.stop()
 
 
-def test_the_voice_example_answers_in_the_models_best_format(start_daemon: Callable[..., DaemonProcess]) -> None:
-    """The demo's voice assistant talks through the chat template code; for the base default model that is a
-    transcript, and its first answer is the fact, not an echo of the question's topic."""
+def test_the_voice_example_turns_utterances_into_device_calls(start_daemon: Callable[..., DaemonProcess]) -> None:
+    """The demo's voice assistant: each utterance becomes a device call or a spoken answer, constrained by its
+    JSON Schema, through the chat template code (for the base default model, a transcript)."""
     import os
     import subprocess
     import sys
@@ -277,8 +277,10 @@ def test_the_voice_example_answers_in_the_models_best_format(start_daemon: Calla
         capture_output=True, text=True, timeout=120, env=os.environ | {"KVPOOL_ADDRESS": daemon.address},
     )  # fmt: skip
     assert voice.returncode == 0, voice.stderr
-    answers = [line for line in voice.stdout.splitlines() if line.startswith("[voice] assistant:")]
-    assert len(answers) == 5 and "Paris" in answers[0], voice.stdout
+    answers = [line for line in voice.stdout.splitlines() if line.startswith(("[voice] assistant:", "[voice] device:"))]
+    assert len(answers) == 5, voice.stdout
+    assert answers[0].startswith("[voice] device: lights(") and "kitchen" in answers[0], voice.stdout
+    assert answers[2].startswith("[voice] device: volume(level=30") and "timer(minutes=5" in answers[3], voice.stdout
 
 
 @pytest.mark.parametrize("pool_type", ["q8_0", "q4_0"])
