@@ -58,8 +58,11 @@ def conversation(client: Client, i: int, started: threading.Event | None = None)
         return [turn(s, PROMPTS[i], SAMPLING[i], started), turn(s, FOLLOW_UP, SAMPLING[i])]
 
 
-def at_once(daemon: DaemonProcess, count: int) -> list[list[Turn]]:
+def at_once(
+    daemon: DaemonProcess, count: int, talk: Callable[[Client, int, threading.Event | None], list[Turn]] | None = None
+) -> list[list[Turn]]:
     """``count`` conversations at once, each starting while the one before decodes its first turn."""
+    talk = talk or conversation
     results: list[list[Turn] | None] = [None] * count
     errors: list[BaseException] = []
     started = [threading.Event() for _ in range(count)]
@@ -67,7 +70,7 @@ def at_once(daemon: DaemonProcess, count: int) -> list[list[Turn]]:
     def run(i: int) -> None:
         try:
             with daemon.client(timeout=WAIT_S) as client:
-                results[i] = conversation(client, i, started[i])
+                results[i] = talk(client, i, started[i])
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
             started[i].set()
@@ -122,6 +125,23 @@ def test_hibernation_on_two_slots_changes_nothing(start_daemon: Start) -> None:
     assert at_once(daemon, 4) == reference  # four conversations take turns in two slots
     with daemon.client() as client:
         assert client.status().moves.hibernations > 0
+
+
+def test_long_sessions_past_the_window_through_compactions_change_nothing(start_daemon: Start) -> None:
+    """Past Gemma's 512-token window, and in a KV small enough that it is laid out again (compacted) while they
+    run: two long conversations at once still answer as each alone."""
+    story = "The lighthouse keeper counted the ships that passed in the night, one by one. " * 36  # ~580 tokens
+
+    def long_conversation(client: Client, i: int, started: threading.Event | None = None) -> list[Turn]:
+        with client.open_session() as s:
+            return [turn(s, f"{story} Story {i}:", GREEDY, started), turn(s, " Who counted?", GREEDY)]
+
+    daemon = deterministic(start_daemon, "--hot-slots", "2", "--context-size", "1536")
+    with daemon.client(timeout=WAIT_S) as client:
+        reference = [long_conversation(client, i) for i in range(2)]
+    assert at_once(daemon, 2, long_conversation) == reference
+    with daemon.client() as client:
+        assert client.status().moves.compactions > 0
 
 
 def test_restores_from_the_disk_tier_change_nothing(start_daemon: Start) -> None:

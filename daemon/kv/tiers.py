@@ -109,7 +109,7 @@ class Tiers:
             if not model.load_state(seq, state):
                 raise RuntimeError(f"llama.cpp refused a shared prefix's cells back while compacting (sequence {seq})")
         for slot, s, shared, own in sessions:
-            if own is not None and not model.load_state(slot, own):
+            if own is not None and not model.load_state(slot, own, first=shared):
                 raise RuntimeError(f"llama.cpp refused session {s.id}'s cells back while compacting")
             if shared:
                 assert s.prefix is not None and s.prefix.seq is not None
@@ -204,6 +204,7 @@ class Tiers:
     def _load_own_cells(self, s: Session, slot: int) -> bool:
         snap = s.snapshot
         assert snap is not None
+        first = snap.prefix_len if snap.prefix_entry != NO_PREFIX else 0  # its own cells start past the prefix
         if snap.tier == TIER_POOL:
             started = time.perf_counter()
             # Verify first, on this thread: the pass leaves the snapshot in the CPU cache, so llama.cpp's load
@@ -215,13 +216,13 @@ class Tiers:
             if snap.compressed:
                 view = self.pool.view(snap.offset, snap.state_bytes)
                 try:
-                    ok = self.model.load_state(slot, self._decompress(s, view))
+                    ok = self.model.load_state(slot, self._decompress(s, view), first)
                 finally:
                     view.release()
             else:
                 state = self.pool.address(snap.offset, snap.state_bytes)
                 try:
-                    ok = self.model.load_state(slot, state)
+                    ok = self.model.load_state(slot, state, first)
                 finally:
                     del state  # release the export of the mapping
             self.counts.restores_pool += 1
@@ -233,9 +234,10 @@ class Tiers:
                 self.counts.checksum_failures += 1
                 raise SessionCorrupt(s, str(exc)) from None
             if snap.compressed:
-                ok = self.model.load_state(slot, self._decompress(s, memoryview(payload)[: snap.state_bytes]))
+                ok = self.model.load_state(slot, self._decompress(s, memoryview(payload)[: snap.state_bytes]), first)
             else:
-                ok = self.model.load_state(slot, (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0))
+                state = (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0)
+                ok = self.model.load_state(slot, state, first)
             self.counts.restores_disk += 1
         return ok
 

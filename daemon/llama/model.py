@@ -695,14 +695,17 @@ class Model:
         finally:
             self.forget_sequence(self.scratch_seq)
 
-    def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8]) -> bool:
-        """Restore a saved state into an empty sequence; False when llama.cpp rejects it (no room, mismatch)."""
+    def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0) -> bool:
+        """Restore a saved state into an empty sequence; False when llama.cpp rejects it (no room, mismatch).
+        ``first``: the state's first position (a suffix past a shared prefix starts there): the full-attention
+        cache gets a cell for every position from it on (llama.cpp reports positions of the sliding-window cache,
+        which may start later)."""
         self.forget_sequence(seq_id)
         if lc.llama_state_seq_set_data(self.ctx, src, len(src), seq_id) == 0:
             self.forget_sequence(seq_id)
             return False
-        low, high = self.lowest_position(seq_id), self.highest_position(seq_id)
-        self.appended += high - low + 1 if high >= 0 else 0
+        high = self.highest_position(seq_id)
+        self.appended += high - first + 1 if high >= first else 0
         return True
 
     def copy_state(self, seq_id: int, first: int = 0) -> ctypes.Array[ctypes.c_uint8]:
