@@ -5,11 +5,15 @@
 # arguments and architecture, like scripts/install-llama-cpp.sh.
 #
 # usage: build-llama-server.sh VERSION CMAKE_ARGS   (prints the path of the llama-server binary)
+#        KVPOOL_FIND_ONLY=1 build-llama-server.sh ...   (only finds a binary built before; exit 1 if there is none)
 set -euo pipefail
 version=$1 cmake_args=$2
 key=$(printf 'llama-server %s\n%s\n%s\n' "$version" "$cmake_args" "$(uname -m)" | sha256sum | cut -c1-16)
-home="${KVPOOL_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvpool/wheels}/../llama-server/$key"
+home="${XDG_CACHE_HOME:-$HOME/.cache}/kvpool/llama-server/$key"
 binary="$home/bin/llama-server"
+if [ ! -x "$binary" ] && [ -n "${KVPOOL_FIND_ONLY:-}" ]; then
+  exit 1
+fi
 if [ ! -x "$binary" ]; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
