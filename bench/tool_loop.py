@@ -1,0 +1,219 @@
+"""A scripted tool loop through the `openai` client: what keeping a conversation's KV buys an agent.
+
+8 conversations x 4 rounds, round robin, on 4 slots (so conversations move between the hot slots and the pool).
+Each round: the user asks for something a tool does; the model calls a tool (tool_choice "required"); the tool's
+result goes back; the model answers (tool_choice "auto", streamed). Reported: the time to the first token of those
+answers (p50, p99), side by side on one machine:
+  (a) kvpool       kvpool-gateway, the conversation named by prompt_cache_key: each request computes only its
+                   new tokens (the call, the result, the next question)
+  (b) no reuse     kvpool-gateway --no-reuse: every request re-prefills the whole conversation
+  (c) llama-server llama.cpp's server with the same 4 slots and its prompt cache; it has no tool syntax for this
+                   model, so the benchmark offers the tools itself in the same words and envelope (the gateway's
+                   tools.Toolbox: the system text, and the envelope's JSON Schema as response_format)
+Target: (a) <= 0.5x (c) (or (b) when no llama-server is available).
+
+    python bench/tool_loop.py [--model PATH] [--conversations 8] [--rounds 4] [--llama-server PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from anchors import gateway, llama_server, llama_server_binary  # noqa: E402
+from common import default_model, private_daemon  # noqa: E402
+
+from kvpool.gateway.tools import Tool, Toolbox  # noqa: E402
+
+SLOTS = 4
+SYSTEM = "You are a home robot's assistant. Keep answers short."
+TOOLS = [
+    Tool("get_weather", "The weather now in a city.", {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}),
+    Tool("set_timer", "Start a kitchen timer.", {"type": "object", "properties": {"minutes": {"type": "integer",
+         "minimum": 1, "maximum": 120}}, "required": ["minutes"]}),
+    Tool("note", "Write a note on the fridge screen.", {"type": "object", "properties": {"text": {"type": "string",
+         "maxLength": 80}}, "required": ["text"]}),
+]  # fmt: skip
+ASKS = [
+    "What is the weather in {city}?",
+    "Set a timer for {minutes} minutes, please.",
+    "Write a note that we need {thing}.",
+    "And the weather in {city} tomorrow?",
+]
+CITIES = ["Paris", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Perth", "Dublin"]
+THINGS = ["milk", "bread", "eggs", "tea", "rice", "soap", "apples", "salt"]
+
+
+def ask(conversation: int, round_: int) -> str:
+    return ASKS[round_ % len(ASKS)].format(
+        city=CITIES[(conversation + round_) % len(CITIES)], minutes=5 + conversation, thing=THINGS[conversation]
+    )
+
+
+def tool_result(name: str, arguments: str) -> str:
+    return {"get_weather": "18 C, light rain", "set_timer": "timer started", "note": "note written"}.get(name, "done")
+
+
+def openai_tools() -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+             "parameters": t.parameters}} for t in TOOLS]  # fmt: skip
+
+
+class KvpoolLoop:
+    """One conversation through kvpool-gateway, with OpenAI's tool messages."""
+
+    def __init__(self, client: Any, i: int, named: bool):
+        self.client, self.key = client, (f"loop-{i}" if named else None)
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+
+    def _create(self, **kw: Any) -> Any:
+        extra = {"prompt_cache_key": self.key} if self.key else {}
+        return self.client.chat.completions.create(
+            model="default", messages=self.messages, tools=openai_tools(), max_tokens=48, temperature=0.0,
+            **extra, **kw,
+        )  # fmt: skip
+
+    def call(self, question: str) -> None:
+        self.messages.append({"role": "user", "content": question})
+        message = self._create(tool_choice="required").choices[0].message
+        self.messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or ():
+            result = tool_result(call.function.name, call.function.arguments)
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+
+    def answer(self) -> float:
+        """Seconds to the first token of the answer to the tool's result."""
+        started, first = time.monotonic(), None
+        content, calls = [], {}
+        for chunk in self._create(tool_choice="auto", stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is None:
+                continue
+            if first is None and (delta.content or delta.tool_calls):
+                first = time.monotonic()
+            content.append(delta.content or "")
+            for c in delta.tool_calls or ():
+                slot = calls.setdefault(c.index, {"id": c.id, "type": "function", "function": {"name": "",
+                                                                                                "arguments": ""}})
+                if c.function is not None:
+                    slot["function"]["name"] += c.function.name or ""
+                    slot["function"]["arguments"] += c.function.arguments or ""
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+        if calls:
+            message["tool_calls"] = [calls[k] for k in sorted(calls)]
+        self.messages.append(message)
+        for call in message.get("tool_calls", ()):
+            result = tool_result(call["function"]["name"], call["function"]["arguments"])
+            self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        return (first or time.monotonic()) - started
+
+
+class LlamaServerLoop:
+    """The same conversation through llama-server, the tools offered in the gateway's words and envelope."""
+
+    def __init__(self, client: Any, i: int):
+        self.client = client
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM + "\n\n" + toolbox("auto").offer()}]
+
+    def _create(self, choice: str, **kw: Any) -> Any:
+        schema, _ = toolbox(choice).schema()
+        return self.client.chat.completions.create(
+            model="default", messages=self.messages, max_tokens=48, temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "envelope", "schema": schema}}, **kw,
+        )  # fmt: skip
+
+    def _results(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            calls = json.loads(text)["tool_calls"]
+            results = [{"tool_response": {"name": c["name"], "content": tool_result(c["name"], "")}} for c in calls]
+            self.messages.append({"role": "user", "content": "\n".join(json.dumps(r) for r in results)})
+
+    def call(self, question: str) -> None:
+        self._add_user(question)
+        self._results(self._create("required").choices[0].message.content or "")
+
+    def answer(self) -> float:
+        started, first, parts = time.monotonic(), None, []
+        for chunk in self._create("auto", stream=True):
+            piece = chunk.choices[0].delta.content if chunk.choices else None
+            if piece:
+                first = first or time.monotonic()
+                parts.append(piece)
+        self._results("".join(parts))
+        return (first or time.monotonic()) - started
+
+    def _add_user(self, text: str) -> None:
+        if self.messages[-1]["role"] == "user":  # after a tool result: one user turn (roles alternate)
+            self.messages[-1]["content"] += "\n" + text
+        else:
+            self.messages.append({"role": "user", "content": text})
+
+
+def toolbox(choice: str) -> Toolbox:
+    return Toolbox(tuple(TOOLS), choice, parallel=False, response=None)
+
+
+def run(loops: list[Any], rounds: int) -> list[float]:
+    ttft = []
+    for r in range(rounds):
+        for i, loop in enumerate(loops):
+            loop.call(ask(i, r))
+            ttft.append(loop.answer() * 1000.0)
+    return ttft
+
+
+def main() -> int:
+    import openai
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--llama-server", help="a llama-server binary (default: one scripts/build-llama-server.sh built)")
+    args = ap.parse_args()
+    model = default_model(args.model)
+    binary = llama_server_binary(args.llama_server)
+    results: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        daemon = stack.enter_context(private_daemon(model, "--hot-slots", str(SLOTS), "--threads", "2"))
+        reuse = stack.enter_context(gateway(daemon.address, Path(tempfile.mkdtemp(prefix="kvgw-"))))
+        fresh = stack.enter_context(gateway(daemon.address, Path(tempfile.mkdtemp(prefix="kvgw-")), "--no-reuse"))
+        setups: dict[str, tuple[str, Any]] = {
+            "(a) kvpool": (reuse, lambda c, i: KvpoolLoop(c, i, named=True)),
+            "(b) no reuse": (fresh, lambda c, i: KvpoolLoop(c, i, named=False)),
+        }
+        if binary:
+            server = stack.enter_context(llama_server(binary, model, SLOTS, 2048))
+            setups["(c) llama-server"] = (server, LlamaServerLoop)
+        else:
+            print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
+        for name, (url, make) in setups.items():
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+            loops = [make(client, i) for i in range(args.conversations)]
+            results[name] = run(loops, args.rounds)
+            print(f"measured {name}", file=sys.stderr, flush=True)
+    print(f"\nTime to the first token of the answer after a tool's result, ms ({args.conversations} conversations x "
+          f"{args.rounds} rounds, {SLOTS} slots, Gemma 3 270M)")  # fmt: skip
+    print(f"{'setup':>18} | {'p50':>7} | {'p99':>7} | {'p50 vs (a)':>10}")
+    base = statistics.median(results["(a) kvpool"])
+    for name, values in results.items():
+        ordered = sorted(values)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        p50 = statistics.median(values)
+        print(f"{name:>18} | {p50:>7.0f} | {p99:>7.0f} | {p50 / base:>9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
