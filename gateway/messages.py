@@ -60,6 +60,10 @@ def template_messages(
         for field in ("audio", "function_call"):
             if getattr(message, field) is not None:
                 raise refuse(f"{where}.{field}", f"{where}.{field} is not supported (use tool_calls).")
+        if message.annotations:
+            raise refuse(
+                f"{where}.annotations", f"{where}.annotations (citations) are not rendered: send them in the content."
+            )
         if message.name is not None:
             raise refuse(
                 f"{where}.name",
@@ -89,7 +93,7 @@ def template_messages(
             if name is None:
                 raise HttpError(
                     400,
-                    f"{where}: no earlier assistant message made the call {message.tool_call_id!r}.",
+                    f"{where}.tool_call_id: no earlier assistant message made the call {message.tool_call_id!r}.",
                     "invalid_value",
                     param=f"{where}.tool_call_id",
                 )

@@ -53,6 +53,9 @@ class ContentPart(Forbidding, kw_only=True):
 class CalledFunction(Forbidding, kw_only=True):
     name: Name
     arguments: Annotated[str, Meta(max_length=1 << 20)]
+    # The openai SDK's parse and stream helpers add their own parse of `arguments` to a message a client sends
+    # back: it repeats what `arguments` says, which is what is rendered.
+    parsed_arguments: Any = None
 
 
 class ToolCall(Forbidding, kw_only=True):
@@ -74,6 +77,7 @@ class ChatMessage(Forbidding, kw_only=True):
     audio: Any = None
     function_call: Any = None
     annotations: list[Any] | None = None  # what a response's message carries; a client may send it back
+    parsed: Any = None  # the openai SDK helpers' parse of `content` (see CalledFunction.parsed_arguments)
 
 
 # ---------------------------------------------------------------------- tools and structured output
