@@ -77,9 +77,14 @@ def refuse_chat_fields(body: ChatCompletionRequest) -> None:
             if getattr(body, field) is not None:
                 raise refuse(field, f"`{field}` needs `tools`.", "invalid_value")
     _refuse_common(body)
-    for field, value in (("tools", body.tools), ("response_format", body.response_format)):
-        if value is not None and depth(json_of(value)) > MAX_SCHEMA_DEPTH:
-            raise refuse(field, f"`{field}` is nested more than {MAX_SCHEMA_DEPTH} levels deep.", "invalid_value")
+    refuse_deep("tools", body.tools)
+    refuse_deep("response_format", body.response_format)
+
+
+def refuse_deep(field: str, value: object) -> None:
+    """Schemas nested beyond any real use are refused here, before the daemon walks them."""
+    if value is not None and depth(json_of(value)) > MAX_SCHEMA_DEPTH:
+        raise refuse(field, f"`{field}` is nested more than {MAX_SCHEMA_DEPTH} levels deep.", "invalid_value")
 
 
 def refuse_completion_fields(body: CompletionRequest) -> None:
@@ -96,6 +101,7 @@ def refuse_completion_fields(body: CompletionRequest) -> None:
             "unsupported_value",
         )
     _refuse_common(body)
+    refuse_deep("response_format", body.response_format)
 
 
 def _refuse_common(body: _Request) -> None:
