@@ -9,7 +9,9 @@ model picks, the grammar guarantees the syntax.
 - ``Toolbox``: the tools offered (a short instruction in the system message) and the envelope's schema for a
   tool_choice.
 - ``EnvelopeParser``: reads the envelope as its text arrives (a streamed answer emits a call's name first, then
-  its arguments piece by piece, exactly as generated) or all at once.
+  its arguments piece by piece, exactly as generated) or all at once. Hand-written: partial-JSON libraries (jiter's
+  partial mode) give values, and a call's arguments must be the very text generated, for the client and for
+  rendering the call again.
 - ``AnswerMemory``: the raw text behind an answer, so that an assistant message a client sends back renders as the
   very text the session holds, and the conversation's KV is reused.
 """
