@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -23,6 +23,9 @@ from .generations import ConversationGenerations, Generations, SharedPrefixGener
 from .middleware import unless_disconnected
 from .shaping import ChoiceState, Shape, usage
 from .streaming import chat_events, completion_events
+
+if TYPE_CHECKING:
+    from .app import Gateway
 
 
 @dataclass
@@ -46,14 +49,25 @@ class Plan:
     schema_fields: list[tuple[str, str]] = field(default_factory=list)
 
 
-async def respond(request: Request, gateway: Any, model_id: str, plan: Plan) -> Response:
+async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan) -> Response:
     """The answer to ``plan``: admitted, generated and shaped; streamed or whole."""
+    conversing = plan.n == 1 and isinstance(plan.prompt, str)
+    if plan.conversation is not None and not conversing:
+        # A conversation continues from one answer to a text: n choices are not kept (the client picks one, which
+        # the gateway cannot know), and token ids cannot be matched against what a session holds.
+        raise HttpError(
+            400,
+            "`prompt_cache_key` (or X-Session-Id) names a conversation, which continues from one "
+            "answer to a text prompt: send n = 1 and text to continue it.",
+            "invalid_value",
+            param="prompt_cache_key",
+        )
     client = await gateway.client()
     chat = plan.shape.chat
     started = time.monotonic()
-    if plan.n == 1 and isinstance(plan.prompt, str):
+    if conversing:
         generations: Generations = ConversationGenerations(
-            gateway.turns, client, plan.conversation, plan.prompt, plan.special, plan.add_bos, plan.params
+            gateway.turns, client, plan.conversation, str(plan.prompt), plan.special, plan.add_bos, plan.params
         )
     else:  # n choices sharing the prompt's KV, or a prompt of token ids: fresh sessions, closed after
         generations = SharedPrefixGenerations(

@@ -114,13 +114,6 @@ def _refuse_common(body: _Request) -> None:
                 "`include_obfuscation` is not supported: this gateway does not pad its events.",
                 "unsupported_value",
             )
-    if (body.n or 1) > 1 and body.prompt_cache_key is not None:
-        raise refuse(
-            "prompt_cache_key",
-            "`prompt_cache_key` names a conversation, which continues from one answer; "
-            "with `n` > 1 the choices are not kept: send n = 1 to continue a conversation.",
-            "invalid_value",
-        )
 
 
 def completion_prompt(body: CompletionRequest) -> str | list[int]:

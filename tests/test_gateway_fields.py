@@ -251,11 +251,14 @@ def check_prompt_cache_key(api: Api) -> None:
     else:
         _, second = api.ask(content="first turn" + first_text + " second", prompt_cache_key="walk")
     assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + 8
-    body_key = {"prompt_cache_key": "x", "n": 2}
+    # a conversation continues from one answer to a text: n choices (the client picks one) or token ids cannot
     route = "/v1/chat/completions" if api.chat else "/v1/completions"
     where = {"messages": [{"role": "user", "content": "hi"}]} if api.chat else {"prompt": "hi"}
-    reply = httpx.post(api.gateway.url + route, json={"model": "tiny", **where, **body_key}, timeout=WAIT_S)
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_cache_key"
+    cases = [{**where, "n": 2}] + ([] if api.chat else [{"prompt": [1, 70, 71]}])
+    for case in cases:
+        body = {"model": "tiny", "prompt_cache_key": "x", **case}
+        reply = httpx.post(api.gateway.url + route, json=body, timeout=WAIT_S)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_cache_key"
 
 
 def check_response_format(api: Api) -> None:
