@@ -102,6 +102,13 @@ def refuse_completion_fields(body: CompletionRequest) -> None:
         )
     _refuse_common(body)
     refuse_deep("response_format", body.response_format)
+    if format_description(body.response_format):
+        raise refuse(
+            "response_format.json_schema.description",
+            "`response_format.json_schema.description` is told to "
+            "the model in a system message, which a completion has not: put it in the prompt.",
+            "unsupported_value",
+        )
 
 
 def _refuse_common(body: _Request) -> None:
@@ -160,6 +167,14 @@ def token_biases(bias: dict[str, float], n_vocab: int) -> dict[int, float]:
             )
         out[int(key)] = value
     return out
+
+
+def format_description(response_format: ResponseFormat | None) -> str:
+    """json_schema's `description` ("what the response format is for, used by the model"), as an instruction for
+    the system message; "" without one."""
+    if isinstance(response_format, JsonSchemaResponseFormat) and response_format.json_schema.description:
+        return f"Answer in JSON: {response_format.json_schema.description.strip()}"
+    return ""
 
 
 def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:

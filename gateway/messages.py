@@ -46,7 +46,7 @@ def message_text(message: ChatMessage, where: str) -> str | None:
 
 
 def template_messages(
-    messages: list[ChatMessage], toolbox: Toolbox | None, memory: AnswerMemory
+    messages: list[ChatMessage], toolbox: Toolbox | None, memory: AnswerMemory, answer_format: str = ""
 ) -> list[dict[str, str]]:
     """The conversation for the chat template. An assistant answer the gateway reshaped (a call, a response out of
     its envelope) renders as the raw text the model generated when the gateway remembers it, so the session that
@@ -78,7 +78,9 @@ def template_messages(
             raise refuse(f"{where}.tool_call_id", f"{where}: only tool messages carry tool_call_id.")
         text = message_text(message, where)
         if message.role == "assistant":
-            if text is None and message.refusal is not None:
+            if message.refusal is not None:
+                if text:
+                    raise refuse(f"{where}.refusal", f"{where}: send either `content` or `refusal`, not both.")
                 text = message.refusal
             calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
             calls_by_id.update((c.id, c.function.name) for c in message.tool_calls or ())
@@ -104,14 +106,20 @@ def template_messages(
         else:  # system, developer
             out.append({"role": "system", "content": text or ""})
             from_tool.append(False)
-    if toolbox is not None:
-        offer = toolbox.offer()
-        system = next((m for m in out if m["role"] == "system"), None)
-        if system is not None:
-            system["content"] = f"{system['content']}\n\n{offer}" if system["content"] else offer
-        else:
-            out.insert(0, {"role": "system", "content": offer})
+    for note in (toolbox.offer() if toolbox is not None else "", answer_format):
+        if note:
+            _add_to_system(out, note)
     return out
+
+
+def _add_to_system(out: list[dict[str, str]], note: str) -> None:
+    """Instructions the request carries outside its messages (tools, response_format's description), appended to
+    the first system message (or one of their own): the same for every turn, so earlier turns keep their KV."""
+    system = next((m for m in out if m["role"] == "system"), None)
+    if system is not None:
+        system["content"] = f"{system['content']}\n\n{note}" if system["content"] else note
+    else:
+        out.insert(0, {"role": "system", "content": note})
 
 
 def _add_user(out: list[dict[str, str]], from_tool: list[bool], content: str, tool: bool) -> None:

@@ -63,7 +63,9 @@ def build_routes(gateway: Gateway) -> list[Route]:
         model = await gateway.model()
         response = fields.response_schema(body.response_format)
         toolbox = Toolbox.of(body, response)
-        messages = template_messages(body.messages, toolbox, gateway.memory)
+        messages = template_messages(
+            body.messages, toolbox, gateway.memory, fields.format_description(body.response_format)
+        )
         try:
             text = model.template.render(messages, add_generation_prompt=True)
         except TemplateError as exc:

@@ -275,6 +275,14 @@ def check_response_format(api: Api) -> None:
     plain, _ = api.ask()
     assert api.ask(response_format={"type": "text"})[0] == plain
     api.refused("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}})
+    described = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "description": "a word"}}
+    if api.chat:  # the description is told to the model, in the system message
+        bare = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+        _, without = api.ask(response_format=bare, max_tokens=1)
+        _, told = api.ask(response_format=described, max_tokens=1)
+        assert told.usage.prompt_tokens > without.usage.prompt_tokens + len("Answer in JSON: a word")
+    else:
+        api.refused("response_format", described, mentions="description")
 
 
 # ---------------------------------------------------------------------- chat only
