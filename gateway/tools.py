@@ -92,40 +92,54 @@ class Toolbox:
     def schema(self) -> tuple[dict[str, Any], list[tuple[str, str]]]:
         """The envelope's JSON Schema for this request's tool_choice, and where each tool's parameters (and the
         response's schema) stand in it: (the daemon's path to it, the request field), so that a refusal of a
-        schema names the field the client wrote."""
+        schema names the field the client wrote.
+
+        Each tool's parameters (and the response's schema) sit in the envelope's ``$defs`` under a name of their
+        own, their local references (``#/$defs/...``, as pydantic writes them) rewritten to point there: inside the
+        envelope, ``#`` is the envelope, not the tool."""
         chosen = [
             (i, t) for i, t in enumerate(self.tools) if self.choice in ("auto", "required") or t.name == self.choice
         ]
-        top = "$.anyOf[0]" if self.choice == "auto" else "$"
-        items: dict[str, Any]
-        if len(chosen) > 1:
-            items = {"anyOf": [call_schema(t) for _, t in chosen]}
-            places = [
-                (f"{top}.properties.tool_calls.items.anyOf[{k}].properties.arguments", i)
-                for k, (i, _) in enumerate(chosen)
-            ]
-        else:
-            items = call_schema(chosen[0][1])
-            places = [(f"{top}.properties.tool_calls.items.properties.arguments", chosen[0][0])]
-        locations = [(path, f"tools[{i}].function.parameters") for path, i in places]
-        calls: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        defs = {f"tool{i}": relocate(t.parameters, f"#/$defs/tool{i}") for i, t in chosen}
+        locations = [(f"$.$defs.tool{i}", f"tools[{i}].function.parameters") for i, _ in chosen]
+        calls_of = [call_schema(t.name, f"#/$defs/tool{i}") for i, t in chosen]
+        calls: dict[str, Any] = {
+            "type": "array",
+            "items": {"anyOf": calls_of} if len(calls_of) > 1 else calls_of[0],
+            "minItems": 1,
+        }
         if not self.parallel:
             calls["maxItems"] = 1
         calling = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}
         if self.choice != "auto":
-            return calling, locations
-        answer = self.response if self.response is not None else {"type": "string"}
+            return {**calling, "$defs": defs}, locations
+        if self.response is not None:
+            defs["response"] = relocate(self.response, "#/$defs/response")
+            locations.append(("$.$defs.response", "response_format.json_schema.schema"))
+        answer = {"$ref": "#/$defs/response"} if self.response is not None else {"type": "string"}
         responding = {"type": "object", "properties": {"response": answer}, "required": ["response"]}
-        locations.append(("$.anyOf[1].properties.response", "response_format.json_schema.schema"))
-        return {"anyOf": [calling, responding]}, locations
+        return {"anyOf": [calling, responding], "$defs": defs}, locations
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
+def call_schema(name: str, arguments_ref: str) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": name}, "arguments": {"$ref": arguments_ref}},
         "required": ["name", "arguments"],
     }
+
+
+def relocate(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` whose local references (``#...``) point into it where it now stands, at ``base``."""
+    if isinstance(schema, list):
+        return [relocate(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: relocate(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def call_id() -> str:

@@ -251,6 +251,50 @@ def test_a_tool_loop_keeps_its_kv(served: GatewayProcess) -> None:
     assert unknown.value.body["param"] == "messages[1].tool_call_id"  # type: ignore[index]
 
 
+def test_schemas_with_local_references_work_inside_the_envelope(served: GatewayProcess) -> None:
+    """pydantic writes nested models as `$defs` and `#/$defs/...` references: relative to the tool's parameters (or
+    the response's schema), not to the envelope they are put in."""
+    room = {"type": "string", "enum": ["kitchen", "hall"]}
+    move = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Room"}, "via": {"$ref": "#/$defs/Room"}},
+                "required": ["to", "via"],
+                "$defs": {"Room": room},
+            },
+        },
+    }
+    record = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/definitions/Room"}},
+        "required": ["where"],
+        "definitions": {"Room": room},
+    }
+    c = client_of(served)
+    for seed in range(2):
+        call = create(
+            c,
+            [{"role": "user", "content": "go"}],
+            tools=[LIGHT, move],
+            temperature=1.0,
+            seed=seed,
+            tool_choice={"type": "function", "function": {"name": "move"}},
+        )
+        arguments = json.loads(call.choices[0].message.tool_calls[0].function.arguments)
+        jsonschema.validate(arguments, move["function"]["parameters"])
+    answer = create(
+        c,
+        [{"role": "user", "content": "where?"}],
+        tools=[move],
+        logit_bias=RESPOND,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": record}},
+    )
+    jsonschema.validate(json.loads(answer.choices[0].message.content), record)
+
+
 def test_an_invalid_tool_schema_is_a_400_naming_the_tool(served: GatewayProcess) -> None:
     bad = {
         "type": "function",
