@@ -29,6 +29,7 @@ from .gateway_process import WAIT_S, GatewayProcess, client_of
 
 REPEATS = "a b c"  # a prompt whose greedy answer repeats a token (the penalties change it)
 Z = 3 + ord("Z")  # the tiny model's token for "Z"
+NO_END = {"2": -100}  # the end-of-sequence token banned: a hot sampler's answers run their full length
 SCHEMA = {
     "type": "object",
     # ASCII strings: the tiny model's byte tokens can spell ill-formed UTF-8, which the grammar counts differently
@@ -167,7 +168,7 @@ def check_max_tokens(api: Api) -> None:
 
 
 def check_n(api: Api) -> None:
-    reply = api.create(n=3, temperature=1.5, seed=4, max_tokens=12)
+    reply = api.create(n=3, temperature=1.5, seed=4, max_tokens=12, logit_bias=NO_END)
     assert [c.index for c in reply.choices] == [0, 1, 2]
     texts = [c.message.content if api.chat else c.text for c in reply.choices]
     assert len(set(texts)) > 1, texts  # each choice samples with its own seed (the request's + its index)

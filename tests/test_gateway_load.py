@@ -21,6 +21,7 @@ from .daemon_process import DaemonProcess, wait_until
 from .gateway_process import WAIT_S, GatewayProcess, client_of
 
 Start = Callable[..., DaemonProcess]
+NO_END = {"2": -100}  # the end-of-sequence token banned: a hot sampler's answers run their full length
 PROMPT = "Describe the kitchen, the hall and the garden of this house in a few words each, please. " * 2
 
 
@@ -39,7 +40,13 @@ def test_n_choices_compute_the_prompt_once(daemon: DaemonProcess, served: Gatewa
     with daemon.client() as watcher:
         before = watcher.status()
         reply = c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": PROMPT}], n=3, temperature=1.5, seed=11, max_tokens=8
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPT}],
+            n=3,
+            temperature=1.5,
+            seed=11,
+            max_tokens=8,
+            logit_bias=NO_END,
         )
         after = watcher.status()
         assert [choice.index for choice in reply.choices] == [0, 1, 2]
@@ -69,7 +76,9 @@ def test_n_streamed_choices_carry_their_index(daemon: DaemonProcess, served: Gat
     assert [(ch.message.content, ch.finish_reason) for ch in streamed.choices] == [
         (ch.message.content, ch.finish_reason) for ch in whole.choices
     ]
-    completions = c.completions.create(model="tiny", prompt=PROMPT, n=2, temperature=1.5, seed=5, max_tokens=8)
+    completions = c.completions.create(
+        model="tiny", prompt=PROMPT, n=2, temperature=1.5, seed=5, max_tokens=8, logit_bias=NO_END
+    )
     assert [ch.index for ch in completions.choices] == [0, 1] and completions.usage.completion_tokens == 16
 
 
