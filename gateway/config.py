@@ -29,6 +29,10 @@ class GatewayConfig:
     chat_template: str = "auto"  # auto (the GGUF's, else a transcript), a shipped name, or a Jinja file
     curve_server_key: str = ""  # a tcp:// daemon's public key file
     curve_client_key: str = ""  # the gateway's secret key file, listed in the daemon's curve_clients_dir
+    max_inflight: int = 0  # generations dispatched to the daemon at once (0: what the daemon allows, see app.py)
+    queue_size: int = 512  # requests that may wait in the gateway's queue beyond those (429 beyond)
+    queue_per_key: int = 0  # of those, how many one client (user, else address) may have (0: no limit)
+    aliases: tuple[str, ...] = ()  # more names /v1/models lists for the one model (any name is served)
 
     def check(self) -> None:
         if not self.health_path.startswith("/") or self.health_path.startswith("/v1/"):
@@ -47,12 +51,18 @@ class GatewayConfig:
                 f"--daemon {self.daemon}: a tcp:// daemon only lets in CURVE clients; pass --curve-server-key (its "
                 "public key file) and --curve-client-key (this gateway's secret key file)."
             )
+        for flag, value, least in (
+            ("--max-inflight", self.max_inflight, 0),
+            ("--queue-size", self.queue_size, 0),
+            ("--queue-per-key", self.queue_per_key, 0),
+        ):
+            if value < least:
+                raise GatewayConfigError(f"{flag} {value}: give a number >= {least}.")
         if not is_loopback(self.host) and not self.api_key:
             raise GatewayConfigError(
                 f"--host {self.host} would expose the gateway beyond this machine without a key: pass --api-key "
                 "(or set KVPOOL_GATEWAY_API_KEY), or bind to 127.0.0.1."
             )
-
 
     def curve(self) -> CurveKeys | None:
         return curve_from_files(self.curve_server_key, self.curve_client_key)

@@ -44,6 +44,27 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         metavar="FILE",
         help="this gateway's secret key file, listed in the daemon's curve_clients_dir",
     )
+    ap.add_argument(
+        "--max-inflight",
+        type=int,
+        default=0,
+        help="generations dispatched to kvpoold at once (default: what it allows this gateway, at most half its "
+        "max_sessions); more requests wait in the gateway's queue",
+    )
+    ap.add_argument("--queue-size", type=int, default=512, help="requests that may wait (429 with Retry-After beyond)")
+    ap.add_argument(
+        "--queue-per-key",
+        type=int,
+        default=0,
+        help="requests one client (its `user`, else its address) may have waiting (0: no limit)",
+    )
+    ap.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name /v1/models lists for the model (repeatable)",
+    )
     args = ap.parse_args(argv)
     return GatewayConfig(
         host=args.host,
@@ -59,6 +80,10 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         reuse=not args.no_reuse,
         curve_server_key=args.curve_server_key,
         curve_client_key=args.curve_client_key,
+        max_inflight=args.max_inflight,
+        queue_size=args.queue_size,
+        queue_per_key=args.queue_per_key,
+        aliases=tuple(args.alias),
     )
 
 

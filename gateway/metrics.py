@@ -1,8 +1,9 @@
-"""The gateway's own Prometheus series: requests by route and status, latency, and prompt tokens reused."""
+"""The gateway's own Prometheus series: requests by route and status, latency, prompt tokens reused, and its
+queue (admission.py)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 120.0)
 
@@ -41,5 +42,24 @@ class GatewayMetrics:
             "kvpool_gateway_conversations",
             "Turns by what the gateway found: a session to continue, or a new one (first turn or edited history).",
             ["kind"],
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "kvpool_gateway_queue_depth", "Requests waiting in the gateway's queue now.", registry=self.registry
+        )
+        self.queued = Counter(
+            "kvpool_gateway_queued",
+            "Requests that waited in the gateway's queue (the others were dispatched at once).",
+            registry=self.registry,
+        )
+        self.queue_refused = Counter(
+            "kvpool_gateway_queue_refused",
+            "Requests answered 429 because the gateway's queue (or the key's share of it) was full.",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "kvpool_gateway_queue_wait_seconds",
+            "Time requests waited in the gateway's queue before dispatch.",
+            buckets=BUCKETS_S,
             registry=self.registry,
         )

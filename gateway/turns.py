@@ -172,15 +172,19 @@ class Turns:
 
     async def _fresh(self, client: AsyncClient, rendered: str, task: str, special: bool, add_bos: bool) -> Turn:
         tokens = await client.tokenize(rendered, add_bos=add_bos, special=special)
-        try:
-            session = await client.open_session(task, system_prompt="")
-        except QuotaExceeded:
-            # The daemon holds as many sessions as it may: give back the least recently used anonymous one.
-            if not await self._close_oldest_anonymous(client):
-                raise
-            session = await client.open_session(task, system_prompt="")
+        session = await self.open_session(client, task, "")
         self.metrics.reused.labels("new").inc()
         return Turn(session, tokens, 0, rendered)
+
+    async def open_session(self, client: AsyncClient, task: str, system_prompt: str | list[int]) -> AsyncSession:
+        """A new session; when the daemon holds as many sessions as it may, the least recently used anonymous one
+        is given back first."""
+        try:
+            return await client.open_session(task, system_prompt=system_prompt)
+        except QuotaExceeded:
+            if not await self._close_oldest_anonymous(client):
+                raise
+            return await client.open_session(task, system_prompt=system_prompt)
 
     async def _close_oldest_anonymous(self, client: AsyncClient) -> bool:
         for session_id, mapping in self.anonymous.items():

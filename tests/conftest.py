@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from .daemon_process import DaemonProcess
+from .gateway_process import GatewayProcess
 from .redis_server import RedisServer
 from .system_packages import missing, need, require_all
 from .tinymodel import build_tiny_model
@@ -49,6 +50,27 @@ def start_daemon(short_tmp: Path, tiny_model: Path) -> Iterator[Callable[..., Da
 def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
     """One daemon on the tiny model: 4 hot slots, 2048 cells, short of nothing the tests need."""
     return start_daemon("--hot-slots", "4", "--context-size", "2048", "--threads", "2")
+
+
+@pytest.fixture
+def start_gateway(short_tmp: Path) -> Iterator[Callable[..., GatewayProcess]]:
+    """Start kvpool-gateway processes; every one is stopped after the test."""
+    started: list[GatewayProcess] = []
+
+    def start(daemon_address: str, *args: str, name: str = "gw", wait_for: str = "/metrics") -> GatewayProcess:
+        gateway = GatewayProcess(short_tmp / name, daemon_address, *args)
+        started.append(gateway)
+        return gateway.start(wait_for)
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+@pytest.fixture
+def served(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> GatewayProcess:
+    """A gateway in front of the `daemon` fixture."""
+    return start_gateway(daemon.address)
 
 
 @pytest.fixture

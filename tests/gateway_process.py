@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from .daemon_process import free_port
 
 START_TIMEOUT_S = 30.0
+WAIT_S = 30.0  # per request of a test
 
 
 class GatewayProcess:
@@ -62,3 +64,8 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def client_of(gateway: GatewayProcess, api_key: str = "none") -> openai.OpenAI:
+    """The real openai client, pointed at the gateway (no retries: a test sees every answer as it is)."""
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,34 +15,11 @@ import pytest
 
 from .curve_keys import curve_setup
 from .daemon_process import DaemonProcess, wait_until
-from .gateway_process import GatewayProcess
+from .gateway_process import GatewayProcess, client_of
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def start_gateway(short_tmp: Path) -> Iterator[Callable[..., GatewayProcess]]:
-    started: list[GatewayProcess] = []
-
-    def start(daemon_address: str, *args: str, name: str = "gw", wait_for: str = "/metrics") -> GatewayProcess:
-        gateway = GatewayProcess(short_tmp / name, daemon_address, *args)
-        started.append(gateway)
-        return gateway.start(wait_for)
-
-    yield start
-    for gateway in started:
-        gateway.stop()
-
-
-@pytest.fixture
-def served(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> GatewayProcess:
-    return start_gateway(daemon.address)
-
-
-def client_of(gateway: GatewayProcess, api_key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
 
 
 def chat(c: openai.OpenAI, messages: list[dict[str, str]], **kw: object) -> openai.types.chat.ChatCompletion:
@@ -177,12 +154,12 @@ def test_two_conversations_interleaved_stay_apart(served: GatewayProcess) -> Non
 def test_errors_are_openai_errors_with_the_right_status(served: GatewayProcess) -> None:
     c = client_of(served)
     hello = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.NotFoundError, match="does not exist here"):
-        c.chat.completions.create(model="gpt-4", messages=hello)  # type: ignore[arg-type]
-    with pytest.raises(openai.BadRequestError, match="`n` > 1"):
-        chat(c, hello, n=2)
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        chat(c, hello, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="frobnicate") as unknown:
+        chat(c, hello, extra_body={"frobnicate": 1})
+    assert unknown.value.body["param"] == "frobnicate"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="n") as too_many:
+        chat(c, hello, n=9)
+    assert too_many.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match="context"):
         chat(c, [{"role": "user", "content": "x " * 3000}])  # longer than the session's context
     url = served.url + "/v1/chat/completions"
@@ -192,7 +169,24 @@ def test_errors_are_openai_errors_with_the_right_status(served: GatewayProcess) 
     assert wrong_type.status_code == 400 and "messages" in wrong_type.json()["error"]["message"]
     too_large = httpx.post(url, content=b"x" * (5 << 20), headers={"content-type": "application/json"})
     assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "too_large"
+    for method, path, status in (("GET", "/v1/nowhere", 404), ("GET", "/v1/chat/completions", 405)):
+        reply = httpx.request(method, served.url + path)
+        assert reply.status_code == status and reply.json()["error"]["message"]
     assert httpx.get(served.url + "/health").json()["ok"] is True
+
+
+def test_any_model_name_is_served_and_aliases_are_listed(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    """llama-server's convention with one model: whatever name a client sends is answered (many send a fixed one);
+    answers carry the served model's id, and --alias names are listed with it."""
+    gateway = start_gateway(daemon.address, "--alias", "gpt-4o-mini", "--alias", "robot")
+    c = client_of(gateway)
+    [listed] = c.models.list().data
+    assert listed.id == "tiny" and listed.model_extra["aliases"] == ["gpt-4o-mini", "robot"]
+    for name in ("gpt-4", "robot", "anything at all"):
+        reply = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], **GREEDY)
+        assert reply.model == "tiny" and reply.usage.completion_tokens == 8
 
 
 def test_an_api_key_is_required_when_set(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> None:

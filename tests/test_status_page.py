@@ -66,6 +66,8 @@ def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
         assert re.fullmatch(r"\d+/4", wait.until(shown("slots")))  # the daemon fixture has 4 hot slots
         assert re.fullmatch(r"\d+/2048", wait.until(shown("cells")))
         assert wait.until(shown("model")) == "tiny"
+        assert wait.until(shown("queue")) == "0 waiting"  # the gateway's own queue (nothing waits here)
+        assert re.fullmatch(r"0/\d+ in flight, 0 queued, 0 refused", wait.until(shown("queue-detail")))
 
         def say(text: str) -> str:
             box = driver.find_element(By.ID, "chat-input")  # type: ignore[attr-defined]

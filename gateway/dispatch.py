@@ -1,0 +1,173 @@
+"""One request's way from its plan to its answer: a place in the queue (admission.py), the generations behind its
+choices (generations.py), then OpenAI's body, or its stream once every choice has its first token."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvpool import protocol as p
+from kvpool.client.errors import KvpoolError
+
+from .errors import HttpError
+from .generations import ConversationGenerations, Generations, SharedPrefixGenerations
+from .middleware import unless_disconnected
+from .shaping import ChoiceState, Shape, usage
+from .streaming import chat_events, completion_events
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+
+@dataclass
+class Plan:
+    """What a request asks the daemon for, once its fields were honoured or refused (routes.py)."""
+
+    route: str
+    prompt: str | list[int]  # chat: the rendered conversation (special tokens parsed); completions: text or ids
+    special: bool
+    add_bos: bool
+    params: dict[str, Any]  # the daemon's generate parameters
+    shape: Shape
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    conversation: str | None = None  # prompt_cache_key / X-Session-Id
+    fairness: str = ""  # the queue's key
+    service_tier: str | None = None
+    # Where the schemas a request wrote stand in the json_schema sent (daemon path, request field): a refusal of a
+    # schema then names the field the client wrote.
+    schema_fields: list[tuple[str, str]] = field(default_factory=list)
+
+
+async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan) -> Response:
+    """The answer to ``plan``: admitted, generated and shaped; streamed or whole."""
+    conversing = plan.n == 1 and isinstance(plan.prompt, str)
+    if plan.conversation is not None and not conversing:
+        # A conversation continues from one answer to a text: n choices are not kept (the client picks one, which
+        # the gateway cannot know), and token ids cannot be matched against what a session holds.
+        raise HttpError(
+            400,
+            "`prompt_cache_key` (or X-Session-Id) names a conversation, which continues from one "
+            "answer to a text prompt: send n = 1 and text to continue it.",
+            "invalid_value",
+            param="prompt_cache_key",
+        )
+    client = await gateway.client()
+    chat = plan.shape.chat
+    started = time.monotonic()
+    if conversing:
+        generations: Generations = ConversationGenerations(
+            gateway.turns, client, plan.conversation, str(plan.prompt), plan.special, plan.add_bos, plan.params
+        )
+    else:  # n choices sharing the prompt's KV, or a prompt of token ids: fresh sessions, closed after
+        generations = SharedPrefixGenerations(
+            gateway.turns, client, plan.prompt, plan.special, plan.add_bos, plan.params, plan.n
+        )
+    states = [ChoiceState(index, plan.shape) for index in range(plan.n)]
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if plan.stream and chat else ""),
+        "created": int(time.time()),
+        "model": model_id,
+    }
+    if plan.service_tier is not None:
+        head["service_tier"] = "default"
+    metrics = gateway.metrics
+
+    def answer_usage() -> dict[str, Any]:
+        completion = sum(s.final.usage.completion_tokens for s in states if s.final is not None)
+        return usage(generations.prompt_tokens, completion, generations.cached_tokens)
+
+    def first_text() -> None:
+        metrics.first_token.labels(plan.route).observe(time.monotonic() - started)
+
+    held = contextlib.AsyncExitStack()
+
+    async def begin() -> None:
+        """Wait for a place in the queue, then send, and wait for every choice's first token."""
+        await held.enter_async_context(gateway.admission.slot(plan.fairness, plan.n))
+        held.push_async_callback(generations.close)
+        try:
+            await generations.start()
+        except KvpoolError as exc:
+            raise refusal(exc, plan) from None
+        metrics.prompt_tokens.inc(generations.prompt_tokens)
+        metrics.cached_tokens.inc(generations.cached_tokens)
+
+    async def whole() -> Response:
+        async with held:
+            await begin()
+            first = True
+            try:
+                async for index, item in generations.events():
+                    if isinstance(item, p.Final):
+                        states[index].final = item
+                    else:
+                        if first:
+                            first_text()
+                            first = False
+                        states[index].add(item)
+            except KvpoolError as exc:
+                raise refusal(exc, plan) from None
+        for state in states:
+            state.remember(gateway.memory)
+        choices = [s.chat_choice() if chat else s.completion_choice() for s in states]
+        return JSONResponse(head | {"choices": choices, "usage": answer_usage()})
+
+    if not plan.stream:
+        return await unless_disconnected(request, whole())
+
+    try:
+        await unless_disconnected(request, begin())
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await held.aclose()
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            events = chat_events if chat else completion_events
+            async for event in events(
+                generations, states, head, answer_usage if plan.include_usage else None, first_text
+            ):
+                yield event
+            for state in states:
+                state.remember(gateway.memory)
+        finally:
+            # The client may close the connection as soon as it has [DONE], and Starlette then cancels this body:
+            # the conversation's record must still be brought up to date, and the place in the queue given back.
+            with anyio.CancelScope(shield=True):
+                await held.aclose()
+            metrics.latency.labels(plan.route).observe(time.monotonic() - started)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+_PATH = re.compile(r"^(\$[^:\s]*)")
+
+
+def refusal(exc: KvpoolError, plan: Plan) -> HttpError:
+    """The daemon's refusal as an HTTP error; a refused schema names the request field it came from."""
+    error = HttpError.from_kvpool(exc.code, exc.message)
+    if exc.code == "BAD_REQUEST" and plan.schema_fields:
+        at = _PATH.match(exc.message)
+        daemon_path = at.group(1) if at else ""
+        for prefix, field_name in sorted(plan.schema_fields, key=lambda place: -len(place[0])):
+            if daemon_path == prefix or daemon_path.startswith((prefix + ".", prefix + "[")):
+                error.param = field_name
+                error.message = field_name + daemon_path[len(prefix) :] + exc.message[len(daemon_path) :]
+                break
+        else:
+            if "schema" in exc.message.lower() or "grammar" in exc.message.lower():
+                error.param = plan.schema_fields[0][1].split(".")[0].split("[")[0]  # tools, or response_format
+    return error

@@ -1,0 +1,203 @@
+"""The daemon generations behind one request's choices, started before any HTTP status goes out.
+
+``start()`` sends them and waits for each choice's first chunk (or the daemon's refusal), so a streamed request's
+refusal is an HTTP status, never an error event after 200. ``events()`` then yields every (choice index, chunk)
+and each choice's final message; ``close()`` cancels what still runs and gives the sessions back.
+
+- ``ConversationGenerations``: one choice on the conversation's session (turns.py), so earlier turns' KV is reused.
+- ``SharedPrefixGenerations``: n choices on n fresh sessions that share the prompt's KV through the daemon's prefix
+  machinery (docs/prefix-sharing.md): each session starts with the prompt but its last token as its "system prompt";
+  the first choice computes it, the daemon turns those cells into a shared prefix as the computation passes their
+  end, and the other choices, started once the first has its first token, take the cells instead of computing them.
+  The last token is each choice's own prompt, since a session must compute at least one token for its logits; this
+  keeps the share whole on sliding-window models (Gemma 3), where a prefix is shared only at its full length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from kvpool import protocol as p
+from kvpool.client.aio import AsyncClient, AsyncSession, AsyncStream
+from kvpool.client.conversation import REFUSALS
+from kvpool.client.errors import KvpoolError
+
+from .turns import Turn, Turns
+
+Event = tuple[int, p.Chunk | p.Final]
+
+
+async def _next(stream: AsyncStream) -> p.Chunk | p.Final:
+    """The stream's next chunk, or its final message once it ended."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        assert stream.final is not None
+        return stream.final
+
+
+class Generations:
+    n: int = 1
+    prompt_tokens: int = 0  # the request's prompt (a conversation's whole history), counted once
+    cached_tokens: int = 0  # of those, what the session held already
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def events(self) -> AsyncIterator[Event]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class ConversationGenerations(Generations):
+    def __init__(
+        self,
+        turns: Turns,
+        client: AsyncClient,
+        key: str | None,
+        text: str,
+        special: bool,
+        add_bos: bool,
+        params: dict[str, Any],
+    ):
+        self._context = turns.turn(client, key, text, "default", special=special, add_bos=add_bos)
+        self._params = params
+        self._entered = False
+        self._turn: Turn | None = None
+        self._stream: AsyncStream | None = None
+        self._first: p.Chunk | p.Final | None = None
+
+    async def start(self) -> None:
+        self._turn = await self._context.__aenter__()
+        self._entered = True
+        turn = self._turn
+        self.prompt_tokens, self.cached_tokens = turn.held + len(turn.tokens), turn.held
+        self._stream = turn.session.generate(turn.tokens, after=turn.held, **self._params)
+        self._first = await self._read()
+
+    async def _read(self) -> p.Chunk | p.Final:
+        assert self._turn is not None and self._stream is not None
+        try:
+            item = await _next(self._stream)
+        except KvpoolError as exc:
+            # A refusal (over budget, overloaded) comes before anything was applied to the session.
+            self._turn.refused = exc.code in REFUSALS
+            raise
+        if isinstance(item, p.Chunk):
+            self._turn.record(item)
+        else:
+            self._turn.final = item
+        return item
+
+    async def events(self) -> AsyncIterator[Event]:
+        item = self._first
+        assert item is not None
+        while True:
+            yield 0, item
+            if isinstance(item, p.Final):
+                return
+            item = await self._read()
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):  # a client that went away cancels the caller: finish the cleanup
+            if self._stream is not None:
+                await self._stream.aclose()  # a generation still running is cancelled
+            if self._entered:
+                self._entered = False
+                await self._context.__aexit__(None, None, None)  # the conversation's record brought up to date
+
+
+class SharedPrefixGenerations(Generations):
+    def __init__(
+        self,
+        turns: Turns,
+        client: AsyncClient,
+        prompt: str | list[int],
+        special: bool,
+        add_bos: bool,
+        params: dict[str, Any],
+        n: int,
+    ):
+        self.n = n
+        self._turns, self._client = turns, client
+        self._prompt, self._special, self._add_bos = prompt, special, add_bos
+        self._params = params
+        self._sessions: list[AsyncSession] = []
+        self._streams: list[AsyncStream] = []
+        self._firsts: list[p.Chunk | p.Final] = []
+        self._pumps: list[asyncio.Task[None]] = []
+
+    def _choice_params(self, index: int) -> dict[str, Any]:
+        """A request's seed gives each choice its own (seed + index): the same seed and prompt would otherwise make
+        n identical choices."""
+        seed = self._params.get("seed")
+        return self._params if seed is None else {**self._params, "seed": (seed + index) % 2**32}
+
+    async def start(self) -> None:
+        prompt = self._prompt
+        tokens = (
+            prompt
+            if isinstance(prompt, list)
+            else await self._client.tokenize(prompt, add_bos=self._add_bos, special=self._special)
+        )
+        self.prompt_tokens = len(tokens)
+        shared = self.n > 1 and len(tokens) > 1
+        system, own = (tokens[:-1], tokens[-1:]) if shared else ([], tokens)
+        for _ in range(self.n):
+            self._sessions.append(await self._turns.open_session(self._client, "default", system or ""))
+        # The first choice computes the prompt (and makes the shared prefix on the way); the others start once its
+        # first token is out, when the prefix exists.
+        self._streams.append(self._sessions[0].generate(own, **self._choice_params(0)))
+        self._firsts.append(await _next(self._streams[0]))
+        for index in range(1, self.n):
+            self._streams.append(self._sessions[index].generate(own, **self._choice_params(index)))
+        self._firsts += await asyncio.gather(*(_next(stream) for stream in self._streams[1:]))
+
+    async def events(self) -> AsyncIterator[Event]:
+        for index, first in enumerate(self._firsts):
+            yield index, first
+        queue: asyncio.Queue[tuple[int, p.Chunk | p.Final | Exception]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                while True:
+                    item = await _next(self._streams[index])
+                    queue.put_nowait((index, item))
+                    if isinstance(item, p.Final):
+                        return
+            except Exception as exc:  # the reader raises it, in order with the chunks before it
+                queue.put_nowait((index, exc))
+
+        running = sum(1 for first in self._firsts if isinstance(first, p.Chunk))
+        self._pumps = [
+            asyncio.get_running_loop().create_task(pump(i))
+            for i, first in enumerate(self._firsts)
+            if isinstance(first, p.Chunk)
+        ]
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+            if isinstance(item, p.Final):
+                running -= 1
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for pump in self._pumps:
+                pump.cancel()
+            for pump in self._pumps:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+            for stream in self._streams:
+                await stream.aclose()
+            for session in self._sessions:
+                with contextlib.suppress(KvpoolError):
+                    await session.close()

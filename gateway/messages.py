@@ -1,0 +1,146 @@
+"""OpenAI chat messages as a chat template reads them: roles and text, with tool calls and tool results in
+kvpool's envelope format (tools.py), and the tools offered in the system message. Anything a message carries that
+cannot be rendered is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+from kvpool.client.chat_template import ChatTemplate, TemplateError
+
+from .errors import HttpError
+from .schema import ChatMessage
+from .tools import AnswerMemory, Toolbox, envelope_text
+
+MARK = "\u2063kvpool-answer\u2063"  # a text no template trims or rewrites, to find where an answer starts
+
+
+def refuse(param: str, message: str) -> HttpError:
+    return HttpError(400, message, "unsupported_parameter", param=param)
+
+
+def message_text(message: ChatMessage, where: str) -> str | None:
+    """A message's content as one text (text parts joined); other parts are refused by name."""
+    content = message.content
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for k, part in enumerate(content):
+        if part.type == "refusal" and message.role == "assistant":
+            texts.append(part.refusal or "")
+        elif part.type != "text":
+            raise refuse(
+                f"{where}.content[{k}]",
+                f"{where}.content[{k}]: only text content is supported here, not "
+                f"{part.type} (the served model reads text).",
+            )
+        elif part.prompt_cache_breakpoint is not None:
+            raise refuse(
+                f"{where}.content[{k}].prompt_cache_breakpoint",
+                "`prompt_cache_breakpoint` is not "
+                "supported: a conversation named by `prompt_cache_key` keeps all of its KV.",
+            )
+        else:
+            texts.append(part.text or "")
+    return "".join(texts)
+
+
+def template_messages(
+    messages: list[ChatMessage], toolbox: Toolbox | None, memory: AnswerMemory, answer_format: str = ""
+) -> list[dict[str, str]]:
+    """The conversation for the chat template. An assistant answer the gateway reshaped (a call, a response out of
+    its envelope) renders as the raw text the model generated when the gateway remembers it, so the session that
+    holds it is continued; tool results become user messages ({"tool_response": ...}), merged with the user
+    messages next to them (templates such as Gemma's require roles to alternate)."""
+    out: list[dict[str, str]] = []
+    from_tool: list[bool] = []  # whether each rendered message holds a tool result
+    calls_by_id: dict[str, str] = {}
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        for field in ("audio", "function_call"):
+            if getattr(message, field) is not None:
+                raise refuse(f"{where}.{field}", f"{where}.{field} is not supported (use tool_calls).")
+        if message.annotations:
+            raise refuse(
+                f"{where}.annotations", f"{where}.annotations (citations) are not rendered: send them in the content."
+            )
+        if message.name is not None:
+            raise refuse(
+                f"{where}.name",
+                f"{where}.name is not supported: chat templates do not render names; "
+                "put the speaker's name in the content.",
+            )
+        if message.role == "function":
+            raise refuse(f"{where}.role", "The `function` role is OpenAI's deprecated form: use `tool` messages.")
+        if message.tool_calls and message.role != "assistant":
+            raise refuse(f"{where}.tool_calls", f"{where}: only assistant messages carry tool_calls.")
+        if message.tool_call_id is not None and message.role != "tool":
+            raise refuse(f"{where}.tool_call_id", f"{where}: only tool messages carry tool_call_id.")
+        text = message_text(message, where)
+        if message.role == "assistant":
+            if message.refusal is not None:
+                if text:
+                    raise refuse(f"{where}.refusal", f"{where}: send either `content` or `refusal`, not both.")
+                text = message.refusal
+            calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+            calls_by_id.update((c.id, c.function.name) for c in message.tool_calls or ())
+            raw = memory.recall(text, calls)
+            content = raw if raw is not None else envelope_text(calls) if calls else text or ""
+            out.append({"role": "assistant", "content": content})
+            from_tool.append(False)
+        elif message.role == "tool":
+            if message.tool_call_id is None:
+                raise refuse(f"{where}.tool_call_id", f"{where}: a tool message needs the `tool_call_id` it answers.")
+            name = calls_by_id.get(message.tool_call_id)
+            if name is None:
+                raise HttpError(
+                    400,
+                    f"{where}.tool_call_id: no earlier assistant message made the call {message.tool_call_id!r}.",
+                    "invalid_value",
+                    param=f"{where}.tool_call_id",
+                )
+            result = json.dumps({"tool_response": {"name": name, "content": text or ""}}, ensure_ascii=False)
+            _add_user(out, from_tool, result, tool=True)
+        elif message.role == "user":
+            _add_user(out, from_tool, text or "", tool=False)
+        else:  # system, developer
+            out.append({"role": "system", "content": text or ""})
+            from_tool.append(False)
+    for note in (toolbox.offer() if toolbox is not None else "", answer_format):
+        if note:
+            _add_to_system(out, note)
+    return out
+
+
+def _add_to_system(out: list[dict[str, str]], note: str) -> None:
+    """Instructions the request carries outside its messages (tools, response_format's description), appended to
+    the first system message (or one of their own): the same for every turn, so earlier turns keep their KV."""
+    system = next((m for m in out if m["role"] == "system"), None)
+    if system is not None:
+        system["content"] = f"{system['content']}\n\n{note}" if system["content"] else note
+    else:
+        out.insert(0, {"role": "system", "content": note})
+
+
+def _add_user(out: list[dict[str, str]], from_tool: list[bool], content: str, tool: bool) -> None:
+    if out and out[-1]["role"] == "user" and (tool or from_tool[-1]):
+        out[-1]["content"] += "\n" + content
+        from_tool[-1] = True
+        return
+    out.append({"role": "user", "content": content})
+    from_tool.append(tool)
+
+
+def answer_separator(template: ChatTemplate, messages: list[dict[str, str]], rendered: str) -> str:
+    """What the template writes between the generation prompt and an assistant answer (the transcript's " " after
+    "Assistant:"). A model writes it itself in free text, but a JSON answer cannot start with it: the prompt of a
+    constrained answer ends with it instead, so the next turn's rendering starts with the text the session holds."""
+    try:
+        probe = template.render([*messages, {"role": "assistant", "content": MARK}], add_generation_prompt=False)
+    except TemplateError:
+        return ""
+    at = probe.find(MARK)
+    if at < 0 or not probe.startswith(rendered) or at < len(rendered):
+        return ""
+    separator = probe[len(rendered) : at]
+    return separator if separator.isspace() else ""

@@ -1,0 +1,180 @@
+"""The gateway's routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, the status page and its
+JSON, the health check and /metrics. A completions route turns its request into a Plan (each field honoured or
+refused, fields.py), and dispatch.py answers it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+from prometheus_client.exposition import generate_latest
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from kvpool.client.chat_template import TemplateError
+
+from . import fields
+from .dispatch import Plan, respond
+from .errors import HttpError
+from .messages import answer_separator, template_messages
+from .middleware import decode, read_body, route
+from .schema import ChatCompletionRequest, CompletionRequest
+from .shaping import Shape
+from .tools import Toolbox
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def fairness_key(request: Request, *identities: str | None) -> str:
+    """Who is asking, for the queue's round-robin: the `user` (or `safety_identifier`) a request names, else the
+    client's address. (The API key is one per gateway: it tells no clients apart.)"""
+    for identity in identities:
+        if identity:
+            return f"user:{identity}"
+    return f"address:{request.client.host if request.client else ''}"
+
+
+def conversation_key(request: Request, body_key: str | None) -> str | None:
+    return body_key or request.headers.get("x-session-id") or None
+
+
+def build_routes(gateway: Gateway) -> list[Route]:
+    config = gateway.config
+
+    def wrapped(name: str):
+        return route(name, config, gateway.metrics)
+
+    @wrapped("/v1/models")
+    async def models(request: Request) -> Response:
+        """One model, served under any name asked (llama-server's convention); --alias names are listed too."""
+        model = await gateway.model()
+        entry = {"id": model.id, "object": "model", "created": 0, "owned_by": "kvpool", "aliases": list(config.aliases)}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    @wrapped(CHAT)
+    async def chat(request: Request) -> Response:
+        body = decode(await read_body(request, config.max_body_bytes), ChatCompletionRequest)
+        fields.refuse_chat_fields(body)
+        model = await gateway.model()
+        response = fields.response_schema(body.response_format)
+        toolbox = Toolbox.of(body, response)
+        messages = template_messages(
+            body.messages, toolbox, gateway.memory, fields.format_description(body.response_format)
+        )
+        try:
+            text = model.template.render(messages, add_generation_prompt=True)
+        except TemplateError as exc:
+            raise HttpError(400, str(exc), "template", param="messages") from None
+        params = fields.sampling(
+            body, model.status.n_vocab, body.max_completion_tokens or body.max_tokens, fields.DEFAULT_CHAT_MAX_TOKENS
+        )
+        own = params.get("stop", [])
+        params["stop"] = [*own, *(implied for implied in model.template.stops if implied not in own)]
+        schema_fields: list[tuple[str, str]] = []
+        if toolbox is not None:
+            schema, schema_fields = toolbox.schema()
+        else:
+            schema = response
+            schema_fields = [("$", "response_format.json_schema.schema")]
+        if schema is not None:
+            params["json_schema"] = fields.schema_text(schema)
+            text += answer_separator(model.template, messages, text)
+        if body.logprobs:
+            params["logprobs"] = body.top_logprobs or 0
+        plan = Plan(
+            route=CHAT,
+            prompt=text,
+            special=True,
+            add_bos=model.template.needs_bos(text),
+            params=params,
+            shape=Shape(chat=True, logprobs=params.get("logprobs"), tools=toolbox is not None),
+            n=body.n or 1,
+            stream=bool(body.stream),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            conversation=conversation_key(request, body.prompt_cache_key),
+            fairness=fairness_key(request, body.user, body.safety_identifier),
+            service_tier=body.service_tier,
+            schema_fields=schema_fields if schema is not None else [],
+        )
+        return await respond(request, gateway, model.id, plan)
+
+    @wrapped(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        body = decode(await read_body(request, config.max_body_bytes), CompletionRequest)
+        fields.refuse_completion_fields(body)
+        model = await gateway.model()
+        prompt = fields.completion_prompt(body)
+        params = fields.sampling(body, model.status.n_vocab, body.max_tokens, fields.DEFAULT_COMPLETION_MAX_TOKENS)
+        schema = fields.response_schema(body.response_format)
+        if schema is not None:
+            params["json_schema"] = fields.schema_text(schema)
+        if body.logprobs is not None:
+            params["logprobs"] = body.logprobs
+        echo = ""
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else await (await gateway.client()).detokenize(prompt)
+        plan = Plan(
+            route=COMPLETIONS,
+            prompt=prompt,
+            special=False,
+            # A raw completion gets the model's BOS the way kvpool's own sessions do; token ids are sent as given.
+            add_bos=bool(model.status.bos_token),
+            params=params,
+            shape=Shape(chat=False, logprobs=body.logprobs, echo=echo),
+            n=body.n or 1,
+            stream=bool(body.stream),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            conversation=conversation_key(request, body.prompt_cache_key),
+            fairness=fairness_key(request, body.user),
+            schema_fields=[("$", "response_format.json_schema.schema")] if schema is not None else [],
+        )
+        return await respond(request, gateway, model.id, plan)
+
+    @wrapped(config.health_path)
+    async def health(request: Request) -> Response:
+        status = await (await gateway.client()).status()
+        ok = status.stepping()
+        return JSONResponse(
+            {"ok": ok, "engine_idle_s": status.engine_idle_s, "sessions": status.sessions.open},
+            status_code=200 if ok else 503,
+        )
+
+    page = (Path(__file__).parent / "static" / "index.html").read_text(encoding="utf-8")
+
+    @wrapped("/")
+    async def index(request: Request) -> Response:
+        """The status page: the daemon's live state, the gateway's queue and a chat box, all through this gateway's
+        own API."""
+        return HTMLResponse(page)
+
+    @wrapped("/status")
+    async def status(request: Request) -> Response:
+        daemon_status = await (await gateway.client()).status()
+        model = await gateway.model()
+        body = {
+            "model": model.id,
+            "aliases": list(config.aliases),
+            "conversations": len(gateway.turns.store),
+            "queue": gateway.admission.status(),
+            "daemon": msgspec.to_builtins(daemon_status),
+        }
+        return JSONResponse(body)
+
+    @wrapped("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route(CHAT, chat, methods=["POST"]),
+        Route(COMPLETIONS, completions, methods=["POST"]),
+        Route(config.health_path, health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/", index, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
+    ]

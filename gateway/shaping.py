@@ -1,0 +1,203 @@
+"""OpenAI's response bodies from the daemon's chunks: one ``ChoiceState`` per choice folds its chunks into a chat
+message or a text completion (whole, or as the deltas of a stream), with log-probabilities in OpenAI's two forms
+and tool calls read from kvpool's envelope (tools.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool import protocol as p
+
+from .tools import AnswerMemory, EnvelopeParser
+
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "shutdown": "stop"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a request's choices are shaped."""
+
+    chat: bool
+    logprobs: int | None = None  # top entries per token (None: no logprobs)
+    tools: bool = False  # the answer is the tool envelope
+    echo: str = ""  # completions: the prompt, put before the text
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprob(entry: p.TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": token_text(entry.piece),
+        "logprob": entry.logprob,
+        "bytes": list(entry.piece),
+        "top_logprobs": [
+            {"token": token_text(top.piece), "logprob": top.logprob, "bytes": list(top.piece)} for top in entry.top
+        ],
+    }
+
+
+@dataclass
+class ChoiceState:
+    """One choice's answer so far."""
+
+    index: int
+    shape: Shape
+    text: list[str] = field(default_factory=list)  # the generated text, as the daemon streamed it
+    logprobs: list[p.TokenLogprob] = field(default_factory=list)
+    final: p.Final | None = None
+    envelope: EnvelopeParser | None = None
+    _announced: int = 0  # calls whose first delta (id, name) went out
+    _arguments_sent: list[int] = field(default_factory=list)
+    _response_sent: int = 0
+    _offset: int = 0  # completions: characters of text before the next token's (text_offset)
+
+    def __post_init__(self) -> None:
+        if self.shape.tools:
+            self.envelope = EnvelopeParser()
+
+    def add(self, chunk: p.Chunk) -> None:
+        self.text.append(chunk.text)
+        # A token that stands for no text (the end of generation) has no entry: it is not part of the answer.
+        self.logprobs.extend(entry for entry in chunk.logprobs or () if entry.piece)
+        if self.envelope is not None:
+            self.envelope.feed(chunk.text)
+
+    @property
+    def raw(self) -> str:
+        return "".join(self.text)
+
+    def finish_reason(self) -> str:
+        reason = FINISH.get(str(self.final.finish_reason), "stop") if self.final is not None else "stop"
+        if reason == "stop" and self.envelope is not None and self.envelope.calls and not self.envelope.responding:
+            return "tool_calls"
+        return reason
+
+    # ------------------------------------------------------------------ whole answers
+
+    def content(self) -> str | None:
+        if self.envelope is None:
+            return self.raw
+        return self.envelope.response if self.envelope.responding else None
+
+    def calls(self) -> list[tuple[str, str]]:
+        if self.envelope is None or self.envelope.responding:
+            return []
+        return [(call.name, call.arguments) for call in self.envelope.calls if call.named]
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content(), "refusal": None}
+        if self.calls():
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                for call in self.envelope.calls  # type: ignore[union-attr]
+                if call.named
+            ]
+        return message
+
+    def remember(self, memory: AnswerMemory) -> None:
+        """Keep the raw text behind a reshaped answer, for when the client sends it back."""
+        if self.envelope is not None:
+            memory.remember(self.content(), self.calls(), self.raw)
+
+    def chat_choice(self) -> dict[str, Any]:
+        logprobs = {"content": [chat_logprob(e) for e in self.logprobs], "refusal": None}
+        return {
+            "index": self.index,
+            "message": self.message(),
+            "logprobs": logprobs if self.shape.logprobs is not None else None,
+            "finish_reason": self.finish_reason(),
+        }
+
+    def completion_choice(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "text": self.shape.echo + self.raw,
+            "logprobs": self.completion_logprobs(self.logprobs),
+            "finish_reason": self.finish_reason(),
+        }
+
+    def completion_logprobs(self, entries: list[p.TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's legacy form: tokens, their log-probabilities, the top ones as {text: logprob}, and each
+        token's character offset in the text."""
+        if self.shape.logprobs is None:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self._offset)
+            self._offset += len(token_text(entry.piece))
+        return {
+            "tokens": [token_text(e.piece) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t.piece): t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    # ------------------------------------------------------------------ streamed answers
+
+    def chat_deltas(self, chunk: p.Chunk) -> list[dict[str, Any]]:
+        """The choices of the chat stream's chunks for ``chunk``: usually one; a call's opening and its first
+        arguments go out as two, as OpenAI streams them. The chunk's log-probabilities ride on the first."""
+        entries = [e for e in chunk.logprobs or () if e.piece]
+        self.add(chunk)
+        deltas = self._envelope_deltas() if self.envelope is not None else [{"content": chunk.text}]
+        deltas = [delta for delta in deltas if delta.get("content") != ""]
+        if not deltas and entries:
+            deltas = [{}]
+        choices = [{"index": self.index, "delta": delta, "finish_reason": None} for delta in deltas]
+        if choices and self.shape.logprobs is not None:
+            for choice in choices:
+                choice["logprobs"] = None
+            choices[0]["logprobs"] = {"content": [chat_logprob(e) for e in entries], "refusal": None}
+        return choices
+
+    def _envelope_deltas(self) -> list[dict[str, Any]]:
+        """What the envelope has grown by: a call's id and name first (as OpenAI streams them), then pieces of
+        its arguments; or pieces of the response."""
+        assert self.envelope is not None
+        envelope = self.envelope
+        if envelope.responding:
+            piece, self._response_sent = envelope.response[self._response_sent :], len(envelope.response)
+            return [{"content": piece}] if piece else []
+        deltas = []
+        for index, call in enumerate(envelope.calls):
+            if not call.named:
+                break
+            if index >= self._announced:
+                self._announced += 1
+                self._arguments_sent.append(0)
+                opening = {
+                    "index": index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+                deltas.append({"tool_calls": [opening]})
+            piece = call.arguments[self._arguments_sent[index] :]
+            if piece:
+                self._arguments_sent[index] = len(call.arguments)
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+        return deltas
+
+    def completion_delta(self, chunk: p.Chunk) -> dict[str, Any] | None:
+        entries = [e for e in chunk.logprobs or () if e.piece]
+        self.add(chunk)
+        if not chunk.text and not entries:
+            return None
+        return {
+            "index": self.index,
+            "text": chunk.text,
+            "logprobs": self.completion_logprobs(entries),
+            "finish_reason": None,
+        }
