@@ -1,6 +1,6 @@
 """Time to first token of a session's next turn, by where its KV is: hot, pool, disk, or nowhere (re-prefill).
 
-For contexts of about 256, 1024 and 2048 tokens on the default model (2 threads):
+For contexts of about 256, 1024 and 2048 tokens (--contexts picks some) on the default model (2 threads):
   (a) resident   the session is still in its hot slot
   (b) pool       the session was hibernated: its KV comes back from the shared-memory pool
   (c) disk       the session's snapshot lives in the spill directory (a daemon whose pool is too small)
@@ -10,7 +10,7 @@ counters, read after every turn, give each checkpoint's (save + checksum) and ea
 bandwidth; their medians are printed next to the median of a plain memcpy of the same number of bytes measured
 in this process in the same run (the means over all moves are printed too).
 
-    python bench/resume.py [--model PATH] [--repeat 5]
+    python bench/resume.py [--model PATH] [--repeat 5] [--contexts 1024]
 """
 
 from __future__ import annotations
@@ -139,6 +139,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument(
+        "--contexts",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=TARGETS,
+        help="context sizes to measure, e.g. 1024 (default: 256,1024,2048)",
+    )
     args = ap.parse_args()
     model = default_model(args.model)
     common = ("--hot-slots", "2", "--context-size", "4096", "--threads", "2")
@@ -152,7 +158,7 @@ def main() -> int:
         Client(warm.address) as client,
     ):
         samples = MoveSamples(client)
-        for target in TARGETS:
+        for target in args.contexts:
             row = measure_context(warm.address, cold.address, target, args.repeat, samples)
             rows.append(row)
             print(f"measured {target}: {row}", file=sys.stderr, flush=True)
