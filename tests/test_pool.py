@@ -284,3 +284,17 @@ def test_full_dev_shm_is_a_clear_error(pool_name: str) -> None:
     with pytest.raises(PoolError, match="cache_pool_size"):
         Pool.open(pool_name, 1 << 50, 8, "a" * 32, "x")  # a petabyte: posix_fallocate says no
     assert not Pool.unlink(pool_name), "a failed create must not leave a segment behind"
+
+
+def test_two_words_swapped_inside_a_block_fail_the_checksum(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    index = pool.claim("s1", "t", "default")
+    assert index is not None
+    write_snapshot(pool, index, bytes(range(256)) * 64, [1, 2])  # 16 KiB: one 32 KiB block
+    snap = pool.committed(index)
+    assert snap is not None and pool.verify(snap)
+    view = pool.view(snap.offset, 64)
+    view[0:8], view[56:64] = bytes(view[56:64]), bytes(view[0:8])
+    view.release()
+    assert not pool.verify(snap)
+    pool.close()

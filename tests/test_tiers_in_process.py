@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvpool.daemon.kv.snapshots import SessionCorrupt
@@ -84,6 +85,24 @@ def test_a_damaged_pool_snapshot_is_refused_as_corrupt(tmp_path: Path) -> None:
         tiers.hibernate(s)
         assert s.snapshot is not None
         tiers.pool.address(s.snapshot.offset, s.snapshot.state_bytes)[100] ^= 0xFF
+        with pytest.raises(SessionCorrupt, match="checksum"):
+            tiers.make_resident(s)
+        assert tiers.counts.checksum_failures == 1 and fake(tiers).loads == 0  # never loaded
+
+
+def test_a_pool_snapshot_with_two_words_swapped_is_refused_as_corrupt(tmp_path: Path) -> None:
+    """Two 8-byte words trade places inside one 32 KiB block: every byte is still there, in the wrong place. A sum
+    of words, however weighted by block, cannot see that; the checksum must."""
+    with tiers_on_fake_model(tmp_path) as tiers:
+        s = open_session(tiers)
+        compute(tiers, s, 40)
+        tiers.hibernate(s)
+        assert s.snapshot is not None and s.snapshot.state_bytes > 1024
+        words = np.frombuffer(tiers.pool.view(s.snapshot.offset, 1024), dtype="<u8")
+        first, second = 8, 100  # within the cells' K and V rows: two different words
+        assert words[first] != words[second]
+        words[[first, second]] = words[[second, first]]
+        del words  # a view into the mapping
         with pytest.raises(SessionCorrupt, match="checksum"):
             tiers.make_resident(s)
         assert tiers.counts.checksum_failures == 1 and fake(tiers).loads == 0  # never loaded
