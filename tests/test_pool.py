@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.pool.layout import EVICTED, LIVE, TIER_DISK, TIER_POOL, UNSAVED
+from kvpool.daemon.kv.pool.layout import EVICTED, LAYOUT_VERSION, LIVE, TIER_DISK, TIER_POOL, UNSAVED
 from kvpool.daemon.kv.pool.segment import Pool, PoolError
 
 AREA_START, AREA_SIZE, ALIGN = 4096, 64 * 1024, 64
@@ -298,3 +298,12 @@ def test_two_words_swapped_inside_a_block_fail_the_checksum(pool_name: str) -> N
     view.release()
     assert not pool.verify(snap)
     pool.close()
+
+
+def test_a_pool_of_the_previous_layout_is_refused_with_the_reset_sentence(pool_name: str) -> None:
+    pool = open_pool(pool_name)
+    pool.header[0]["layout"] = LAYOUT_VERSION - 1  # as a daemon of the block-sum checksum wrote it
+    pool.close()
+    with pytest.raises(PoolError, match=f"layout version {LAYOUT_VERSION - 1}") as err:
+        open_pool(pool_name)
+    assert "--reset-pool" in str(err.value)

@@ -10,7 +10,7 @@ import numpy as np
 from kvpool.daemon.kv.pool.allocator import Extent
 
 MAGIC = b"KVPOOL\x00\x01"
-LAYOUT_VERSION = 3  # 2: prefix entries and records naming them; 3: records name their stored KV type
+LAYOUT_VERSION = 4  # 2: prefix entries and records naming them; 3: records name their stored KV type; 4: XXH3
 HEADER_BYTES = 4096
 ALIGN = 64
 

@@ -30,7 +30,7 @@ from kvpool.daemon.kv.codec.kv_types import BY_ID
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.layout import HOT_TYPES, payload_bytes
 
-MAGIC = b"KVREMOT1"
+MAGIC = b"KVREMOT2"  # 2: the payload's checksum is XXH3
 HEADER = struct.Struct("<8sI")  # magic, record length
 MAX_RECORD_BYTES = 1 << 16
 
@@ -113,6 +113,8 @@ def decode(
     if len(head) < HEADER.size:
         raise RecordCorrupt("its remote record is truncated")
     magic, record_bytes = HEADER.unpack_from(head)
+    if magic != MAGIC and magic.startswith(MAGIC[:-1]):
+        raise RecordCorrupt(f"its remote checkpoint was written by another kvpool version (format {magic.decode()!r})")
     if magic != MAGIC:
         raise RecordCorrupt("its remote value is not a kvpool checkpoint")
     if record_bytes > MAX_RECORD_BYTES or HEADER.size + record_bytes > len(head):
