@@ -33,8 +33,8 @@ from common import default_model, private_daemon, private_redis  # noqa: E402
 from kvpool import protocol as p  # noqa: E402
 from kvpool.client import Client, Session  # noqa: E402
 from kvpool.client.results import expect  # noqa: E402
-from kvpool.daemon.kv.remote.record import Keys, RemoteRecord, encode  # noqa: E402
-from kvpool.daemon.kv.remote.store import RemoteStore  # noqa: E402
+from kvpool.daemon.remote.record import Keys, RemoteRecord, encode  # noqa: E402
+from kvpool.daemon.remote.store import RemoteStore  # noqa: E402
 
 SENTENCE = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. "
 TARGETS = [256, 1024, 2048]

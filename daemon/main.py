@@ -1,43 +1,44 @@
-"""`kvpoold`: parse the configuration, load the model, serve until SIGTERM/SIGINT, stop gracefully."""
+"""`kvpoold`: the assembly of the daemon. The start is planned first (startup.py: configuration, memory plan, KV
+settings), then the parts are built in order, each closed in reverse by one ExitStack: the socket, the model, the
+pool and the spill directory, the remote tier (with `remote`), the tiers with the sessions recovered from the pool,
+the preloader, the engine. Then it serves until SIGTERM/SIGINT and stops gracefully."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
-import grp
-import hashlib
 import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.client import __version__
 from kvpool.client.address import default_address
-from kvpool.daemon.config import Config, ConfigError, load_config
+from kvpool.daemon.config import Config
 from kvpool.daemon.engine.loop import Engine
-from kvpool.daemon.engine.remote_requests import attach as attach_tiers
 from kvpool.daemon.kv.codec.kv_types import STORE_TYPES
 from kvpool.daemon.kv.pool.segment import Pool, PoolError
 from kvpool.daemon.kv.recovery import recover
 from kvpool.daemon.kv.sessions import SessionTable
 from kvpool.daemon.kv.spill import SpillDir, SpillError
 from kvpool.daemon.kv.tiers import Tiers
-from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
-from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
-from kvpool.daemon.llama.gguf_meta import GgufError
-from kvpool.daemon.llama.kv_settings import KvSettingsError, resolve_kv_settings
-from kvpool.daemon.llama.memory_plan import model_shape, plan_memory
 from kvpool.daemon.llama.model import Model, ModelLoadError, Placement
-from kvpool.daemon.ops.logs import setup_logging
-from kvpool.daemon.rpc.connect import WorkersUnavailable, connect_workers
+from kvpool.daemon.locations import default_pool_name, group_id, spill_dir_for
+from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.rpc.faults import WorkerWatch
 from kvpool.daemon.rpc.workers import Workers
 from kvpool.daemon.serve.http import HttpListener
 from kvpool.daemon.serve.notify import Notifier
 from kvpool.daemon.serve.zmq_server import AddressUnavailable, Server
+from kvpool.daemon.startup import StartFailed, StartPlan, log_plan, place_layers, plan_start
+
+if TYPE_CHECKING:
+    from kvpool.daemon.remote.tier import RemoteTier
 
 log = logging.getLogger("kvpool.daemon")
 
@@ -143,123 +144,56 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config = load_config(args.config, {k: getattr(args, k) for k in OVERRIDES}, dict(os.environ))
-        setup_logging(config.log_level, config.log_format, config.log_file, config.log_max_bytes)
-        model_path = resolve_model_path(config.model)
-        plan = plan_memory(model_path, config)
-        shape = model_shape(model_path)
-        kv, kv_why = resolve_kv_settings(
-            config.cache_type_k, config.cache_type_v, config.flash_attn, shape.head_k, shape.head_v
-        )
-        # Deterministic decoding turns repacking off: see config._check_deterministic.
-        repack = choose_repack("off" if config.deterministic else config.cpu_repack, model_path)
-    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, OSError) as exc:
+        overrides = {k: getattr(args, k) for k in OVERRIDES}
+        plan = plan_start(args.config, overrides, check_only=args.check_config)
+        if args.check_config:
+            print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)
+            return 0
+        with contextlib.ExitStack() as stack:
+            serve(assemble(plan, args.reset_pool, stack), stack)
+    except StartFailed as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
-        return 2
-    if args.check_config:
-        print(f"kvpoold: {repack.describe()}", file=sys.stderr)
-        print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
-    if args.check_config or not plan.fits:
-        print(f"kvpoold: memory plan for {model_path.name}:\n{plan.table()}", file=sys.stderr)
-    if not plan.fits:
-        print(
-            f"kvpoold: the plan needs {plan.total / 2**20:.0f} MiB but memory_limit is "
-            f"{plan.limit / 2**20:.0f} MiB; lower cache_pool_size, context_size, hot_slots or batch_size, "
-            "or raise memory_limit.",
-            file=sys.stderr,
-        )
-        return 2
-    if args.check_config:
-        print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)
-        return 0
-    log.info("%s", repack.describe())
-    log.info("%s; %s", kv.describe(), kv_why)
+        return exc.exit_code
+    log.info("kvpoold stopped")
+    return 0
+
+
+@dataclass
+class Daemon:
+    """The assembled parts that serving needs."""
+
+    config: Config
+    address: str
+    server: Server
+    model: Model
+    engine: Engine
+
+
+def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> Daemon:
+    """Build the daemon's parts in order; ``stack`` closes each one (in reverse) when serving ends or a later part
+    fails to start."""
+    config = plan.config
     watch = WorkerWatch(config.rpc_servers)
-    placement = None
-    if config.rpc_servers:
-        try:
-            devices, shares, plan = connect_workers(config, model_path, watch)
-        except WorkersUnavailable as exc:
-            print(f"kvpoold: {exc}", file=sys.stderr)
-            return exc.exit_code
-        placement = Placement(devices, config.rpc_layers, shares)
-        if not plan.fits:  # planned again with the layers where the workers' free memory puts them
-            print(f"kvpoold: memory plan for {model_path.name}:\n{plan.table()}", file=sys.stderr)
-            print(
-                f"kvpoold: the local part of the plan needs {plan.total / 2**20:.0f} MiB but memory_limit is "
-                f"{plan.limit / 2**20:.0f} MiB; put more layers on the workers (rpc_layers, tensor_split), or "
-                "lower cache_pool_size, context_size, hot_slots or batch_size.",
-                file=sys.stderr,
-            )
-            return 2
-    log.info(
-        "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
-        plan.total / 2**20,
-        plan.weights / 2**20,
-        plan.hot_kv / 2**20,
-        plan.compute / 2**20,
-        plan.pool / 2**20,
-        plan.runtime / 2**20,
-    )
-    for part in plan.remote:
-        log.info(
-            "memory plan on rpc worker %s: %.0f MiB (%d layers%s: weights %.0f, hot KV %.0f, compute %.0f)",
-            part.endpoint,
-            part.total / 2**20,
-            part.layers,
-            " + output" if part.output else "",
-            part.weights / 2**20,
-            part.hot_kv / 2**20,
-            part.compute / 2**20,
-        )
-
+    placement = place_layers(plan, watch)
+    log_plan(plan)
     address = config.address or default_address()
+    server = bind_server(config, address, stack)  # before the model: a clash fails at once
+    model = load_model(plan, placement)
+    stack.callback(model.close)
+    pool_name = config.pool_name or default_pool_name(address)
+    pool = open_pool(config, model, pool_name, reset_pool)
+    stack.callback(pool.close)
     try:
-        client_gid = group_id(config.client_group)
-    except KeyError:
-        print(
-            f"kvpoold: client_group {config.client_group!r} does not exist; create it or fix the setting.",
-            file=sys.stderr,
+        spill = SpillDir(
+            spill_dir_for(config.spill_dir, pool_name), config.spill_max_bytes, model.fingerprint, model.kv_layout
         )
-        return 2
-    server = Server(address, config.socket_dir_mode, client_gid, config.max_message_bytes)
-    try:
-        server.bind(config.curve_secret_file, config.curve_clients_dir)  # before the model: a clash fails at once
-    except AddressUnavailable as exc:
-        print(f"kvpoold: {exc}", file=sys.stderr)
-        server.close()
-        return 1
-    if config.deterministic:
-        # llama.cpp's tiled K-quant matmul serves batches of 8 rows and more, vec_dot fewer: another sum order.
-        # ggml reads this once, at the first decode of the process.
-        os.environ["GGML_CPU_TILED_MM"] = "0"
-        log.info("deterministic decoding: repacking and the tiled matmul off, steps of at most 63 tokens")
-    try:
-        threads = config.threads or os.cpu_count() or 1
-        model = Model(
-            model_path,
-            context_size=config.context_size,
-            hot_slots=config.hot_slots,
-            batch_size=config.batch_size,
-            threads=threads,
-            prefix_slots=config.prefix_slots,
-            repack=repack.enabled,
-            kv=kv,
-            placement=placement,
-            deterministic=config.deterministic,
-        )
-    except ModelLoadError as exc:
-        print(f"kvpoold: {exc}", file=sys.stderr)
-        server.close()
-        return 1
-
-    try:
-        tiers = open_tiers(config, model, address, reset=args.reset_pool)
-    except (PoolError, SpillError) as exc:
-        print(f"kvpoold: {exc}", file=sys.stderr)
-        model.close()
-        server.close()
-        return 1
+    except SpillError as exc:
+        raise StartFailed(str(exc), 1) from None
+    remote = open_remote(config, model, pool, spill, address)
+    if remote is not None:
+        stack.callback(remote.close)  # pending writes first (bounded), then the pool they read from
+    tiers = Tiers(model, pool, spill, SessionTable(config, model.context_size), config, mirror=remote)
+    recover_sessions(tiers)
     engine = Engine(
         model,
         config,
@@ -269,19 +203,108 @@ def main(argv: Sequence[str] | None = None) -> int:
         frame_errors=server.frame_errors,
         last_heard=server.last_heard,
         lagging=server.lagging,
-        workers=Workers(placement.devices, plan.remote) if placement else None,
+        workers=Workers(placement.devices, plan.memory.remote) if placement else None,
+        remote=remote,
+        preloader=Preloader(tiers, config.preload, config.preload_horizon_s),
     )
     watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
     if config.rpc_servers:
         watch.watch_stalls(lambda: engine.heartbeat, engine.stopping, config.rpc_timeout)
+    if remote is not None:
+        remote.start(list(tiers.sessions.by_id.values()))  # recovered sessions: their leases, their newest state
+    return Daemon(config, address, server, model, engine)
+
+
+def bind_server(config: Config, address: str, stack: contextlib.ExitStack) -> Server:
     try:
-        remote = attach_tiers(engine, config, address)
+        client_gid = group_id(config.client_group)
+    except KeyError:
+        raise StartFailed(
+            f"client_group {config.client_group!r} does not exist; create it or fix the setting.", 2
+        ) from None
+    server = Server(address, config.socket_dir_mode, client_gid, config.max_message_bytes)
+    stack.callback(server.close)
+    try:
+        server.bind(config.curve_secret_file, config.curve_clients_dir)
+    except AddressUnavailable as exc:
+        raise StartFailed(str(exc), 1) from None
+    return server
+
+
+def load_model(plan: StartPlan, placement: Placement | None) -> Model:
+    config = plan.config
+    if config.deterministic:
+        # llama.cpp's tiled K-quant matmul serves batches of 8 rows and more, vec_dot fewer: another sum order.
+        # ggml reads this once, at the first decode of the process.
+        os.environ["GGML_CPU_TILED_MM"] = "0"
+        log.info("deterministic decoding: repacking and the tiled matmul off, steps of at most 63 tokens")
+    try:
+        return Model(
+            plan.model_path,
+            context_size=config.context_size,
+            hot_slots=config.hot_slots,
+            batch_size=config.batch_size,
+            threads=config.threads or os.cpu_count() or 1,
+            prefix_slots=config.prefix_slots,
+            repack=plan.repack.enabled,
+            kv=plan.kv,
+            placement=placement,
+            deterministic=config.deterministic,
+        )
+    except ModelLoadError as exc:
+        raise StartFailed(str(exc), 1) from None
+
+
+def open_pool(config: Config, model: Model, name: str, reset: bool) -> Pool:
+    """Attach to (or create) the pool."""
+    try:
+        return Pool.open(
+            name,
+            config.cache_pool_size,
+            config.max_sessions + config.max_prefixes,
+            model.fingerprint,
+            model.kv_layout,
+            mode=0o640 if config.client_group else config.pool_mode,
+            reset=reset,
+            gid=group_id(config.client_group),
+        )
+    except PoolError as exc:
+        raise StartFailed(str(exc), 1) from None
+
+
+def open_remote(config: Config, model: Model, pool: Pool, spill: SpillDir, address: str) -> RemoteTier | None:
+    """The cross-node tier when `remote` is set (not started yet: it first takes the recovered sessions)."""
+    if not config.remote:
+        return None
+    try:
+        from kvpool.daemon.remote.tier import RemoteTier, node_name  # redis-py: the `remote` extra
     except ImportError as exc:
-        print(f"kvpoold: `remote` needs {exc.name}: pip install 'kvpool[remote]'.", file=sys.stderr)
-        tiers.close()
-        model.close()
-        server.close()
-        return 2
+        raise StartFailed(f"`remote` needs {exc.name}: pip install 'kvpool[remote]'.", 2) from None
+    return RemoteTier(config, model.fingerprint, model.kv_layout, pool, spill, node_name(config, address))
+
+
+def recover_sessions(tiers: Tiers) -> None:
+    """Rebuild the sessions the pool (and the spill directory) hold."""
+    try:
+        recovered = recover(tiers)
+    except PoolError as exc:
+        raise StartFailed(str(exc), 1) from None
+    pool = tiers.pool
+    log.info(
+        "pool %s %s: %d bytes, %d sessions recovered, %d bytes in use; spill dir %s",
+        pool.name,
+        "created" if pool.created else "attached",
+        pool.size,
+        recovered,
+        pool.usage().used_bytes,
+        tiers.spill.path,
+    )
+
+
+def serve(d: Daemon, stack: contextlib.ExitStack) -> None:
+    """Run the engine and I/O threads until SIGTERM/SIGINT, with /health and /metrics and systemd's notifications
+    alongside; return once both threads have ended (``stack`` then closes the rest)."""
+    engine, server, config = d.engine, d.server, d.config
     engine_done = threading.Event()
 
     def run_engine() -> None:
@@ -305,101 +328,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     io_thread = threading.Thread(target=server.serve, args=(engine.submit, engine_done), name="io")
     engine_thread.start()
     io_thread.start()
-    http = None
     if config.http:
         try:
-            http = HttpListener(config.http, address)
+            http = HttpListener(config.http, d.address)
             http.start()
+            stack.callback(http.close)
             log.info("serving /health and /metrics on http://%s", config.http)
         except (OSError, ValueError) as exc:
             log.error("no HTTP listener on %s: %s", config.http, exc)
+    stack.callback(notifier.close)
     # Ready only now: the socket is bound, the model loaded, the sessions recovered, the engine running.
     notifier.ready(engine.summary())
     notifier.start_watchdog(lambda: engine.heartbeat, engine.summary)
     log.info(
         "kvpoold %s ready on %s: %s, %d hot slots, %d KV cells, %d threads",
         __version__,
-        address,
-        model.description,
+        d.address,
+        d.model.description,
         config.hot_slots,
-        model.context_size,
-        threads,
+        d.model.context_size,
+        config.threads or os.cpu_count() or 1,
     )
     while engine_thread.is_alive():
         engine_thread.join(0.5)  # a timed join keeps the main thread responsive to signals
     io_thread.join()
-    notifier.close()
-    if http is not None:
-        http.close()
-    if remote is not None:
-        remote.close()  # pending writes first (bounded), then the pool they read from
-    tiers.close()
-    model.close()
-    server.close()
-    log.info("kvpoold stopped")
-    return 0
-
-
-def group_id(group: str) -> int | None:
-    """The gid of ``group`` (a name or a number); None for no group."""
-    if not group:
-        return None
-    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-
-
-def default_pool_name(address: str) -> str:
-    return "/kvpool-" + hashlib.sha256(address.encode()).hexdigest()[:16]
-
-
-def spill_dir_for(configured: str, pool_name: str) -> Path:
-    """The spill directory of one pool: the configured (or default) base plus the pool's name, so daemons
-    sharing a base never touch each other's files."""
-    if configured:
-        base = Path(configured)
-    elif state := os.environ.get("STATE_DIRECTORY"):
-        base = Path(state.split(":")[0]) / "spill"
-    else:
-        base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "kvpool" / "spill"
-    return base / pool_name.lstrip("/")
-
-
-def open_tiers(config: Config, model: Model, address: str, reset: bool) -> Tiers:
-    """Attach to (or create) the pool, open the spill directory, and recover the sessions they hold."""
-    name = config.pool_name or default_pool_name(address)
-    pool = Pool.open(
-        name,
-        config.cache_pool_size,
-        config.max_sessions + config.max_prefixes,
-        model.fingerprint,
-        model.kv_layout,
-        mode=0o640 if config.client_group else config.pool_mode,
-        reset=reset,
-        gid=group_id(config.client_group),
-    )
-    try:
-        spill = SpillDir(
-            spill_dir_for(config.spill_dir, name), config.spill_max_bytes, model.fingerprint, model.kv_layout
-        )
-    except SpillError:
-        pool.close()
-        raise
-    tiers = Tiers(model, pool, spill, SessionTable(config, model.context_size), config)
-    try:
-        recovered = recover(tiers)
-    except PoolError:
-        tiers.close()
-        raise
-    usage = pool.usage()
-    log.info(
-        "pool %s %s: %d bytes, %d sessions recovered, %d bytes in use; spill dir %s",
-        name,
-        "created" if pool.created else "attached",
-        pool.size,
-        recovered,
-        usage.used_bytes,
-        spill.path,
-    )
-    return tiers
 
 
 if __name__ == "__main__":

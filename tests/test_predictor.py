@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.daemon.kv.preload.predictor import TurnHistory
+from kvpool.daemon.preload.predictor import TurnHistory
 
 
 def history(**turns: list[float]) -> TurnHistory:

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import Client
 from kvpool.client.errors import BadRequest, Conflict, RemoteTierUnavailable, SessionCorrupt, UnknownSession
-from kvpool.daemon.kv.remote import record as rec
+from kvpool.daemon.remote import record as rec
 
 from .daemon_process import DaemonProcess, free_port, wait_until
 from .redis_server import RedisServer

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.remote import record as rec
-from kvpool.daemon.kv.remote.lease import Lease
-from kvpool.daemon.kv.remote.store import redacted
+from kvpool.daemon.remote import record as rec
+from kvpool.daemon.remote.lease import Lease
+from kvpool.daemon.remote.store import redacted
 
 
 def checkpoint(session: str = "s1") -> tuple[rec.RemoteRecord, bytes]:

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.daemon.kv.remote.lease import LeaseHeld
-from kvpool.daemon.kv.remote.record import Keys
-from kvpool.daemon.kv.remote.store import RemoteStore, RemoteUnavailable
+from kvpool.daemon.remote.lease import LeaseHeld
+from kvpool.daemon.remote.record import Keys
+from kvpool.daemon.remote.store import RemoteStore, RemoteUnavailable
 
 from .redis_server import RedisServer
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvpool.daemon.kv.pool.segment import Pool
-from kvpool.daemon.kv.remote import record as rec
-from kvpool.daemon.kv.remote import tier
-from kvpool.daemon.kv.remote.record import Keys
-from kvpool.daemon.kv.remote.store import RemoteStore
-from kvpool.daemon.kv.remote.writer import Event, Job, RemoteWriter
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.remote import record as rec
+from kvpool.daemon.remote import tier
+from kvpool.daemon.remote.record import Keys
+from kvpool.daemon.remote.store import RemoteStore
+from kvpool.daemon.remote.writer import Event, Job, RemoteWriter
 from kvpool.protocol.status import RemoteCounts
 
 from .redis_server import RedisServer

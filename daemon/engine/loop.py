@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
@@ -30,9 +30,15 @@ from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model, Sampled
 from kvpool.daemon.ops.status import status_of
+from kvpool.daemon.preload.preloader import Preloader
+from kvpool.daemon.remote.interface import CrossNode, NoRemote
+from kvpool.daemon.remote.requests import RemoteRequests
 from kvpool.daemon.rpc.workers import Workers
 from kvpool.protocol import ErrorCode, FinishReason
 from kvpool.protocol.status import Counters, DaemonStatus
+
+if TYPE_CHECKING:  # the tier needs redis-py (the `remote` extra)
+    from kvpool.daemon.remote.tier import RemoteTier
 
 log = logging.getLogger("kvpool.engine")
 
@@ -52,7 +58,11 @@ class Engine:
         last_heard: dict[bytes, float] | None = None,
         lagging: set[bytes] | None = None,
         workers: Workers | None = None,
+        remote: RemoteTier | None = None,
+        preloader: Preloader | None = None,
     ):
+        """``remote``: the cross-node tier (None: this daemon's sessions live here only); ``preloader``: moves
+        sessions up ahead of their turns (None: none is, as with preload = "off")."""
         self.model = model
         self.workers = workers  # the rpc workers the model is split across (None: all local)
         self.config = config
@@ -70,12 +80,23 @@ class Engine:
         self.inbox: queue.Queue[tuple[bytes, p.AnyRequest, float]] = queue.Queue()
         self.stopping = threading.Event()
         self.started = time.monotonic()
-        # Extensions (engine/remote_requests.py): work between steps, and parts they add to the status.
-        self.between_steps: list[Callable[[], None]] = []
-        self.status_parts: list[Callable[[DaemonStatus], None]] = []
         self._inbox_lock = threading.Lock()
         self._inbox_closed = False
-        self.handlers = RequestHandlers(model, config, tiers, self.scheduler, self.finish, self.status, daemon_version)
+        self.preloader = preloader if preloader is not None else Preloader(tiers, "off", 0.0)
+        self.remote: CrossNode = (
+            RemoteRequests(remote, tiers, self.preloader, self.submit) if remote is not None else NoRemote()
+        )
+        self.handlers = RequestHandlers(
+            model,
+            config,
+            tiers,
+            self.scheduler,
+            self.finish,
+            self.status,
+            daemon_version,
+            self.remote,
+            self.preloader,
+        )
         self.housekeeping = Housekeeping(
             config,
             self.scheduler,
@@ -116,8 +137,8 @@ class Engine:
         self.housekeeping.run()
         if self.workers is not None:
             self.workers.check(idle=self.scheduler.idle)
-        for work in self.between_steps:
-            work()
+        self.preloader.predict()
+        self.remote.between_steps()
         plan = self.scheduler.schedule()
         if not plan:
             return
@@ -381,6 +402,6 @@ class Engine:
             frame_errors=self.frame_errors,
             rpc_workers=self.workers.status() if self.workers is not None else [],
         )
-        for part in self.status_parts:
-            part(status)
+        status.preload = self.preloader.status()
+        status.remote = self.remote.status()
         return status

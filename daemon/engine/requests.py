@@ -10,18 +10,21 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
 
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.opening import create_session
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.constraints import ConstraintError, parse_schema
 from kvpool.daemon.llama.model import Grammar, GrammarError, Model, SamplingParams, json_schema_grammar
+from kvpool.daemon.preload.preloader import Preloader
+from kvpool.daemon.remote.interface import CrossNode, Handler
 from kvpool.protocol import ErrorCode, FinishReason
 from kvpool.protocol.status import DaemonStatus
 
@@ -42,24 +45,31 @@ class RequestHandlers:
         finish: Finish,
         status: Callable[[], DaemonStatus],
         daemon_version: str,
+        remote: CrossNode,
+        preloader: Preloader,
     ):
+        """``remote``: the cross-node tier (NoRemote without one); ``preloader``: told of hints and turns."""
         self.model, self.config, self.tiers, self.scheduler = model, config, tiers, scheduler
+        self.remote, self.preloader = remote, preloader
         self.sessions = tiers.sessions
         self.pool = tiers.pool
         self.finish, self._status, self.daemon_version = finish, status, daemon_version
         self._multiplexers: dict[bytes, None] = {}  # connections that said they multiplex users, oldest first
-        self.by_type: dict[type, Any] = {
+        self.by_type: dict[type, Handler] = {
             p.Hello: self.hello,
             p.Status: self.status,
             p.ListSessions: self.list_sessions,
             p.OpenSession: self.open,
             p.ResumeSession: self.resume,
+            p.Prefetch: self.prefetch,
             p.CloseSession: self.close,
             p.Cancel: self.cancel,
             p.History: self.history,
             p.Tokenize: self.tokenize,
             p.Detokenize: self.detokenize,
             p.Generate: self.generate,
+            p.Migrate: remote.migrate,
+            **remote.internal,
         }
 
     def hello(self, client: bytes, r: p.Hello, received_at: float) -> p.Reply:
@@ -106,6 +116,7 @@ class RequestHandlers:
                 shared_tokens=s.prefix_len if s.prefix is not None else 0,
                 saved=(s.snapshot.n_tokens if s.snapshot else 0) == len(s.tokens),
                 kv_type=self.tiers.codec.name(s.snapshot.kv_type) if s.snapshot and s.snapshot.n_kv else "",
+                remote=self.remote.where(s),
             )
             for s in self.sessions.by_id.values()
         ]
@@ -117,30 +128,21 @@ class RequestHandlers:
                 ErrorCode.OVERLOADED,
                 "The daemon's memory is above its memory_high_water; close sessions or retry later.",
             )
-        self.sessions.check_can_open(r.task)
+        self.sessions.check_can_open(r.task)  # first: the system prompt may come from the task's profile
         system = self._system_prompt(r)
-        session_id, token = secrets.token_hex(8), secrets.token_hex(16)
-        entry = self.pool.claim(session_id, token, r.task)
-        if entry is None:
-            raise RequestRefused(
-                ErrorCode.QUOTA_EXCEEDED,
-                "The pool's session table is full; close a session or "
-                "raise max_sessions (and restart with --reset-pool).",
-            )
-        s = Session(
-            id=session_id,
-            token=token,
-            task=r.task,
-            entry=entry,
-            context_limit=self.sessions.context_limit(r.task),
+        s = create_session(
+            self.pool,
+            self.sessions,
+            secrets.token_hex(8),
+            secrets.token_hex(16),
+            r.task,
             tokens=system,
             boundary=len(system),
         )
-        self.sessions.add(s)
         if system:
             self.tiers.record_tokens(s)
         log.info("session %s opened for task %s", s.id, s.task)
-        return self._opened(r.id, s)
+        return session_opened(r.id, s)
 
     def _system_prompt(self, r: p.OpenSession) -> list[int]:
         """The tokens a new session starts with: the request's system prompt, else its task's configured one."""
@@ -165,11 +167,28 @@ class RequestHandlers:
             )
         return tokens
 
-    def resume(self, client: bytes, r: p.ResumeSession, received_at: float) -> p.Reply:
-        s = self.sessions.get(r.session, r.token)
+    def resume(self, client: bytes, r: p.ResumeSession, received_at: float) -> p.Reply | None:
+        try:
+            s = self.sessions.get(r.session, r.token)
+        except RequestRefused as refused:
+            missing = refused.code in (ErrorCode.UNKNOWN_SESSION, ErrorCode.SESSION_EVICTED)
+            if missing and self.remote.fetch(client, r, prefetch=r.prefetch, answer_prefetched=False):
+                return None  # the reply comes when the fetch ends
+            raise
         s.last_used = time.monotonic()
         self.pool.touch(s.entry)
-        return self._opened(r.id, s)
+        self.remote.check_owned(s)
+        if r.prefetch:
+            self.preloader.hint(s)
+        return session_opened(r.id, s)
+
+    def prefetch(self, client: bytes, r: p.Prefetch, received_at: float) -> p.Reply | None:
+        here = r.session in self.sessions.by_id or r.session in self.sessions.evicted
+        if not here and self.remote.fetch(client, r, prefetch=True, answer_prefetched=True):
+            return None  # the reply comes when the fetch ends
+        s = self.sessions.get(r.session, r.token)
+        self.remote.check_owned(s)
+        return p.Prefetched(id=r.id, session=s.id, tier=self.preloader.hint(s))
 
     def tokenize(self, client: bytes, r: p.Tokenize, received_at: float) -> p.Reply:
         return p.TokensReply(id=r.id, tokens=self.model.tokenize(r.text, add_bos=r.add_bos, special=r.special))
@@ -181,23 +200,13 @@ class RequestHandlers:
         s = self.sessions.get(r.session, r.token)
         return p.HistoryReply(id=r.id, tokens=s.tokens[r.start :], context_tokens=len(s.tokens))
 
-    @staticmethod
-    def _opened(request_id: int, s: Session) -> p.SessionOpened:
-        return p.SessionOpened(
-            id=request_id,
-            session=s.id,
-            token=s.token,
-            task=s.task,
-            context_size=s.context_limit,
-            context_tokens=len(s.tokens),
-        )
-
     def close(self, client: bytes, r: p.CloseSession, received_at: float) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
         g = self.scheduler.generation_of(s)
         if g is not None:  # no checkpoint: the session is about to go
             self.finish(g, FinishReason.CANCELLED, time.monotonic(), checkpoint=False)
         self.tiers.drop(s)
+        self.remote.closed(s)
         return p.Closed(id=r.id, session=s.id)
 
     def cancel(self, client: bytes, r: p.Cancel, received_at: float) -> p.Reply:
@@ -209,7 +218,10 @@ class RequestHandlers:
         return p.Cancelled(id=r.id, cancelled=True, completion_tokens=g.completion_tokens)
 
     def generate(self, client: bytes, r: p.Generate, received_at: float) -> None:
+        if r.session not in self.sessions.by_id:
+            self.remote.check_gone(r.session, r.token)  # dropped here for the node that owns it now: CONFLICT
         s = self.sessions.get(r.session, r.token)
+        self.remote.check_owned(s)
         if s.busy:
             raise RequestRefused(
                 ErrorCode.SESSION_BUSY, f"Session {s.id} is still generating; wait for its final message or cancel it."
@@ -279,6 +291,7 @@ class RequestHandlers:
         )
         s.last_used = g.arrival
         self.scheduler.add(g)
+        self.preloader.turn(s)
         return None  # the reply is the stream of chunks and the final message
 
     def _sampling(self, r: p.Generate) -> SamplingParams:

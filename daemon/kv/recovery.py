@@ -12,7 +12,6 @@ import time
 from kvpool.daemon.kv.pool.layout import LIVE, NO_PREFIX, SESSION, TIER_POOL
 from kvpool.daemon.kv.pool.segment import PoolError
 from kvpool.daemon.kv.prefix import links as prefix_links
-from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SnapshotCorrupt
 from kvpool.daemon.kv.tiers import Tiers
 
@@ -52,26 +51,24 @@ def recover(tiers: Tiers) -> int:
             except SnapshotCorrupt:
                 tokens = placeholder
         age = max(0.0, now_wall - e.last_used)
-        s = Session(
-            id=e.session,
-            token=e.token,
-            task=e.task,
-            entry=e.index,
-            context_limit=tiers.sessions.context_limit(e.task),
+        s = tiers.sessions.create(
+            e.session,
+            e.token,
+            e.task,
+            e.index,
             created=now - (now_wall - e.created),
             last_used=now - age,
             tokens=tokens,
             n_kv=snap.n_kv if snap else 0,
             snapshot=snap,
+            # only a system prompt so far: it may still become a shared prefix
+            boundary=len(tokens) if snap is not None and snap.state_bytes == 0 else 0,
         )
-        if snap is not None and snap.state_bytes == 0:
-            s.boundary = len(tokens)  # only a system prompt so far: it may still become a shared prefix
         prefix = prefixes.get(snap.prefix_entry) if snap is not None else None
         if prefix is not None and snap is not None:
             prefix_links.attach(s, prefix, snap.prefix_len, hot=False)
             if not prefix_links.consistent(s, snap):  # then its restore reports SESSION_CORRUPT
                 prefix_links.detach(s)
-        tiers.sessions.add(s)
     tiers.prefixes.forget_unused_after_recovery()
     stale = tiers.spill.keep_only(live_files)
     if stale:

@@ -6,7 +6,7 @@ import hmac
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.errors import RequestRefused
@@ -114,6 +114,15 @@ class SessionTable:
         profile = self._config.tasks.get(task)
         limit = profile.max_context_tokens if profile is not None else 0
         return min(self._context_size, limit or self._context_size)
+
+    def create(self, session_id: str, token: str, task: str, entry: int, **state: Any) -> Session:
+        """A new session in the table, holding pool entry ``entry`` (already claimed); ``state``: what it starts
+        with (tokens, n_kv, snapshot, boundary, created, last_used)."""
+        session = Session(
+            id=session_id, token=token, task=task, entry=entry, context_limit=self.context_limit(task), **state
+        )
+        self.add(session)
+        return session
 
     def add(self, session: Session) -> None:
         self.by_id[session.id] = session

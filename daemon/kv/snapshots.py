@@ -65,11 +65,12 @@ class SnapshotWriter:
         counts: TierCounters,
         evict: Callable[[Session], None],
         codec: TierCodec,
+        whole: bool = False,
     ):
+        """``whole``: checkpoints hold every cell, shared prefix included, so another node can restore them."""
         self.model, self.pool, self.spill, self.sessions = model, pool, spill, sessions
         self.prefixes, self.counts, self.evict, self.codec = prefixes, counts, evict, codec
-        # Checkpoints hold every cell, shared prefix included, so another node can restore them (the remote tier).
-        self.whole_snapshots = False
+        self.whole_snapshots = whole
 
     def checkpoint(self, s: Session) -> None:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""

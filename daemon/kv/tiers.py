@@ -14,7 +14,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import msgspec
 
@@ -37,18 +38,40 @@ from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 log = logging.getLogger("kvpool.tiers")
 
 
+class Mirror(Protocol):
+    """A tier that keeps a copy of every committed checkpoint on other nodes (the remote tier, daemon/remote/)."""
+
+    def saved(self, s: Session) -> None:
+        """A checkpoint of ``s`` was committed here: copy it."""
+        ...
+
+    def forget(self, session: str, delete: bool) -> None:
+        """The session left this node (``delete``: and its copy goes too)."""
+        ...
+
+
 class Tiers:
-    def __init__(self, model: Model, pool: Pool, spill: SpillDir, sessions: SessionTable, config: Config):
+    def __init__(
+        self,
+        model: Model,
+        pool: Pool,
+        spill: SpillDir,
+        sessions: SessionTable,
+        config: Config,
+        mirror: Mirror | None = None,
+    ):
+        """``mirror``: the cross-node tier, told of every commit and every session that leaves (None: none)."""
         self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
+        self.mirror = mirror
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.resident: dict[int, Session] = {}
         self.prefixes = PrefixCache(model, pool, config)
         self.counts = TierCounters()
         self.codec = TierCodec(model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type)
-        self.writer = SnapshotWriter(model, pool, spill, sessions, self.prefixes, self.counts, self.evict, self.codec)
-        # The remote tier's hooks (daemon/kv/remote): a checkpoint was committed; a session left this node.
-        self.on_commit: Callable[[Session], None] | None = None
-        self.on_drop: Callable[[Session], None] | None = None
+        # With a mirror, checkpoints hold every cell, shared prefix included, so that another node can restore them.
+        self.writer = SnapshotWriter(
+            model, pool, spill, sessions, self.prefixes, self.counts, self.evict, self.codec, whole=mirror is not None
+        )
 
     # ------------------------------------------------------------------ hot tier
 
@@ -289,13 +312,13 @@ class Tiers:
 
     def checkpoint(self, s: Session) -> None:
         self.writer.checkpoint(s)
-        if self.on_commit is not None:
-            self.on_commit(s)
+        if self.mirror is not None:
+            self.mirror.saved(s)
 
     def record_tokens(self, s: Session) -> None:
         self.writer.record_tokens(s)
-        if self.on_commit is not None and s.snapshot is not None:
-            self.on_commit(s)
+        if self.mirror is not None and s.snapshot is not None:
+            self.mirror.saved(s)
 
     def give_up_snapshot(self, s: Session) -> None:
         self.writer.give_up(s)
@@ -328,8 +351,8 @@ class Tiers:
         if s.snapshot is not None and s.snapshot.tier == TIER_DISK:
             self.spill.remove(s.id, s.snapshot.version)
         self.sessions.remove(s, evicted=evicted)
-        if self.on_drop is not None:
-            self.on_drop(s)
+        if self.mirror is not None:
+            self.mirror.forget(s.id, delete=False)
 
     def close(self) -> None:
         self.pool.close()

@@ -9,9 +9,9 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from kvpool.daemon.kv.remote import lease as scripts
-from kvpool.daemon.kv.remote.lease import Lease, LeaseHeld
-from kvpool.daemon.kv.remote.record import Keys
+from kvpool.daemon.remote import lease as scripts
+from kvpool.daemon.remote.lease import Lease, LeaseHeld
+from kvpool.daemon.remote.record import Keys
 
 STAGE_MS = 60_000  # a staged payload whose commit never came (the node died in between) expires by itself
 

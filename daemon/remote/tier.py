@@ -9,7 +9,7 @@ import contextlib
 import hmac
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,18 +19,19 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_POOL, payload_bytes
 from kvpool.daemon.kv.pool.segment import Pool
-from kvpool.daemon.kv.remote import record as rec
-from kvpool.daemon.kv.remote.lease import Lease, LeaseHeld
-from kvpool.daemon.kv.remote.store import RemoteStore, RemoteUnavailable
-from kvpool.daemon.kv.remote.writer import Event, Job, RemoteWriter, Source
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.remote import record as rec
+from kvpool.daemon.remote.lease import Lease, LeaseHeld
+from kvpool.daemon.remote.store import RemoteStore, RemoteUnavailable
+from kvpool.daemon.remote.writer import Event, Job, RemoteWriter, Source
 from kvpool.protocol import ErrorCode
 from kvpool.protocol.status import RemoteCounts, RemoteStatus
 
 log = logging.getLogger("kvpool.remote")
 
 FLUSH_AT_STOP_S = 5.0
+MAX_GONE_REMEMBERED = 4096
 
 
 def checkpoint_job(s: Session, pool: Pool, fingerprint: str, kv_layout: str) -> Job:
@@ -109,7 +110,10 @@ class RemoteTier:
         # Sessions dropped here because another node took them: session -> (that node, the owner's token).
         self.gone: dict[str, tuple[str, str]] = {}
 
-    def start(self) -> None:
+    def start(self, recovered: Iterable[Session]) -> None:
+        """Take the leases of the sessions recovered from the pool and queue their newest state, then connect."""
+        for s in recovered:
+            self.saved(s)
         try:
             self.store.ping()
         except RemoteUnavailable as exc:
@@ -131,6 +135,15 @@ class RemoteTier:
         self.synced.pop(session, None)
         self.migrating.discard(session)
         self.writer.put(Job(session, then="delete" if delete else "release"))
+
+    def migrate(self, s: Session, done: Callable[[bool, str], None]) -> None:
+        """Hand ``s`` over: its newest checkpoint written, then its lease given up; ``done`` (on the writer's
+        thread) says whether that worked. Until migration_ended, turns of ``s`` here are refused."""
+        self.migrating.add(s.id)
+        self.saved(s, then="release", waiter=done)
+
+    def migration_ended(self, session: str) -> None:
+        self.migrating.discard(session)
 
     def adopt(self, s: Session, fetched: Fetched) -> None:
         self.lost.pop(s.id, None)
@@ -218,7 +231,27 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ what the writer reports
 
-    def events(self) -> list[Event]:
+    def reports(self, sessions: Mapping[str, Session]) -> list[Session]:
+        """Between steps, what the writer reported: a queued checkpoint whose bytes changed is queued again; the
+        idle sessions another node took are returned, for the caller to drop (a turn for one then gets CONFLICT
+        naming that node)."""
+        for event in self._events():
+            s = sessions.get(event.session)
+            if s is not None and event.kind == "stale" and s.snapshot is not None and s.id not in self.lost:
+                self.saved(s)
+        taken = []
+        for session in list(self.lost):
+            s = sessions.get(session)
+            if s is not None and not s.busy:
+                owner = self.lost[session]
+                log.warning("session %s is owned by node %s now: dropping this node's stale copy", s.id, owner)
+                self.gone[session] = (self.lost.pop(session), s.token)
+                if len(self.gone) > MAX_GONE_REMEMBERED:  # oldest first
+                    del self.gone[next(iter(self.gone))]
+                taken.append(s)
+        return taken
+
+    def _events(self) -> list[Event]:
         out: list[Event] = []
         while not self.writer.events.empty():
             event = self.writer.events.get_nowait()

@@ -1,6 +1,7 @@
 """Smart preloading: moving a session up the tiers before its turn comes, on a client's hint (prefetch) or on
-the predictor's guess (daemon/kv/preload/predictor.py). Counts preloads, hits and wasted preloads. Engine
-thread only.
+the predictor's guess (predictor.py). Counts preloads, hits and wasted preloads. Engine thread only. The request
+handlers tell it of hints and turns, and the engine lets it predict between steps; mode "off" does nothing but
+count (what a daemon without preloading has).
 
 Only into room that costs nobody anything: a free hot slot, or the slot of an idle session whose checkpoint is
 fresh (leaving costs it no copy, only a forget) and which is not itself expected within the horizon; and free
@@ -13,10 +14,12 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
+
 from kvpool.daemon.errors import RequestRefused
-from kvpool.daemon.kv.preload.predictor import TurnHistory
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.preload.predictor import TurnHistory
 from kvpool.protocol.status import PreloadStatus
 
 log = logging.getLogger("kvpool.engine")
@@ -28,8 +31,10 @@ class Preloader:
         self.tiers, self.mode, self.horizon_s = tiers, mode, horizon_s
         self.counts = PreloadStatus(mode=mode)
         self.history = TurnHistory()
-        # Sessions lifted ahead of a turn that has not come yet -> the tier the preload put them in.
-        self._preloaded: dict[str, str] = {}
+        # Sessions lifted ahead of a turn that has not come yet -> (that session, the tier the preload put it in).
+        # The session object, not only its id: one that left (closed, expired, evicted, moved to another node) is
+        # told apart from a newcomer under the same id without the tiers having to tell anyone.
+        self._preloaded: dict[str, tuple[Session, str]] = {}
         self._next_prediction = 0.0
 
     def hint(self, s: Session) -> str:
@@ -43,32 +48,43 @@ class Preloader:
         self.counts.preloads += 1
         self.counts.hinted += 1
         self._lift(s, count=False)
-        self._preloaded[s.id] = s.tier
+        self._preloaded[s.id] = (s, s.tier)
 
     def turn(self, s: Session) -> None:
         """A turn of ``s`` arrived (before it is scheduled): was it preloaded, and did that pay?"""
+        self._forget_gone()
         self.history.note(s.id, time.monotonic())
-        target = self._preloaded.pop(s.id, None)
-        if target is not None:
+        preloaded = self._preloaded.pop(s.id, None)
+        if preloaded is not None:
+            _, target = preloaded
             # a hit only if the session is still where the preload put it (or higher)
             if s.slot is not None or (target == "pool" and s.tier == "pool"):
                 self.counts.hits += 1
             else:
                 self.counts.wasted += 1
 
-    def dropped(self, s: Session) -> None:
-        self.history.forget(s.id)
-        if self._preloaded.pop(s.id, None) is not None:
-            self.counts.wasted += 1
+    def status(self) -> PreloadStatus:
+        self._forget_gone()
+        return msgspec.structs.replace(self.counts)
+
+    def _forget_gone(self) -> None:
+        """Sessions that left the daemon: a preload of one was wasted, and its turns are history."""
+        by_id = self.tiers.sessions.by_id
+        for session, (s, _) in list(self._preloaded.items()):
+            if by_id.get(session) is not s:
+                del self._preloaded[session]
+                self.counts.wasted += 1
+        self.history.keep_only(by_id)
 
     def predict(self) -> None:
         """Between steps: lift the sessions the predictor expects within the horizon, while there is room."""
-        if self.mode != "predict":
-            return
         now = time.monotonic()
         if now < self._next_prediction:
             return
         self._next_prediction = now + PREDICT_EVERY_S
+        self._forget_gone()
+        if self.mode != "predict":
+            return
         due = self.history.due(now, self.horizon_s)
         for session in due:
             s = self.tiers.sessions.by_id.get(session)
@@ -110,5 +126,5 @@ class Preloader:
             s.last_used = time.monotonic()
         if lifted and count:
             self.counts.preloads += 1
-            self._preloaded[s.id] = "hot"
+            self._preloaded[s.id] = (s, "hot")
         return lifted

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Container
 
 KEEP_TURNS = 8  # the gaps of the last few turns: a rhythm that changes is followed within a few turns
 MIN_GAPS = 2
@@ -30,6 +31,11 @@ class TurnHistory:
 
     def forget(self, session: str) -> None:
         self._times.pop(session, None)
+
+    def keep_only(self, sessions: Container[str]) -> None:
+        """Forget the turns of every session not in ``sessions`` (those that left the daemon)."""
+        for session in [x for x in self._times if x not in sessions]:
+            self.forget(session)
 
     def next_turn(self, session: str) -> float | None:
         """When the session's next turn is expected, or None when its turns show no rhythm."""

@@ -30,10 +30,10 @@ import msgspec
 
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.segment import Pool
-from kvpool.daemon.kv.remote import record as rec
-from kvpool.daemon.kv.remote.lease import Lease, LeaseHeld
-from kvpool.daemon.kv.remote.store import RemoteStore, RemoteUnavailable
 from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
+from kvpool.daemon.remote import record as rec
+from kvpool.daemon.remote.lease import Lease, LeaseHeld
+from kvpool.daemon.remote.store import RemoteStore, RemoteUnavailable
 from kvpool.protocol.status import RemoteCounts
 
 log = logging.getLogger("kvpool.remote")

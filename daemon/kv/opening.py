@@ -1,0 +1,28 @@
+"""Creating a session: the one place that checks the session quotas and takes a pool entry, so that every way a
+session comes to this daemon (opened, fetched from the remote tier) is refused with the same sentences. What it
+brings (a system prompt's tokens, a fetched checkpoint) is then recorded by the caller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.sessions import Session, SessionTable
+from kvpool.protocol import ErrorCode
+
+TABLE_FULL = (
+    "The pool's session table is full; close a session or raise max_sessions (and restart with --reset-pool)."
+)
+
+
+def create_session(
+    pool: Pool, sessions: SessionTable, session_id: str, token: str, task: str, **state: Any
+) -> Session:
+    """A new session of ``task``, in the table and in the pool's; UNKNOWN_TASK or QUOTA_EXCEEDED when it may not
+    be. ``state``: what it starts with (see SessionTable.create)."""
+    sessions.check_can_open(task)
+    entry = pool.claim(session_id, token, task)
+    if entry is None:
+        raise RequestRefused(ErrorCode.QUOTA_EXCEEDED, TABLE_FULL)
+    return sessions.create(session_id, token, task, entry, **state)

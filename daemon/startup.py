@@ -1,0 +1,123 @@
+"""What kvpoold will run, decided before anything is loaded: the configuration, the model file, the memory plan,
+the hot KV's settings, weight repacking and, with rpc_servers, where the layers go. Every refusal here is a
+StartFailed with the sentence to print and the exit code; --check-config prints the plan and stops here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool.daemon.config import Config, ConfigError, load_config
+from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
+from kvpool.daemon.llama.cpu_repack import RepackChoice
+from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
+from kvpool.daemon.llama.gguf_meta import GgufError
+from kvpool.daemon.llama.kv_settings import KvSettings, KvSettingsError, resolve_kv_settings
+from kvpool.daemon.llama.memory_plan import MemoryPlan, model_shape, plan_memory
+from kvpool.daemon.llama.model import Placement
+from kvpool.daemon.ops.logs import setup_logging
+from kvpool.daemon.rpc.connect import WorkersUnavailable, connect_workers
+from kvpool.daemon.rpc.faults import WorkerWatch
+
+log = logging.getLogger("kvpool.daemon")
+
+
+class StartFailed(Exception):
+    """kvpoold cannot start: the message says why and what to do; exit_code is the process's exit status."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class StartPlan:
+    config: Config
+    model_path: Path
+    memory: MemoryPlan
+    kv: KvSettings
+    kv_why: str
+    repack: RepackChoice
+
+    def print_memory(self) -> None:
+        print(f"kvpoold: memory plan for {self.model_path.name}:\n{self.memory.table()}", file=sys.stderr)
+
+
+def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: bool) -> StartPlan:
+    """The configuration and what follows from it (exit 2 for a bad one, or a plan over memory_limit)."""
+    try:
+        config = load_config(config_file, overrides, dict(os.environ))
+        setup_logging(config.log_level, config.log_format, config.log_file, config.log_max_bytes)
+        model_path = resolve_model_path(config.model)
+        memory = plan_memory(model_path, config)
+        shape = model_shape(model_path)
+        kv, kv_why = resolve_kv_settings(
+            config.cache_type_k, config.cache_type_v, config.flash_attn, shape.head_k, shape.head_v
+        )
+        # Deterministic decoding turns repacking off: see config._check_deterministic.
+        repack = choose_repack("off" if config.deterministic else config.cpu_repack, model_path)
+    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, OSError) as exc:
+        raise StartFailed(str(exc), 2) from None
+    plan = StartPlan(config, model_path, memory, kv, kv_why, repack)
+    if check_only:
+        print(f"kvpoold: {repack.describe()}", file=sys.stderr)
+        print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
+    if check_only or not memory.fits:
+        plan.print_memory()
+    if not memory.fits:
+        raise StartFailed(
+            f"the plan needs {memory.total / 2**20:.0f} MiB but memory_limit is {memory.limit / 2**20:.0f} MiB; lower "
+            "cache_pool_size, context_size, hot_slots or batch_size, or raise memory_limit.",
+            2,
+        )
+    return plan
+
+
+def place_layers(plan: StartPlan, watch: WorkerWatch) -> Placement | None:
+    """With rpc_servers: connect the workers, and plan memory again with the layers where their free memory puts
+    them (the plan's memory is replaced). None: the whole model is local."""
+    if not plan.config.rpc_servers:
+        return None
+    try:
+        devices, shares, plan.memory = connect_workers(plan.config, plan.model_path, watch)
+    except WorkersUnavailable as exc:
+        raise StartFailed(str(exc), exc.exit_code) from None
+    if not plan.memory.fits:
+        plan.print_memory()
+        raise StartFailed(
+            f"the local part of the plan needs {plan.memory.total / 2**20:.0f} MiB but memory_limit is "
+            f"{plan.memory.limit / 2**20:.0f} MiB; put more layers on the workers (rpc_layers, tensor_split), or "
+            "lower cache_pool_size, context_size, hot_slots or batch_size.",
+            2,
+        )
+    return Placement(devices, plan.config.rpc_layers, shares)
+
+
+def log_plan(plan: StartPlan) -> None:
+    m = plan.memory
+    log.info("%s", plan.repack.describe())
+    log.info("%s; %s", plan.kv.describe(), plan.kv_why)
+    log.info(
+        "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
+        m.total / 2**20,
+        m.weights / 2**20,
+        m.hot_kv / 2**20,
+        m.compute / 2**20,
+        m.pool / 2**20,
+        m.runtime / 2**20,
+    )
+    for part in m.remote:
+        log.info(
+            "memory plan on rpc worker %s: %.0f MiB (%d layers%s: weights %.0f, hot KV %.0f, compute %.0f)",
+            part.endpoint,
+            part.total / 2**20,
+            part.layers,
+            " + output" if part.output else "",
+            part.weights / 2**20,
+            part.hot_kv / 2**20,
+            part.compute / 2**20,
+        )
