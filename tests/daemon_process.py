@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import posix_ipc
 
@@ -115,6 +116,20 @@ def wait_until(check: Callable[[], object], what: str, timeout: float = 60.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)  # polling interval of a bounded wait
+
+
+T = TypeVar("T")
+
+
+def poll(read: Callable[[], T], until: Callable[[T], bool], timeout: float = 60.0) -> T:
+    """Read until ``until`` holds of the value or ``timeout`` seconds pass; the last value read, for the caller to
+    assert on."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not until(value) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling interval of a bounded wait
+        value = read()
+    return value
 
 
 def kvpoold_command(model: Path, address: str, *args: str) -> list[str]:

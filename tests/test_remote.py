@@ -20,7 +20,7 @@ from kvpool.client import Client
 from kvpool.client.errors import BadRequest, Conflict, RemoteTierUnavailable, SessionCorrupt, UnknownSession
 from kvpool.daemon.remote import record as rec
 
-from .daemon_process import DaemonProcess, free_port, wait_until
+from .daemon_process import DaemonProcess, free_port, poll, wait_until
 from .redis_server import RedisServer
 
 Start = Callable[..., DaemonProcess]
@@ -315,13 +315,18 @@ def test_remote_copies_expire_after_remote_ttl(start_daemon: Start, redis_server
 
 def test_closing_a_session_removes_its_remote_copy(start_daemon: Start, redis_server: RedisServer) -> None:
     a = node(start_daemon, redis_server, "a")
+    raw = redis_server.client()
     with a.client() as client:
         s = client.open_session()
         s.complete(TURNS[0], max_tokens=4, **GREEDY)
         wait_synced(client, s.id)
+        kinds = {key.decode().split(":")[-2] for key in raw.keys(f"kvpool:*:{s.id}")}
+        assert {"rec", "snap", "lease"} <= kinds  # the checkpoint and this node's lease are there
         s.close()
-        raw = redis_server.client()
-        wait_until(lambda: not raw.keys(f"kvpool:*{s.id}"), "the session's keys to go")
+        left = poll(lambda: raw.keys(f"kvpool:*{s.id}*"), until=lambda keys: not keys, timeout=30)
+        assert left == [], f"the closed session's keys are still in Redis: {left}"
+        with pytest.raises(UnknownSession, match="remote tier"):  # gone from every tier: nothing to fetch back
+            client.resume_session(s.id, s.token)
 
 
 def test_daemons_of_different_models_never_share_keys(
