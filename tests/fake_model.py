@@ -1,8 +1,9 @@
-"""An in-process stand-in for the Model surface the KV tiers and the scheduler use, so their logic can be tested
-without a daemon process or llama.cpp: a unified KV of ``context_size`` cells shared by sequence ids, with
+"""An in-process stand-in for the Model surface the KV tiers, the scheduler and the engine use, so their logic can be
+tested without a daemon process or llama.cpp: a unified KV of ``context_size`` cells shared by sequence ids, with
 llama.cpp's rules that matter to the tiers (a restore needs free cells, seq_cp shares cells, a saved state names
-the positions it holds). It models bookkeeping, not numbers: the tests of what llama.cpp computes stay on real
-daemons (tests/test_tiers.py, tests/test_prefix.py, tests/test_gemma.py)."""
+the positions it holds), and a decode that fills those cells (1, nothing changed, when they do not fit) or fails
+as it is told to. It models bookkeeping, not numbers: the tests of what llama.cpp computes stay on real daemons
+(tests/test_tiers.py, tests/test_prefix.py, tests/test_gemma.py)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,29 @@ import numpy as np
 from kvpool.daemon.config import sequence_count
 from kvpool.daemon.kv.codec.kv_types import F16
 from kvpool.daemon.llama.kv_settings import KvSettings
+from kvpool.daemon.llama.model import Sampled, SamplingParams
 
 MAGIC = 0x4B565046  # "KVPF": a state this fake wrote
 BYTES_PER_CELL = 64  # what each saved cell costs, like a (small) model's K and V rows
+SAMPLED = 42  # the token every fake sampler picks
+N_VOCAB = 256
 
 
 class FakeBatch:
+    """One step's tokens, per sequence, as the runner adds them."""
+
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self.rows: list[tuple[int, int, int]] = []  # (sequence, first position, token count)
+        self.n = 0
+
+    def clear(self) -> None:
+        self.rows, self.n = [], 0
+
+    def add(self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool) -> int:
+        self.rows.append((seq_id, first_pos, len(tokens)))
+        self.n += len(tokens)
+        return self.n - 1
 
 
 class FakeModel:
@@ -30,6 +46,7 @@ class FakeModel:
     kv_layout = "fake"
     kv = KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
     n_swa = 0
+    n_vocab = N_VOCAB
     deterministic = False  # (the real model's deterministic KV is tested on the real model)
 
     def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):
@@ -41,6 +58,45 @@ class FakeModel:
         self.batch = FakeBatch(batch_size)
         self.cells: list[tuple[int, set[int]] | None] = [None] * context_size  # (position, sequence ids) or free
         self.loads = 0
+        self.decodes = 0
+        # What the next decodes do instead of decoding: an rc to return (nothing changes), or an exception to raise.
+        self.failures: list[int | BaseException] = []
+
+    # ------------------------------------------------------------------ decoding
+
+    @property
+    def step_tokens(self) -> int:
+        return self.batch.capacity
+
+    def fail_next_decodes(self, *outcomes: int | BaseException) -> None:
+        """The next decodes return these codes (1: no room in the KV; -1 or 2: llama.cpp failed) or raise these."""
+        self.failures.extend(outcomes)
+
+    def decode(self) -> int:
+        """The filled batch into the KV: 0; 1 (nothing changed) when its tokens do not fit the free cells."""
+        self.decodes += 1
+        if self.failures:
+            outcome = self.failures.pop(0)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        if self.context_size - self.used_cells() < self.batch.n:
+            return 1
+        for seq, first, count in self.batch.rows:
+            assert self.fill(seq, first, count)
+        return 0
+
+    def new_sampler(self, params: SamplingParams, history: list[int], replay: list[int] | None = None) -> FakeSampler:
+        return FakeSampler()
+
+    def valid_token(self, token: int) -> bool:
+        return 0 <= token < self.n_vocab
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return False
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"x"
 
     # ------------------------------------------------------------------ the unified KV
 
@@ -126,5 +182,8 @@ class FakeModel:
 
 
 class FakeSampler:
+    def sample(self, row: int) -> Sampled:
+        return Sampled(SAMPLED)
+
     def free(self) -> None:
         pass

@@ -23,13 +23,14 @@ def tiers_on_fake_model(
     tmp: Path,
     *,
     hot_slots: int = 2,
+    context_size: int = 256,
     pool_bytes: int = 1 << 20,
     spill_bytes: int = 1 << 20,
     config_text: dict[str, object] | None = None,
 ) -> Iterator[Tiers]:
     """Tiers over a FakeModel; the pool segment is unlinked afterwards, whatever happens."""
     config = load_config(None, {"hot_slots": hot_slots, "prefix_slots": 0, **(config_text or {})})
-    model = FakeModel(context_size=256, hot_slots=hot_slots)
+    model = FakeModel(context_size=context_size, hot_slots=hot_slots)
     name = f"/kvpool-test-{secrets.token_hex(6)}"
     pool = Pool.open(name, pool_bytes, config.max_sessions, model.fingerprint, model.kv_layout)
     try:
