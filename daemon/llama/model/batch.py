@@ -1,0 +1,51 @@
+"""The batch one decode takes: a reusable llama_batch."""
+
+from __future__ import annotations
+
+import llama_cpp as lc
+import numpy as np
+
+
+class Batch:
+    """A reusable llama_batch with numpy views on its arrays, so filling it costs no per-token ctypes calls."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._batch = lc.llama_batch_init(capacity, 0, 1)
+        b = self._batch
+        self.token = np.ctypeslib.as_array(b.token, shape=(capacity,))
+        self.pos = np.ctypeslib.as_array(b.pos, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
+        n_seq_id = np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))
+        n_seq_id[:] = 1
+        # seq_id is an array of per-token pointers, each to one int32 (n_seq_max = 1 per token).
+        self._seq_rows = [b.seq_id[i] for i in range(capacity)]
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(
+        self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool, all_logits: bool = False
+    ) -> int:
+        """Append ``tokens`` of one sequence; returns the batch row of the last token (for sampling).
+        ``all_logits``: every token's row (a benchmark scoring each position; the context needs the outputs)."""
+        start, count = self.n, len(tokens)
+        end = start + count
+        self.token[start:end] = tokens
+        self.pos[start:end] = np.arange(first_pos, first_pos + count, dtype=np.int32)
+        self.logits[start:end] = int(all_logits)
+        if want_last_logits:
+            self.logits[end - 1] = 1
+        rows = self._seq_rows
+        for i in range(start, end):
+            rows[i][0] = seq_id
+        self.n = end
+        return end - 1
+
+    def as_llama_batch(self) -> lc.llama_batch:
+        self._batch.n_tokens = self.n
+        return self._batch
+
+    def free(self) -> None:
+        lc.llama_batch_free(self._batch)

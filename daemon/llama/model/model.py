@@ -1,0 +1,236 @@
+"""Model: one GGUF loaded once, with one context whose unified KV (``context_size`` cells) is shared by
+``hot_slots`` sequences. It composes the parts (loading.py, tokenizer.py, sequences.py, batch.py, sampling.py) into
+what the engine and the tiers call: tokens, one multi-sequence ``decode`` per step, per-session samplers, and the
+sequences' state. Every method must be called from the engine thread: llama.cpp is not safe for concurrent use of
+one context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+
+from kvpool.daemon.config import sequence_count
+from kvpool.daemon.kv.codec.kv_types import F16
+from kvpool.daemon.llama.kv_settings import KvSettings
+from kvpool.daemon.llama.model.backend import init_backend
+from kvpool.daemon.llama.model.batch import Batch
+from kvpool.daemon.llama.model.loading import ModelLoadError, Placement, fingerprint, load_weights
+from kvpool.daemon.llama.model.sampling import Sampler, SamplingParams
+from kvpool.daemon.llama.model.sequences import Sequences
+from kvpool.daemon.llama.model.tokenizer import Tokenizer
+from kvpool.protocol.status import ModelStatus
+
+# Flash attention takes a tiled path from 64 query rows on, whose sums follow absolute cell indices (ggml-cpu's
+# ops.cpp, GGML_FA_TILE_Q): deterministic decoding keeps every batch below it (docs/determinism.md).
+DETERMINISTIC_STEP_TOKENS = 63
+
+
+class Model:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        context_size: int,
+        hot_slots: int,
+        batch_size: int,
+        threads: int,
+        prefix_slots: int = 0,
+        repack: bool = True,
+        kv: KvSettings | None = None,
+        outputs: int = 0,
+        placement: Placement | None = None,
+        lone_threads: int = 0,
+        deterministic: bool = False,
+    ):
+        """``kv``: the hot KV's types and flash attention (default f16, on). ``outputs``: rows of logits one
+        decode may return (default one per sequence, all a step samples; a quality benchmark wants more).
+        ``lone_threads``: threads for a one-token batch (default ``threads``). ``deterministic``: a sequence's
+        logits depend on nothing but its own tokens (docs/determinism.md): one-token batches on one thread, and
+        cells kept in position order (see keep_cell_order); the caller also turns repacking and llama.cpp's
+        tiled matmul off and keeps batches under DETERMINISTIC_STEP_TOKENS."""
+        init_backend()
+        self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
+        self.path = Path(path)
+        self.repack = repack
+        self._model = load_weights(self.path, placement, repack)
+        self.text = Tokenizer(self._model)
+        self.vocab, self.n_vocab, self.add_bos = self.text.vocab, self.text.n_vocab, self.text.add_bos
+        self.token_ids = self.text.token_ids
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = context_size
+        cparams.n_batch = batch_size
+        cparams.n_ubatch = batch_size
+        # Sequence ids: the hot slots, then one per shared prefix, then one scratch sequence that a suffix-only
+        # snapshot is cut out through (only when sharing is on: every sequence id widens the sliding-window cache).
+        self.prefix_seqs = list(range(hot_slots, hot_slots + prefix_slots))
+        scratch_seq = hot_slots + prefix_slots if prefix_slots else -1
+        self.deterministic = deterministic
+        cparams.n_seq_max = sequence_count(hot_slots, prefix_slots, deterministic)
+        # Deterministic decoding never frees a cell between compactions: a sequence's cells are handed to this one
+        # instead (they stay occupied, masked for everyone), so no later token can land before a sequence's older
+        # cells, whose order flash attention's reduction follows.
+        graveyard = cparams.n_seq_max - 1 if deterministic else -1
+        # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
+        # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
+        cparams.n_outputs_max = outputs or cparams.n_seq_max  # llama.cpp reserves its graph for these outputs
+        cparams.type_k, cparams.type_v = self.kv.type_k.ggml_id, self.kv.type_v.ggml_id
+        cparams.flash_attn_type = (
+            lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.kv.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.swa_full = self.kv.swa_full
+        # llama.cpp runs a one-token batch on n_threads and any other on n_threads_batch.
+        cparams.n_threads = 1 if deterministic else (lone_threads or threads)
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on
+        cparams.no_perf = True
+        self.ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self.ctx:
+            lc.llama_model_free(self._model)
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {context_size} cells for {hot_slots} slots "
+                f"with {self.path.name} ({self.kv.describe()}); lower context_size or hot_slots, or use f16 "
+                "cache types (the log shows llama.cpp's reason)."
+            )
+        self.context_size = lc.llama_n_ctx(self.ctx)
+        self.n_swa = lc.llama_model_n_swa(self._model)  # 0: every layer attends to the whole context
+        # Each cache of the model has its own size: the sliding-window one (llama-kv-cache-iswa.cpp) is smaller
+        # when the window times the sequences is.
+        swa_cells = self.n_swa * cparams.n_seq_max + batch_size
+        cell_room = self.context_size if not self.n_swa or self.kv.swa_full else min(
+            self.context_size, -(-swa_cells // 256) * 256
+        )
+        self.seqs = Sequences(self.ctx, cell_room, scratch_seq, graveyard)
+        self.scratch_seq, self.graveyard = scratch_seq, graveyard
+        self.hot_slots = hot_slots
+        self.batch = Batch(batch_size)
+        self.description = self._desc()
+        self.fingerprint = fingerprint(self.path)
+        # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
+        self.kv_layout = self.kv.layout
+
+    # ------------------------------------------------------------------ text (tokenizer.py)
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]:
+        return self.text.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.text.detokenize(tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.text.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        return self.text.token_text(token)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return self.text.is_end_of_generation(token)
+
+    def valid_token(self, token: int) -> bool:
+        return self.text.valid_token(token)
+
+    def chat_template(self) -> str:
+        return self.text.chat_template()
+
+    def apply_builtin_chat_template(self, template: str, messages: list[tuple[str, str]], add_assistant: bool) -> str:
+        return self.text.apply_builtin_chat_template(template, messages, add_assistant)
+
+    # ------------------------------------------------------------------ decoding
+
+    def decode(self) -> int:
+        """Run the filled batch through the model. 0: done; 1: no room in the KV (state unchanged)."""
+        rc = lc.llama_decode(self.ctx, self.batch.as_llama_batch())
+        if rc == 0:
+            self.seqs.appended += self.batch.n
+        return rc
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one decode may take."""
+        return min(self.batch.capacity, DETERMINISTIC_STEP_TOKENS) if self.deterministic else self.batch.capacity
+
+    def row_logits(self, row: int) -> np.ndarray:
+        """The logits of batch row ``row`` of the last decode (a view: copy to keep)."""
+        return np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
+
+    def output_logits(self, rows: int) -> np.ndarray:
+        """The logits of the last decode's first ``rows`` outputs, [rows, n_vocab] (a view: copy to keep)."""
+        return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(rows, self.n_vocab))
+
+    def new_sampler(self, params: SamplingParams, history: list[int], replay: list[int] | None = None) -> Sampler:
+        return Sampler(self, params, history, replay)
+
+    # ------------------------------------------------------------------ the sequences' state (sequences.py)
+
+    def cells_free(self) -> int:
+        return self.seqs.cells_free()
+
+    def clear(self) -> None:
+        self.seqs.clear()
+
+    def forget_sequence(self, seq_id: int) -> None:
+        self.seqs.forget_sequence(seq_id)
+
+    def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
+        self.seqs.share_cells(src, dst, first, end)
+
+    def lowest_position(self, seq_id: int) -> int:
+        return self.seqs.lowest_position(seq_id)
+
+    def highest_position(self, seq_id: int) -> int:
+        return self.seqs.highest_position(seq_id)
+
+    def state_size(self, seq_id: int) -> int:
+        return self.seqs.state_size(seq_id)
+
+    def save_state(self, seq_id: int, dest: ctypes.Array[ctypes.c_uint8]) -> int:
+        return self.seqs.save_state(seq_id, dest)
+
+    def cells_from(self, seq_id: int, first: int) -> AbstractContextManager[int]:
+        return self.seqs.cells_from(seq_id, first)
+
+    def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0) -> bool:
+        return self.seqs.load_state(seq_id, src, first)
+
+    def copy_state(self, seq_id: int, first: int = 0) -> ctypes.Array[ctypes.c_uint8]:
+        return self.seqs.copy_state(seq_id, first)
+
+    # ------------------------------------------------------------------ identity
+
+    def _desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        lc.llama_model_desc(self._model, buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def info(self) -> ModelStatus:
+        return ModelStatus(
+            path=str(self.path),
+            description=self.description,
+            fingerprint=self.fingerprint,
+            n_vocab=self.n_vocab,
+            n_params=lc.llama_model_n_params(self._model),
+            size_bytes=lc.llama_model_size(self._model),
+            context_size=self.context_size,
+            context_size_train=lc.llama_model_n_ctx_train(self._model),
+            sliding_window=lc.llama_model_n_swa(self._model),
+            cpu_repack=self.repack,
+            deterministic=self.deterministic,
+            kv_type_k=self.kv.type_k.name,
+            kv_type_v=self.kv.type_v.name,
+            flash_attn=self.kv.flash_attn,
+            chat_template=self.chat_template(),
+            architecture=self.text.metadata("general.architecture"),
+            bos_token=self.text.bos_text(),
+            eos_token=self.text.eos_text(),
+        )
+
+    def close(self) -> None:
+        if self.ctx:
+            self.batch.free()
+            lc.llama_free(self.ctx)
+            lc.llama_model_free(self._model)
+            self.ctx = None
