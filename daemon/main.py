@@ -22,7 +22,8 @@ from kvpool.client.address import default_address
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.loop import Engine
 from kvpool.daemon.kv.codec.kv_types import STORE_TYPES
-from kvpool.daemon.kv.pool.segment import Pool, PoolError
+from kvpool.daemon.kv.pool.pool import Pool
+from kvpool.daemon.kv.pool.segment import PoolError
 from kvpool.daemon.kv.recovery import recover
 from kvpool.daemon.kv.sessions import SessionTable
 from kvpool.daemon.kv.spill import SpillDir, SpillError

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvpool.daemon.config import Config, load_config
-from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.kv.spill import SpillDir
 from kvpool.daemon.kv.tiers import Tiers

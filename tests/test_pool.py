@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.layout import EVICTED, LAYOUT_VERSION, LIVE, TIER_DISK, TIER_POOL, UNSAVED
-from kvpool.daemon.kv.pool.segment import Pool, PoolError
+from kvpool.daemon.kv.pool.pool import Pool
+from kvpool.daemon.kv.pool.segment import PoolError
 
 AREA_START, AREA_SIZE, ALIGN = 4096, 64 * 1024, 64
 

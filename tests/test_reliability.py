@@ -215,7 +215,7 @@ def test_a_multiplexing_connection_may_have_more_in_flight(start_daemon: Start) 
 
 
 def test_unwritable_spill_dir_is_one_clear_start_up_error(short_tmp: Path, tiny_model: Path) -> None:
-    from kvpool.daemon.kv.pool.segment import Pool
+    from kvpool.daemon.kv.pool.pool import Pool
 
     blocker = short_tmp / "a-file"
     blocker.write_text("not a directory")

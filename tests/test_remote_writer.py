@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SpillDir
 from kvpool.daemon.remote import record as rec

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.daemon.kv.snapshots import SessionCorrupt
+from kvpool.daemon.kv.sessions import SessionCorrupt
 from kvpool.daemon.kv.tiers import Tiers
 
 from .fake_model import FakeModel

@@ -29,10 +29,10 @@ from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model, Sampled
-from kvpool.daemon.ops.status import status_of
+from kvpool.daemon.ops.status_report import status_of
 from kvpool.daemon.preload.preloader import Preloader
+from kvpool.daemon.remote.handlers import RemoteRequests
 from kvpool.daemon.remote.interface import CrossNode, NoRemote
-from kvpool.daemon.remote.requests import RemoteRequests
 from kvpool.daemon.rpc.workers import Workers
 from kvpool.protocol import ErrorCode, FinishReason
 from kvpool.protocol.status import Counters, DaemonStatus

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.daemon.errors import RequestRefused
-from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.protocol import ErrorCode
 

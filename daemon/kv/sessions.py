@@ -81,6 +81,16 @@ class Session:
         return self.snapshot.length if self.snapshot is not None else 0
 
 
+class SessionCorrupt(RequestRefused):
+    """A session's saved state cannot be restored: the session is closed, its owner told why."""
+
+    def __init__(self, session: Session, why: str):
+        super().__init__(
+            ErrorCode.SESSION_CORRUPT,
+            f"Session {session.id}'s saved state is damaged ({why}); it was closed, open a new one.",
+        )
+
+
 class SessionTable:
     def __init__(self, config: Config, context_size: int):
         self._config = config

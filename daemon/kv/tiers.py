@@ -21,17 +21,20 @@ import msgspec
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.checkpoints import SnapshotWriter
 from kvpool.daemon.kv.codec.state_format import StateFormatError
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
+from kvpool.daemon.kv.compression import PoolCompressor
 from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
-from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
 from kvpool.daemon.kv.prefix.index import shareable_length
-from kvpool.daemon.kv.sessions import Session, SessionTable
-from kvpool.daemon.kv.snapshots import SessionCorrupt, SnapshotWriter
+from kvpool.daemon.kv.room import PoolRoom
+from kvpool.daemon.kv.sessions import Session, SessionCorrupt, SessionTable
 from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
+from kvpool.daemon.kv.spilling import Spiller
 from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 
@@ -68,9 +71,12 @@ class Tiers:
         self.prefixes = PrefixCache(model, pool, config)
         self.counts = TierCounters()
         self.codec = TierCodec(model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type)
+        compressor = PoolCompressor(pool, sessions, self.codec, self.counts)
+        spiller = Spiller(pool, spill, sessions, self.codec, self.counts, self.evict)
+        self.room = PoolRoom(pool, spill, sessions, self.prefixes, self.codec, compressor, spiller, self.evict)
         # With a mirror, checkpoints hold every cell, shared prefix included, so that another node can restore them.
         self.writer = SnapshotWriter(
-            model, pool, spill, sessions, self.prefixes, self.counts, self.evict, self.codec, whole=mirror is not None
+            model, pool, spill, self.prefixes, self.counts, self.codec, self.room, spiller, whole=mirror is not None
         )
 
     # ------------------------------------------------------------------ hot tier
@@ -308,7 +314,7 @@ class Tiers:
         if prefix is not None:
             prefix_links.move_to(s, prefix, end)
 
-    # ------------------------------------------------------------------ snapshots (see snapshot_writer)
+    # ------------------------------------------------------------------ snapshots (checkpoints.py, room.py)
 
     def checkpoint(self, s: Session) -> None:
         self.writer.checkpoint(s)
@@ -321,7 +327,7 @@ class Tiers:
             self.mirror.saved(s)
 
     def give_up_snapshot(self, s: Session) -> None:
-        self.writer.give_up(s)
+        self.room.give_up(s)
 
     def evict(self, s: Session) -> None:
         """Drop a session for room: its owner gets SESSION_EVICTED from now on."""

@@ -1,6 +1,6 @@
 """What the engine and its request handlers ask of the cross-node tier, and the answer of a daemon without one.
 
-The engine is given a CrossNode at construction: RemoteRequests (requests.py) when `remote` is set, NoRemote
+The engine is given a CrossNode at construction: RemoteRequests (handlers.py) when `remote` is set, NoRemote
 otherwise. Every call the handlers make is one of these, so a local-only daemon runs the same code paths with a
 tier that holds nothing, fetches nothing and refuses only a migration.
 """

@@ -18,7 +18,7 @@ import msgspec
 from kvpool.daemon.config import Config
 from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_POOL, payload_bytes
-from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SpillDir
 from kvpool.daemon.remote import record as rec

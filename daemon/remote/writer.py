@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
 from kvpool.daemon.remote import record as rec
 from kvpool.daemon.remote.lease import Lease, LeaseHeld

@@ -125,3 +125,8 @@ class EntryInfo:
 def payload_bytes(state_bytes: int, n_tokens: int) -> int:
     """Bytes of a snapshot's payload: the sequence state, then the tokens."""
     return state_bytes + TOKEN_BYTES * n_tokens
+
+
+def with_tokens(state: bytes | bytearray | memoryview, tokens: list[int]) -> bytes:
+    """A snapshot's payload: its state, then its tokens as int32 (as the pool and spill files hold it)."""
+    return b"".join((state, np.asarray(tokens, dtype="<i4").tobytes()))

@@ -25,7 +25,7 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.pool.allocator import Extent
 from kvpool.daemon.kv.pool.layout import LIVE, PREFIX, TIER_POOL, EntryInfo, payload_bytes
-from kvpool.daemon.kv.pool.segment import Pool
+from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, shareable_length
 from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import PrefixCounts, PrefixInfo, PrefixStatus

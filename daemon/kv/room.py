@@ -1,0 +1,99 @@
+"""Making room in the pool for a snapshot: compressing (pool_kv_policy "when_full"), then spilling the least
+recently used snapshots that may move (an unused shared prefix goes before any session's), and only when nothing
+can go to disk, dropping one: a resident session loses just its checkpoint (its KV is still hot), an idle one is
+evicted. Engine thread only."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from kvpool.daemon.errors import RequestRefused
+from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.codec.tier_codec import TierCodec
+from kvpool.daemon.kv.compression import PoolCompressor
+from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
+from kvpool.daemon.kv.pool.layout import TIER_DISK, TIER_POOL
+from kvpool.daemon.kv.pool.pool import Pool
+from kvpool.daemon.kv.prefix import links as prefix_links
+from kvpool.daemon.kv.prefix.cache import PrefixCache
+from kvpool.daemon.kv.sessions import Session, SessionTable
+from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.kv.spilling import Spiller
+
+
+class PoolRoom:
+    def __init__(
+        self,
+        pool: Pool,
+        spill: SpillDir,
+        sessions: SessionTable,
+        prefixes: PrefixCache,
+        codec: TierCodec,
+        compressor: PoolCompressor,
+        spiller: Spiller,
+        evict: Callable[[Session], None],
+    ):
+        self.pool, self.spill, self.sessions, self.prefixes, self.codec = pool, spill, sessions, prefixes, codec
+        self.compressor, self.spiller, self.evict = compressor, spiller, evict
+
+    def allocate(self, nbytes: int, pinned: Session) -> Extent | None:
+        """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no
+        amount of spilling could make room (the caller then writes the snapshot to disk)."""
+        if self.codec.compress_when_full:
+            # Compress while the pool still has room for a compressed copy (it is written before the original is
+            # freed, so a crash never finds half of either): when less than two snapshots of this size are free.
+            while self.pool.allocator.free_bytes < 2 * nbytes and self.compressor.compress_one(pinned):
+                pass
+        extent = self.pool.allocator.allocate(nbytes)
+        if extent is None and not self._could_ever_fit(nbytes, pinned):
+            return None
+        # A prefix nobody uses goes before any session's snapshot.
+        while extent is None and (extent := self.prefixes.allocate(nbytes)) is None:
+            if self.codec.compress_when_full and self.compressor.compress_one(pinned):
+                continue
+            victim = policy.first_to_go(policy.pool_snapshot_holders(self.sessions.by_id.values(), pinned))
+            if victim is None:
+                return None
+            self._make_pool_room(victim)
+        return extent
+
+    def _could_ever_fit(self, nbytes: int, pinned: Session) -> bool:
+        """Whether spilling every snapshot that may move would leave a hole of ``nbytes``. What stays: the pinned
+        session's own older snapshot (until the new one is committed) and the prefixes in use."""
+        a = self.pool.allocator
+        stays = [
+            snap.extent
+            for snap in [pinned.snapshot, *(x.snapshot for x in self.prefixes.by_id.values() if x.in_use)]
+            if snap is not None and snap.tier == TIER_POOL
+        ]
+        return a.rounded(nbytes) <= ExtentAllocator.from_used(a.start, a.size, stays, a.align).largest_free
+
+    def _make_pool_room(self, victim: Session) -> None:
+        """Take a snapshot out of the pool: to disk if it can go there; otherwise a resident session loses only
+        its checkpoint (its KV is still hot), and an idle one is evicted."""
+        try:
+            self.spiller.spill_out(victim)
+            return
+        except RequestRefused:
+            if victim.slot is None and victim.busy:
+                raise  # it waits for a slot: its snapshot is all it has
+        if victim.slot is not None:
+            self.give_up(victim)
+        else:
+            self.evict(victim)
+
+    def give_up(self, s: Session) -> None:
+        """Drop a resident session's saved state: for room, or because its newest state could not be saved. Its
+        KV stays hot; if the daemon dies before its next checkpoint, its owner gets SESSION_EVICTED instead of
+        an older context that would answer as if the last turns never happened."""
+        previous = s.snapshot
+        self.pool.discard(s.entry)
+        s.snapshot = None
+        prefix_links.settle(s)
+        if previous is not None and previous.tier == TIER_DISK:
+            # A spill directory that fails (read-only, I/O errors) may be why the checkpoint failed at all: the
+            # file stays then, and the next start removes it (no entry names it any more).
+            with contextlib.suppress(OSError):
+                self.spill.remove(s.id, previous.version)
+
