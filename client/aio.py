@@ -163,12 +163,16 @@ class AsyncClient:
         queue = self._queues.get(request_id)
         if queue is None:
             raise KvpoolError(f"Request {request_id} is no longer awaited: its stream was closed.")
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a reply that arrives together with a
+        # cancellation and drops the cancellation, so a cancelled reader of a fast stream could read on.
         if (sending := self._sends.pop(request_id, None)) is not None:
-            await asyncio.wait_for(sending, max(0.0, deadline - started))
+            async with asyncio.timeout(max(0.0, deadline - started)):
+                await sending
         while True:
             remaining = self._core.check(request_id, started, deadline)
             try:
-                return await asyncio.wait_for(queue.get(), min(remaining, HEARTBEAT_S))
+                async with asyncio.timeout(min(remaining, HEARTBEAT_S)):
+                    return await queue.get()
             except TimeoutError:
                 continue
 
