@@ -20,7 +20,7 @@ from kvpool import protocol as p
 
 from .chat_template import ChatTemplate, template_for  # needs jinja2: pip install 'kvpool[chat]'
 from .client import Client, Session
-from .conversation import REFUSALS, Held, after_answer
+from .conversation import REFUSALS, Held, after_answer, starting_with
 from .errors import KvpoolError
 
 
@@ -52,7 +52,7 @@ class Conversation:
             record = json.loads((directory / f"{session}.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return cls(session, token)  # the session's context is kept; the transcript of it is not
-        held = Held(**record["held"]) if record.get("held") else None
+        held = Held.load(record.get("held"))
         return cls(session, token, list(record.get("messages", [])), held)
 
 
@@ -78,8 +78,15 @@ class ChatSession:
         temperature: float = 0.0,
         resume: str | None = None,
         save_dir: Path | None = None,
+        examples: list[dict[str, str]] | None = None,
+        share_start: bool = False,
     ):
+        """``examples``: messages the conversation starts with after ``system`` (few-shot turns). ``share_start``:
+        open the session with ``system`` and ``examples`` rendered as its system prompt, so that every session
+        starting alike shares their KV in the daemon (docs/prefix-sharing.md): the first computes them, the
+        others only their own turns."""
         self.client, self.task, self.system = client, task, system
+        self.examples, self.share_start = list(examples or []), share_start
         self.max_tokens, self.temperature = max_tokens, temperature
         model = client.status().model
         source, implied = template_for(chat_template, model.chat_template)
@@ -100,9 +107,26 @@ class ChatSession:
             if self.save_dir is None:
                 return Conversation(session.id, session.token)
             return Conversation.load(self.save_dir, session.id, session.token)
-        session = self.client.open_session(self.task, system_prompt="")
-        messages = [{"role": "system", "content": self.system}] if self.system else []
-        return Conversation(session.id, session.token, messages, empty=True)
+        conversation = Conversation("", "", self._start_messages())
+        self._open(conversation)
+        return conversation
+
+    def _start_messages(self) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.examples
+
+    def _open(self, c: Conversation, share: bool = True) -> None:
+        """A new session for ``c``: empty, or holding its start (the system message and the examples) when the
+        start is shared."""
+        start = self._start_messages()
+        if not (share and self.share_start and start):
+            session = self.client.open_session(self.task, system_prompt="")
+            c.session, c.token, c.held, c.empty = session.id, session.token, None, True
+            return
+        text = self.template.render(start, add_generation_prompt=False)
+        tokens = self.client.tokenize(text, add_bos=self.template.needs_bos(text))
+        session = self.client.open_session(self.task, system_prompt=tokens)
+        c.session, c.token, c.empty = session.id, session.token, False
+        c.held = starting_with(text, len(tokens))
 
     def _session(self) -> Session:
         return self.client.resume_session(self.conversation.session, self.conversation.token)
@@ -124,13 +148,17 @@ class ChatSession:
         rendered = self.template.render(messages, add_generation_prompt=True)
         session = self._session()
         rest = c.held.rest(rendered) if c.held is not None else None
+        if rest is None and not c.empty:  # what the session holds is not this conversation: start it over
+            session.close()
+            self._open(c)
+            rest = c.held.rest(rendered) if c.held is not None else None
+            if rest is None and not c.empty:  # the rendering does not begin with the start as rendered alone
+                self._session().close()
+                self._open(c, share=False)
+            session = self._session()
         if c.held is not None and rest is not None:
             tokens, held = c.held.trim(self.client.tokenize(rest, add_bos=False)), c.held.tokens
         else:
-            if not c.empty:  # what the session holds is not this conversation: start it over in a new one
-                session.close()
-                session = self.client.open_session(self.task, system_prompt="")
-                c.session, c.token, c.held, c.empty = session.id, session.token, None, True
             tokens, held = self.client.tokenize(rendered, add_bos=self.template.needs_bos(rendered)), 0
         started = time.monotonic()
         first: float | None = None

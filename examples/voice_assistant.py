@@ -1,5 +1,6 @@
 """Voice assistant task: each utterance becomes a call of one of the robot's device functions (lights, volume,
-timer) or a short spoken answer, in one multi-turn session (the daemon keeps the conversation).
+timer) or a short spoken answer, in one multi-turn session (the daemon keeps the conversation). The conversation
+starts with instructions and a few example turns, computed once and shared (docs/prefix-sharing.md).
 
 Reads one user turn per line from --script FILE or stdin, and prints each call or answer and a latency summary at the
 end. The answer is constrained by a JSON Schema (constrained decoding in the daemon, docs/protocol.md): the model
@@ -24,40 +25,62 @@ from kvpool.client.chat_session import ChatSession
 from kvpool.client.errors import BudgetUnmeetable
 
 PREAMBLE = (
-    "You are the voice of a home robot. Answer every request with one JSON object: to switch lights, "
-    '{"device": "lights", "room": ROOM, "on": true or false}; to change the volume, {"device": "volume", "level": '
-    '0 to 100}; to start a timer, {"device": "timer", "minutes": N}; otherwise {"say": "one short sentence"}.'
+    "A home robot turns each request into one JSON command for its devices (lights, volume, timer), "
+    "or says one short sentence."
 )
 ROOMS = ["kitchen", "living room", "bedroom", "hall"]
-# The device functions, and a spoken answer: what the model may produce, and nothing else.
+# The device functions, and a spoken answer: what the model may produce, and nothing else. Every answer starts
+# with its action, so the model's first choice is what to do (a 270M model picks it well from the examples).
 ANSWER = {
     "anyOf": [
         {
             "type": "object",
-            "properties": {"device": {"const": "lights"}, "room": {"enum": ROOMS}, "on": {"type": "boolean"}},
-            "required": ["device", "room", "on"],
+            "properties": {"action": {"const": "lights"}, "room": {"enum": ROOMS}, "power": {"enum": ["on", "off"]}},
+            "required": ["action", "room", "power"],
         },
         {
             "type": "object",
-            "properties": {"device": {"const": "volume"}, "level": {"type": "integer", "minimum": 0, "maximum": 100}},
-            "required": ["device", "level"],
+            "properties": {"action": {"const": "volume"}, "level": {"type": "integer", "minimum": 0, "maximum": 100}},
+            "required": ["action", "level"],
         },
         {
             "type": "object",
-            "properties": {"device": {"const": "timer"}, "minutes": {"type": "integer", "minimum": 1, "maximum": 180}},
-            "required": ["device", "minutes"],
+            "properties": {"action": {"const": "timer"}, "minutes": {"type": "integer", "minimum": 1, "maximum": 180}},
+            "required": ["action", "minutes"],
         },
-        {"type": "object", "properties": {"say": {"type": "string", "maxLength": 160}}, "required": ["say"]},
+        {
+            "type": "object",
+            "properties": {"action": {"const": "say"}, "text": {"type": "string", "maxLength": 160}},
+            "required": ["action", "text"],
+        },
     ]
 }
+# Few-shot turns the conversation starts with: a small base model follows examples better than instructions.
+EXAMPLES = [
+    message
+    for question, answer in [
+        ("Who wrote Hamlet?", {"action": "say", "text": "William Shakespeare wrote Hamlet."}),
+        ("Lights on in the hall, please.", {"action": "lights", "room": "hall", "power": "on"}),
+        ("Turn the volume up to 80.", {"action": "volume", "level": 80}),
+        ("Thanks a lot!", {"action": "say", "text": "You are welcome."}),
+        ("Switch off the bedroom lights.", {"action": "lights", "room": "bedroom", "power": "off"}),
+        ("Remind me in 10 minutes.", {"action": "timer", "minutes": 10}),
+    ]
+    for message in ({"role": "user", "content": question}, {"role": "assistant", "content": json.dumps(answer)})
+]
 
 
 def act(answer: dict[str, object]) -> str:
     """What the robot does with an answer: a device call (printed here), or words to speak."""
-    if "say" in answer:
-        return f"[voice] assistant: {answer['say']}"
-    arguments = ", ".join(f"{k}={v!r}" for k, v in answer.items() if k != "device")
-    return f"[voice] device: {answer['device']}({arguments})"
+    if answer["action"] == "say":
+        return f"[voice] assistant: {answer['text']}"
+    arguments = ", ".join(f"{k}={v!r}" for k, v in answer.items() if k != "action")
+    return f"[voice] device: {answer['action']}({arguments})"
+
+
+def start(client: Client, task: str, max_tokens: int) -> ChatSession:
+    """A conversation that starts with the instructions and the examples, shared as a prefix in the daemon."""
+    return ChatSession(client, task=task, system=PREAMBLE, examples=EXAMPLES, share_start=True, max_tokens=max_tokens)
 
 
 def main() -> int:
@@ -65,6 +88,7 @@ def main() -> int:
     ap.add_argument("--address", help="kvpoold address (default: $KVPOOL_ADDRESS or the daemon's default)")
     ap.add_argument("--script", help="file with one user turn per line (default: stdin)")
     ap.add_argument("--task", default="voice")
+    ap.add_argument("--warm-up-task", default="default", help="task that computes the shared start (no tight budget)")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     lines = Path(args.script).read_text(encoding="utf-8").splitlines() if args.script else sys.stdin
@@ -74,7 +98,12 @@ def main() -> int:
     started = time.monotonic()
     try:
         with Client(args.address, name="voice-assistant") as client:
-            chat = ChatSession(client, task=args.task, system=PREAMBLE, max_tokens=args.max_tokens)
+            # The instructions and examples (~200 tokens) are computed once, at start, on the relaxed warm-up task:
+            # the voice conversation shares them, so each of its turns computes only the utterance and meets the
+            # voice budget. The warm session stays open, which keeps the shared prefix alive.
+            warm = start(client, args.warm_up_task, 1)
+            warm.say("Hello.")
+            chat = start(client, args.task, args.max_tokens)
             for line in lines:
                 question = line.strip()
                 if not question:
@@ -102,6 +131,7 @@ def main() -> int:
                 ttfts.append(reply.final.timings.ttft_ms)
                 tokens += reply.final.usage.completion_tokens
             chat.close()
+            warm.close()
     except KvpoolError as exc:
         print(f"[voice] error: {exc} {exc.detail or ''}", file=sys.stderr)
         return 1

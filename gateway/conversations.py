@@ -33,7 +33,7 @@ class Mapping:
     @classmethod
     def from_json(cls, raw: dict[str, object]) -> Mapping:
         held = raw.get("held")
-        return cls(str(raw["session"]), str(raw["token"]), Held(**held) if isinstance(held, dict) else None)
+        return cls(str(raw["session"]), str(raw["token"]), Held.load(held))
 
 
 class ConversationStore:

@@ -118,3 +118,40 @@ def test_a_chat_session_turn_that_was_refused_can_be_sent_again(start_daemon: Ca
         assert reply.cached_tokens > 0 and reply.final is not None  # the conversation went on where it was
         assert [m["role"] for m in chat.conversation.messages] == ["user", "assistant", "user", "assistant"]
         chat.close()
+
+
+def test_json_answers_on_a_transcript_continue_their_session(daemon: DaemonProcess) -> None:
+    """A JSON-constrained answer starts with `{` right after the transcript's `Assistant:`; the template renders
+    it back as `Assistant: {...}`. The next turn still computes only its new part."""
+    from kvpool.client.chat_session import ChatSession
+
+    schema = {"type": "object", "properties": {"say": {"type": "string", "maxLength": 12}}, "required": ["say"]}
+    with daemon.client() as client:
+        chat = ChatSession(client, system="Answer in JSON.", chat_template="transcript", max_tokens=40)
+        first = chat.say("hello", json_schema=schema)
+        assert first.text.startswith("{")  # no space: what the transcript renders differs from what was generated
+        second = chat.say("again", json_schema=schema)
+        assert second.final is not None and first.final is not None
+        assert second.cached_tokens == first.final.usage.context_tokens > 0
+        chat.close()
+
+
+def test_conversations_that_start_alike_share_their_start(daemon: DaemonProcess) -> None:
+    """`share_start`: the system message and the examples are the session's system prompt, computed by the first
+    conversation and shared by the next; each conversation's first turn computes only the question."""
+    from kvpool.client.chat_session import ChatSession
+
+    examples = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "A small robot."}]
+    with daemon.client() as client:
+        before = client.status().prefixes
+        first = ChatSession(client, system="Be brief. " * 8, examples=examples, share_start=True, max_tokens=4)
+        one = first.say("hello")
+        second = ChatSession(client, system="Be brief. " * 8, examples=examples, share_start=True, max_tokens=4)
+        two = second.say("hello again")
+        after = client.status().prefixes
+        assert one.cached_tokens == two.cached_tokens > 30  # the start, held before the first turn
+        assert after.hits - before.hits == 1 and after.tokens_saved - before.tokens_saved == two.cached_tokens
+        third = second.say("and again")  # the conversation goes on from its first turn
+        assert two.final is not None and third.cached_tokens == two.final.usage.context_tokens
+        first.close()
+        second.close()

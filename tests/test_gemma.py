@@ -264,7 +264,8 @@ def test_a_chat_through_the_gateway_answers_with_the_template(
 
 def test_the_voice_example_turns_utterances_into_device_calls(start_daemon: Callable[..., DaemonProcess]) -> None:
     """The demo's voice assistant: each utterance becomes a device call or a spoken answer, constrained by its
-    JSON Schema, through the chat template code (for the base default model, a transcript)."""
+    JSON Schema, through the chat template code (for the base default model, a transcript). The instructions and
+    examples are a prefix computed once, so each turn meets the voice task's 300 ms first-token budget."""
     import os
     import subprocess
     import sys
@@ -279,8 +280,10 @@ def test_the_voice_example_turns_utterances_into_device_calls(start_daemon: Call
     assert voice.returncode == 0, voice.stderr
     answers = [line for line in voice.stdout.splitlines() if line.startswith(("[voice] assistant:", "[voice] device:"))]
     assert len(answers) == 5, voice.stdout
-    assert answers[0].startswith("[voice] device: lights(") and "kitchen" in answers[0], voice.stdout
-    assert answers[2].startswith("[voice] device: volume(level=30") and "timer(minutes=5" in answers[3], voice.stdout
+    assert answers[0] == "[voice] device: lights(room='kitchen', power='on')", voice.stdout
+    assert answers[1].startswith("[voice] assistant:") and answers[4].startswith("[voice] assistant:"), voice.stdout
+    assert answers[2:4] == ["[voice] device: volume(level=30)", "[voice] device: timer(minutes=5)"], voice.stdout
+    assert "refused" not in voice.stdout, voice.stdout  # every turn within the voice budget: the start is shared
 
 
 @pytest.mark.parametrize("pool_type", ["q8_0", "q4_0"])

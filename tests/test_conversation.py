@@ -1,0 +1,54 @@
+"""What a chat session stands for, and which part of the next rendering is new (client/conversation.py): pure
+logic, no daemon."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from kvpool import protocol as p
+from kvpool.client.conversation import Held, after_answer
+
+
+def final(reason: p.FinishReason = p.FinishReason.STOP, *, eog: bool = False, context: int = 50) -> p.Final:
+    usage = p.Usage(prompt_tokens=40, completion_tokens=10, context_tokens=context)
+    timings = p.Timings(queue_ms=0.0, ttft_ms=1.0, total_ms=2.0, decode_tokens_per_s=0.0)
+    return p.Final(finish_reason=reason, eog=eog, usage=usage, timings=timings)
+
+
+def test_the_next_rendering_continues_after_the_answer() -> None:
+    held = after_answer("Sys\nUser: hi\nAssistant:", " Hello.", [5, 6], final())
+    assert held is not None and held.tokens == 50
+    assert held.rest("Sys\nUser: hi\nAssistant: Hello.\nUser: next\nAssistant:") == "\nUser: next\nAssistant:"
+
+
+def test_whitespace_around_the_answer_is_not_compared() -> None:
+    # A JSON answer right after "Assistant:", rendered back with the template's space; an answer's trailing
+    # newline, trimmed by the template; a generation prompt's own trailing newline.
+    held = after_answer("User: hi\nAssistant:", '{"a": 1}\n', [5], final())
+    assert held is not None
+    assert held.rest('User: hi\nAssistant: {"a": 1}\nUser: x\nAssistant:') == "\nUser: x\nAssistant:"
+    held = after_answer("<turn>model\n", "{}", [5], final())
+    assert held is not None and held.rest("<turn>model\n{}<end>\n<turn>user\nx") == "<end>\n<turn>user\nx"
+
+
+def test_a_different_history_or_answer_is_not_continued() -> None:
+    held = after_answer("User: hi\nAssistant:", " Hello.", [5], final())
+    assert held is not None
+    assert held.rest("User: ho\nAssistant: Hello.\nUser: x") is None  # an edited question
+    assert held.rest("User: hi\nAssistant: Hullo.\nUser: x") is None  # an edited answer
+    assert held.rest("User: hi\nAssistant: Hello.") is None  # nothing new
+
+
+def test_only_a_finished_answer_can_be_continued() -> None:
+    assert after_answer("x", "y", [1], None) is None
+    assert after_answer("x", "y", [1], final(p.FinishReason.CANCELLED)) is None
+    held = after_answer("x", "y", [7], final(p.FinishReason.STOP, eog=True))
+    assert held is not None and held.eog_token == 7 and held.trim([7, 8]) == [8] and held.trim([8]) == [8]
+
+
+def test_a_saved_record_of_another_shape_is_no_held_session() -> None:
+    held = after_answer("x", "y", [1], final())
+    assert held is not None
+    assert Held.load(asdict(held)) == held
+    assert Held.load({"tokens": 3, "text_chars": 4, "text_hash": "ab"}) is None  # an older record
+    assert Held.load(None) is None and Held.load("x") is None
