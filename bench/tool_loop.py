@@ -103,8 +103,9 @@ class KvpoolLoop:
                 first = time.monotonic()
             content.append(delta.content or "")
             for c in delta.tool_calls or ():
-                slot = calls.setdefault(c.index, {"id": c.id, "type": "function", "function": {"name": "",
-                                                                                                "arguments": ""}})
+                slot = calls.setdefault(
+                    c.index, {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 if c.function is not None:
                     slot["function"]["name"] += c.function.name or ""
                     slot["function"]["arguments"] += c.function.arguments or ""

@@ -78,7 +78,7 @@ def test_bad_grammars_and_schemas_are_refused_in_words_and_the_daemon_keeps_serv
     with daemon.client() as client, client.open_session() as s:
         cases = [
             ({"grammar": 'root ::= "a'}, "not valid GBNF: unexpected end of input"),
-            ({"grammar": 'root ::= foo'}, "Undefined rule identifier 'foo'"),
+            ({"grammar": "root ::= foo"}, "Undefined rule identifier 'foo'"),
             ({"grammar": 'start ::= "a"'}, "GBNF: grammar does not contain a 'root' symbol"),
             ({"json_schema": {"type": "object", "not": {"type": "string"}}}, "`not`"),
             ({"json_schema": {"type": "number", "minimum": 0.5}}, "only on integers"),

@@ -19,7 +19,6 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 WAIT_S = 30.0
 
 
-
 @pytest.fixture
 def browser(short_tmp: Path) -> Iterator[object]:
     need("chromium", "chromedriver")

@@ -11,14 +11,10 @@ from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.protocol import ErrorCode
 
-TABLE_FULL = (
-    "The pool's session table is full; close a session or raise max_sessions (and restart with --reset-pool)."
-)
+TABLE_FULL = "The pool's session table is full; close a session or raise max_sessions (and restart with --reset-pool)."
 
 
-def create_session(
-    pool: Pool, sessions: SessionTable, session_id: str, token: str, task: str, **state: Any
-) -> Session:
+def create_session(pool: Pool, sessions: SessionTable, session_id: str, token: str, task: str, **state: Any) -> Session:
     """A new session of ``task``, in the table and in the pool's; UNKNOWN_TASK or QUOTA_EXCEEDED when it may not
     be. ``state``: what it starts with (see SessionTable.create)."""
     sessions.check_can_open(task)

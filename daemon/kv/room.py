@@ -96,4 +96,3 @@ class PoolRoom:
             # file stays then, and the next start removes it (no entry names it any more).
             with contextlib.suppress(OSError):
                 self.spill.remove(s.id, previous.version)
-

@@ -41,7 +41,7 @@ def parse_schema(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ConstraintError(f"`json_schema` is not valid JSON: {exc}.") from None
     if isinstance(schema, bool) or not isinstance(schema, dict):
-        raise ConstraintError("`json_schema` must be a JSON object (a schema such as {\"type\": \"object\", ...}).")
+        raise ConstraintError('`json_schema` must be a JSON object (a schema such as {"type": "object", ...}).')
     check_schema(schema)
     return schema
 

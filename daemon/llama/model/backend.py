@@ -45,7 +45,6 @@ def init_backend() -> None:
         _backend_ready = True
 
 
-
 def system_info() -> str:
     """llama.cpp's compiled-in features per backend, e.g. "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 | "."""
     init_backend()

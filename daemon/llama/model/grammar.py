@@ -23,10 +23,8 @@ class Grammar:
     trigger_tokens: tuple[int, ...] = ()
 
 
-
 class GrammarError(ValueError):
     """llama.cpp refused a grammar (the message is its parser's sentence), or the tokens replayed into it."""
-
 
 
 def new_grammar_sampler(vocab: ctypes.c_void_p, grammar: Grammar) -> ctypes.c_void_p:

@@ -101,8 +101,10 @@ class Model:
         # Each cache of the model has its own size: the sliding-window one (llama-kv-cache-iswa.cpp) is smaller
         # when the window times the sequences is.
         swa_cells = self.n_swa * cparams.n_seq_max + batch_size
-        cell_room = self.context_size if not self.n_swa or self.kv.swa_full else min(
-            self.context_size, -(-swa_cells // 256) * 256
+        cell_room = (
+            self.context_size
+            if not self.n_swa or self.kv.swa_full
+            else min(self.context_size, -(-swa_cells // 256) * 256)
         )
         self.seqs = Sequences(self.ctx, cell_room, scratch_seq, graveyard)
         self.scratch_seq, self.graveyard = scratch_seq, graveyard

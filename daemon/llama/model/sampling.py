@@ -56,7 +56,6 @@ class Sampled:
     logprob: TokenLogprob | None = None
 
 
-
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 SUBSET = 512  # a grammar checks the most likely tokens first: the whole vocabulary only when none of them fits
 

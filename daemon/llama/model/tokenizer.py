@@ -83,7 +83,6 @@ class Tokenizer:
     def valid_token(self, token: int) -> bool:
         return 0 <= token < self.n_vocab
 
-
     def bos_text(self) -> str:
         return self.token_text(lc.llama_vocab_bos(self.vocab)) if self.add_bos else ""
 
