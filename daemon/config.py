@@ -39,9 +39,9 @@ def one_of(*values: str) -> Any:
 
 def sequence_count(hot_slots: int, prefix_slots: int, deterministic: bool = False) -> int:
     """llama.cpp sequence ids the daemon uses: the hot slots, one per shared prefix, one scratch sequence when
-    sharing is on, and the graveyard of deterministic decoding (docs/determinism.md). The model sizes its context
-    with it, and the memory plan too (every sequence id widens the sliding-window cache)."""
-    return hot_slots + prefix_slots + (1 if prefix_slots else 0) + (1 if deterministic else 0)
+    sharing is on, and the pad row's and the graveyard's of deterministic decoding (docs/determinism.md). The model
+    sizes its context with it, and the memory plan too (every sequence id widens the sliding-window cache)."""
+    return hot_slots + prefix_slots + (1 if prefix_slots else 0) + (2 if deterministic else 0)
 
 
 class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -166,8 +166,8 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     threads: Annotated[int, Meta(ge=0, le=1024)] = 0
     # A session's tokens and logits, bit for bit, whatever else runs beside it, wherever its cells sit and however
     # its prompt was chunked (docs/determinism.md): one kernel per matrix whatever a batch's row count (no weight
-    # repacking, no tiled K-quant matmul), batches of at most 63 tokens, one-token batches on one thread, and a KV
-    # that keeps every sequence's cells in position order. Costs throughput (docs/targets.md).
+    # repacking, no tiled K-quant matmul), batches of 2 to 63 tokens and never one output row (a pad row), and a KV
+    # that keeps every sequence's cells in position order. Costs throughput (docs/determinism.md).
     deterministic: bool = False
     log_level: one_of("debug", "info", "warning", "error") = "info"
     # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"

@@ -238,7 +238,7 @@ def load_model(plan: StartPlan, placement: Placement | None) -> Model:
         # llama.cpp's tiled K-quant matmul serves batches of 8 rows and more, vec_dot fewer: another sum order.
         # ggml reads this once, at the first decode of the process.
         os.environ["GGML_CPU_TILED_MM"] = "0"
-        log.info("deterministic decoding: repacking and the tiled matmul off, steps of at most 63 tokens")
+        log.info("deterministic decoding: repacking and the tiled matmul off, steps of 2 to 63 rows")
     try:
         return Model(
             plan.model_path,

@@ -142,7 +142,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return
-        self.tiers.ensure_room(sum(w.n_tokens for w in plan))
+        self.tiers.ensure_room(sum(w.n_tokens for w in plan), pad=True)
         started = time.monotonic()
         outcome = self.runner.run(plan)
         self._postprocess(plan, outcome, started)

@@ -117,10 +117,11 @@ class Tiers:
         self.resident[slot] = s
         return True
 
-    def ensure_room(self, cells: int) -> None:
+    def ensure_room(self, cells: int, pad: bool = False) -> None:
         """Deterministic decoding appends cells and never frees one between compactions: compact when the next
-        ``cells`` would not fit after the last appended cell."""
-        if self.model.deterministic and self.model.cells_free() < cells:
+        ``cells`` would not fit after the last appended cell (with ``pad``, a decode's: one more for the pad row
+        a step may take for the time of its decode, see Model.decode)."""
+        if self.model.deterministic and self.model.cells_free() < cells + pad:
             self.compact()
 
     def compact(self) -> None:

@@ -43,6 +43,10 @@ class Batch:
         self.n = end
         return end - 1
 
+    def outputs(self) -> int:
+        """Rows whose logits the decode returns."""
+        return int(self.logits[: self.n].sum())
+
     def as_llama_batch(self) -> lc.llama_batch:
         self._batch.n_tokens = self.n
         return self._batch

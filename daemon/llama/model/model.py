@@ -27,7 +27,7 @@ from kvpool.protocol.status import ModelStatus
 
 # Flash attention takes a tiled path from 64 query rows on, whose sums follow absolute cell indices (ggml-cpu's
 # ops.cpp, GGML_FA_TILE_Q): deterministic decoding keeps every batch below it (docs/determinism.md).
-DETERMINISTIC_STEP_TOKENS = 63
+DETERMINISTIC_STEP_TOKENS = 62  # (and room for a pad row)
 
 
 class Model:
@@ -50,9 +50,9 @@ class Model:
         """``kv``: the hot KV's types and flash attention (default f16, on). ``outputs``: rows of logits one
         decode may return (default one per sequence, all a step samples; a quality benchmark wants more).
         ``lone_threads``: threads for a one-token batch (default ``threads``). ``deterministic``: a sequence's
-        logits depend on nothing but its own tokens (docs/determinism.md): one-token batches on one thread, and
-        cells kept in position order (see keep_cell_order); the caller also turns repacking and llama.cpp's
-        tiled matmul off and keeps batches under DETERMINISTIC_STEP_TOKENS."""
+        logits depend on nothing but its own tokens (docs/determinism.md): no batch of one token or one output (a
+        pad row makes two), and cells kept in position order (sequences.py); the caller also turns repacking and
+        llama.cpp's tiled matmul off and keeps batches within DETERMINISTIC_STEP_TOKENS."""
         init_backend()
         self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
@@ -63,6 +63,7 @@ class Model:
         self.token_ids = self.text.token_ids
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = context_size
+        batch_size = min(batch_size, context_size)  # llama.cpp takes no more per decode (it clamps n_batch so)
         cparams.n_batch = batch_size
         cparams.n_ubatch = batch_size
         # Sequence ids: the hot slots, then one per shared prefix, then one scratch sequence that a suffix-only
@@ -71,10 +72,12 @@ class Model:
         scratch_seq = hot_slots + prefix_slots if prefix_slots else -1
         self.deterministic = deterministic
         cparams.n_seq_max = sequence_count(hot_slots, prefix_slots, deterministic)
-        # Deterministic decoding never frees a cell between compactions: a sequence's cells are handed to this one
-        # instead (they stay occupied, masked for everyone), so no later token can land before a sequence's older
-        # cells, whose order flash attention's reduction follows.
+        # Deterministic decoding never frees a cell between compactions: a sequence's cells are handed to the
+        # graveyard instead (they stay occupied, masked for everyone), so no later token can land before a
+        # sequence's older cells, whose order flash attention's reduction follows. The pad row's sequence holds
+        # one cell during a decode (see decode).
         graveyard = cparams.n_seq_max - 1 if deterministic else -1
+        self.pad_seq = cparams.n_seq_max - 2 if deterministic else -1
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
         cparams.n_outputs_max = outputs or cparams.n_seq_max  # llama.cpp reserves its graph for these outputs
@@ -84,7 +87,7 @@ class Model:
         )
         cparams.swa_full = self.kv.swa_full
         # llama.cpp runs a one-token batch on n_threads and any other on n_threads_batch.
-        cparams.n_threads = 1 if deterministic else (lone_threads or threads)
+        cparams.n_threads = lone_threads or threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on
         cparams.no_perf = True
@@ -145,15 +148,31 @@ class Model:
 
     def decode(self) -> int:
         """Run the filled batch through the model. 0: done; 1: no room in the KV (state unchanged)."""
-        rc = lc.llama_decode(self.ctx, self.batch.as_llama_batch())
+        batch = self.batch
+        tokens, outputs = batch.n, batch.outputs()
+        # A batch of one token takes other kernels than any larger one (a matrix-vector product; flash attention
+        # split across threads), and one output row other kernels than two: deterministic decoding never runs
+        # either. A pad row of its own sequence makes it two, then leaves: its cell was the last one taken, so
+        # freeing it puts the next token where it would have gone.
+        padded = self.deterministic and (tokens == 1 or outputs == 1) and tokens < batch.capacity
+        if padded:
+            batch.add(self.pad_seq, [0], 0, want_last_logits=outputs == 1)
+        try:
+            rc = lc.llama_decode(self.ctx, batch.as_llama_batch())
+        finally:
+            if padded:
+                self.seqs.free(self.pad_seq)
+                batch.n = tokens
         if rc == 0:
-            self.seqs.appended += self.batch.n
+            self.seqs.appended += tokens
         return rc
 
     @property
     def step_tokens(self) -> int:
         """The most tokens one decode may take."""
-        return min(self.batch.capacity, DETERMINISTIC_STEP_TOKENS) if self.deterministic else self.batch.capacity
+        if self.deterministic:  # (and room in the batch for a pad row)
+            return min(self.batch.capacity - 1, DETERMINISTIC_STEP_TOKENS)
+        return self.batch.capacity
 
     def row_logits(self, row: int) -> np.ndarray:
         """The logits of batch row ``row`` of the last decode (a view: copy to keep)."""

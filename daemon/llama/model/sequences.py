@@ -38,6 +38,10 @@ class Sequences:
             lc.llama_memory_seq_cp(self.memory, seq_id, self.graveyard, -1, -1)
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def free(self, seq_id: int) -> None:
+        """Free a sequence's cells whatever the mode (deterministic decoding's pad row: see Model.decode)."""
+        lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+
     def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
         """Give ``dst`` the cells of ``src`` for positions [first, end) (end -1: all): the cells are shared in the
         unified KV (one more sequence id on each), not copied."""
