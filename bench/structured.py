@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jsonschema
@@ -29,6 +30,7 @@ from common import default_model, private_daemon  # noqa: E402
 from kvpool.client import Client  # noqa: E402
 
 TOKENS = 64
+MAX_ANSWER_TOKENS = 160
 THREADS = 2
 LONG_RECORD = {  # long enough that no answer ends before TOKENS
     "type": "object",
@@ -153,54 +155,84 @@ def first_json(text: str) -> object:
     raise ValueError("no JSON in the answer")
 
 
-def valid_rate(address: str, constrained: bool) -> tuple[int, int]:
-    valid = 0
-    total = 0
+@dataclass
+class Validity:
+    valid: int = 0
+    cut: int = 0  # ended by max_tokens before the answer was whole (not valid)
+    total: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def valid_rate(address: str, constrained: bool) -> Validity:
+    counts = Validity()
     with Client(address, timeout=600) as client:
         for schema, ask in zip(SCHEMAS, ASKS, strict=True):
             for seed in range(20):
                 prompt = f"{ask}: {json.dumps(schema)}\n"
-                params = {"max_tokens": 160, "temperature": 0.8, "seed": seed}
+                params = {"max_tokens": MAX_ANSWER_TOKENS, "temperature": 0.8, "seed": seed}
                 if constrained:
                     params["json_schema"] = schema
                 with client.open_session() as s:
-                    text = s.complete(prompt, **params).text
-                total += 1
+                    done = s.complete(prompt, **params)
+                counts.total += 1
                 try:
-                    jsonschema.validate(json.loads(text) if constrained else first_json(text), schema)
-                    valid += 1
+                    jsonschema.validate(json.loads(done.text) if constrained else first_json(done.text), schema)
+                    counts.valid += 1
                 except (ValueError, jsonschema.ValidationError):
-                    pass
-    return valid, total
+                    counts.cut += done.finish_reason == "length"
+                    counts.failures.append(f"{done.finish_reason}: {done.text[:100]!r}")
+    return counts
+
+
+def speed_table(address: str, repeat: int) -> None:
+    kinds = ["free", "schema", "tool call"]
+    print(f"(1) decode tokens/s at 1 and 4 streams, {TOKENS} greedy tokens, median of {repeat} alternating")
+    head = ["streams", "free", "schema", "tool call", "schema/free", "tool/free"]
+    print(" | ".join(f"{h:>{max(6, len(h))}}" for h in head))
+    for streams in (1, 4):
+        runs: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(repeat):
+            for kind in kinds:
+                runs[kind].append(speeds(address, streams, kind))
+        free, schema, tool = (statistics.median(runs[k]) for k in kinds)
+        print(
+            f"{streams:>7} | {free:>6.1f} | {schema:>6.1f} | {tool:>9.1f} | {schema / free:>10.2f}x | "
+            f"{tool / free:>8.2f}x",
+            flush=True,
+        )
+
+
+def validity_table(address: str) -> None:
+    print(
+        f"\n(2) schema-valid answers, 100 requests (5 schemas x 20 seeds) at temperature 0.8, at most "
+        f"{MAX_ANSWER_TOKENS} tokens"
+    )
+    for constrained in (True, False):
+        c = valid_rate(address, constrained)
+        name = "constrained" if constrained else "unconstrained"
+        whole = c.total - c.cut
+        print(
+            f"{name:>13}: {c.valid}/{c.total} valid ({c.valid / c.total:.0%}); {c.cut} cut by max_tokens; "
+            f"of the answers that ended by themselves {c.valid}/{whole} valid ({c.valid / max(1, whole):.0%})",
+            flush=True,
+        )
+        if constrained:
+            for failure in c.failures:
+                print(f"    {failure}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--parts", nargs="+", type=int, default=[1, 2], choices=[1, 2])
     args = ap.parse_args()
     model = default_model(args.model)
-    kinds = ["free", "schema", "tool call"]
     with private_daemon(model, "--hot-slots", "4", "--threads", str(THREADS)) as daemon:
-        print(f"(1) decode tokens/s at 1 and 4 streams, {TOKENS} greedy tokens, median of {args.repeat} alternating")
-        head = ["streams", "free", "schema", "tool call", "schema/free", "tool/free"]
-        print(" | ".join(f"{h:>{max(6, len(h))}}" for h in head))
-        for streams in (1, 4):
-            runs: dict[str, list[float]] = {k: [] for k in kinds}
-            for _ in range(args.repeat):
-                for kind in kinds:
-                    runs[kind].append(speeds(daemon.address, streams, kind))
-            free, schema, tool = (statistics.median(runs[k]) for k in kinds)
-            print(
-                f"{streams:>7} | {free:>6.1f} | {schema:>6.1f} | {tool:>9.1f} | {schema / free:>10.2f}x | "
-                f"{tool / free:>8.2f}x",
-                flush=True,
-            )
-        print("\n(2) schema-valid answers, 100 requests (5 schemas x 20 seeds) at temperature 0.8")
-        for constrained in (True, False):
-            valid, total = valid_rate(daemon.address, constrained)
-            name = "constrained" if constrained else "unconstrained"
-            print(f"{name:>13}: {valid}/{total} valid ({valid / total:.0%})", flush=True)
+        if 1 in args.parts:
+            speed_table(daemon.address, args.repeat)
+        if 2 in args.parts:
+            validity_table(daemon.address)
     return 0
 
 

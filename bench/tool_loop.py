@@ -1,9 +1,10 @@
 """A scripted tool loop through the `openai` client: what keeping a conversation's KV buys an agent.
 
 8 conversations x 4 rounds, round robin, on 4 slots (so conversations move between the hot slots and the pool).
-Each round: the user asks for something a tool does; the model calls a tool (tool_choice "required"); the tool's
-result goes back; the model answers (tool_choice "auto", streamed). Reported: the time to the first token of those
-answers (p50, p99), side by side on one machine:
+Each round: the user asks for something a tool does; the model calls a tool (tool_choice "required", one call:
+parallel_tool_calls false); the tool's result goes back; the model answers (tool_choice "auto", streamed).
+Reported: the time to the first token of those answers (p50, p99; the first streamed chunk, which the gateway
+sends once the first token is generated, and llama-server's first text), side by side on one machine:
   (a) kvpool       kvpool-gateway, the conversation named by prompt_cache_key: each request computes only its
                    new tokens (the call, the result, the next question)
   (b) no reuse     kvpool-gateway --no-reuse: every request re-prefills the whole conversation
@@ -79,8 +80,8 @@ class KvpoolLoop:
     def _create(self, **kw: Any) -> Any:
         extra = {"prompt_cache_key": self.key} if self.key else {}
         return self.client.chat.completions.create(
-            model="default", messages=self.messages, tools=openai_tools(), max_tokens=48, temperature=0.0,
-            **extra, **kw,
+            model="default", messages=self.messages, tools=openai_tools(), parallel_tool_calls=False, max_tokens=48,
+            temperature=0.0, **extra, **kw,
         )  # fmt: skip
 
     def call(self, question: str) -> None:
@@ -92,14 +93,16 @@ class KvpoolLoop:
             self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
 
     def answer(self) -> float:
-        """Seconds to the first token of the answer to the tool's result."""
+        """Seconds to the first token of the answer to the tool's result: the gateway sends its first chunk once
+        the first token is generated (a call's id and name follow when they are generated, as llama-server's
+        envelope text does)."""
         started, first = time.monotonic(), None
         content, calls = [], {}
         for chunk in self._create(tool_choice="auto", stream=True):
             delta = chunk.choices[0].delta if chunk.choices else None
             if delta is None:
                 continue
-            if first is None and (delta.content or delta.tool_calls):
+            if first is None:
                 first = time.monotonic()
             content.append(delta.content or "")
             for c in delta.tool_calls or ():
