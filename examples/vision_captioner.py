@@ -17,7 +17,7 @@ import sys
 import time
 
 import jsonschema
-from latency import summary
+from task_summary import summary
 
 from kvpool.client import Client, KvpoolError
 

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from latency import summary
+from task_summary import summary
 
 from kvpool.client import Client, KvpoolError
 from kvpool.client.chat_session import ChatSession

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import HttpError
+from .http_errors import HttpError
 from .metrics import GatewayMetrics
 
 

@@ -17,12 +17,12 @@ from kvpool.client.chat_template import ChatTemplate, TemplateError, template_fo
 from kvpool.protocol.status import ModelStatus
 
 from .admission import Admission
-from .config import GatewayConfig
 from .conversations import ConversationStore
-from .errors import HttpError
+from .http_errors import HttpError
 from .metrics import GatewayMetrics
 from .middleware import http_error
 from .routes import build_routes
+from .settings import GatewayConfig
 from .tools import AnswerMemory
 from .turns import Turns
 

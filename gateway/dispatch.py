@@ -18,11 +18,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvpool import protocol as p
 from kvpool.client.errors import KvpoolError
 
-from .errors import HttpError
 from .generations import ConversationGenerations, Generations, SharedPrefixGenerations
+from .http_errors import HttpError
 from .middleware import unless_disconnected
 from .shaping import ChoiceState, Shape, usage
-from .streaming import chat_events, completion_events
+from .streaming import Stream, chat_events, completion_events
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -137,9 +137,8 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
     async def body() -> AsyncIterator[bytes]:
         try:
             events = chat_events if chat else completion_events
-            async for event in events(
-                generations, states, head, answer_usage if plan.include_usage else None, first_text
-            ):
+            usage = answer_usage if plan.include_usage else None
+            async for event in events(Stream(generations, states, head, usage, first_text)):
                 yield event
             for state in states:
                 state.remember(gateway.memory)

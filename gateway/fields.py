@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import HttpError
+from .http_errors import HttpError
 from .schema import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import GatewayConfig, GatewayConfigError, default_state_file
+from .settings import GatewayConfig, GatewayConfigError, default_state_file
 
 
 def parse_args(argv: Sequence[str] | None) -> GatewayConfig:

@@ -8,7 +8,7 @@ import json
 
 from kvpool.client.chat_template import ChatTemplate, TemplateError
 
-from .errors import HttpError
+from .http_errors import HttpError
 from .schema import ChatMessage
 from .tools import AnswerMemory, Toolbox, envelope_text
 

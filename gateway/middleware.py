@@ -19,9 +19,9 @@ from starlette.responses import Response, StreamingResponse
 
 from kvpool.client.errors import DaemonUnavailable, KvpoolError, RequestTimeout
 
-from .config import GatewayConfig
-from .errors import HttpError
+from .http_errors import HttpError
 from .metrics import GatewayMetrics
+from .settings import GatewayConfig
 
 log = logging.getLogger("kvpool.gateway")
 Handler = Callable[[Request], Awaitable[Response]]

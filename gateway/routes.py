@@ -17,7 +17,7 @@ from kvpool.client.chat_template import TemplateError
 
 from . import fields
 from .dispatch import Plan, respond
-from .errors import HttpError
+from .http_errors import HttpError
 from .messages import answer_separator, template_messages
 from .middleware import decode, read_body, route
 from .schema import ChatCompletionRequest, CompletionRequest

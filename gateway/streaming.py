@@ -8,6 +8,7 @@ can only travel as a final event with OpenAI's error body."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -15,8 +16,8 @@ import msgspec
 from kvpool import protocol as p
 from kvpool.client.errors import KvpoolError
 
-from .errors import HttpError
 from .generations import Generations
+from .http_errors import HttpError
 from .shaping import ChoiceState
 
 
@@ -25,66 +26,74 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def chat_events(
-    generations: Generations,
-    states: list[ChoiceState],
-    head: dict[str, Any],
-    usage: Callable[[], dict[str, Any]] | None,
-    on_first_text: Callable[[], None],
-) -> AsyncIterator[bytes]:
-    """The chat stream's events. ``usage``: the usage chunk's body at the end (None: not asked for)."""
+@dataclass(frozen=True)
+class Stream:
+    """What a stream's events are made of: the running generations and their choices' states, the chunks' common
+    fields (``head``), the usage chunk's body at the end (None: not asked for), and what to call at the first text."""
+
+    generations: Generations
+    states: list[ChoiceState]
+    head: dict[str, Any]
+    usage: Callable[[], dict[str, Any]] | None
+    on_first_text: Callable[[], None]
+
+
+async def chat_events(stream: Stream) -> AsyncIterator[bytes]:
+    """The chat stream's events."""
+    states, head = stream.states, stream.head
     opening = {"role": "assistant", "content": None if states[0].envelope is not None else ""}
     # Every choice's opening in the first chunk: clients (the openai SDK's stream helpers) build their list of
     # choices from it.
     yield sse(head | {"choices": [{"index": s.index, "delta": opening, "finish_reason": None} for s in states]})
-    first = True
-    try:
-        async for index, item in generations.events():
-            state = states[index]
-            if isinstance(item, p.Final):
-                state.final = item
-                yield sse(head | {"choices": [{"index": index, "delta": {}, "finish_reason": state.finish_reason()}]})
-                continue
-            for choice in state.chat_deltas(item):
-                if first:
-                    on_first_text()
-                    first = False
-                yield sse(head | {"choices": [choice]})
-        if usage is not None:
-            yield sse(head | {"choices": [], "usage": usage()})
-        yield sse("[DONE]")
-    except KvpoolError as exc:  # the status line went out already: the error travels as an event
-        yield sse(HttpError.from_kvpool(exc.code, exc.message).body())
+
+    def ending(state: ChoiceState) -> dict[str, Any]:
+        return {"index": state.index, "delta": {}, "finish_reason": state.finish_reason()}
+
+    async for event in _events(stream, ChoiceState.chat_deltas, ending):
+        yield event
 
 
-async def completion_events(
-    generations: Generations,
-    states: list[ChoiceState],
-    head: dict[str, Any],
-    usage: Callable[[], dict[str, Any]] | None,
-    on_first_text: Callable[[], None],
-) -> AsyncIterator[bytes]:
+async def completion_events(stream: Stream) -> AsyncIterator[bytes]:
+    """The completion stream's events (the prompt first, with `echo`)."""
+    states, head = stream.states, stream.head
     if states[0].shape.echo:
         for state in states:
             echoed = {"index": state.index, "text": state.shape.echo, "logprobs": None, "finish_reason": None}
             yield sse(head | {"choices": [echoed]})
+
+    def deltas(state: ChoiceState, chunk: p.Chunk) -> list[dict[str, Any]]:
+        choice = state.completion_delta(chunk)
+        return [] if choice is None else [choice]
+
+    def ending(state: ChoiceState) -> dict[str, Any]:
+        return {"index": state.index, "text": "", "logprobs": None, "finish_reason": state.finish_reason()}
+
+    async for event in _events(stream, deltas, ending):
+        yield event
+
+
+async def _events(
+    stream: Stream,
+    deltas: Callable[[ChoiceState, p.Chunk], list[dict[str, Any]]],
+    ending: Callable[[ChoiceState], dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    """Each choice's deltas as they come, its ending when it ends, then the usage and [DONE]."""
+    states, head = stream.states, stream.head
     first = True
     try:
-        async for index, item in generations.events():
+        async for index, item in stream.generations.events():
             state = states[index]
             if isinstance(item, p.Final):
                 state.final = item
-                ending = {"index": index, "text": "", "logprobs": None, "finish_reason": state.finish_reason()}
-                yield sse(head | {"choices": [ending]})
+                yield sse(head | {"choices": [ending(state)]})
                 continue
-            choice = state.completion_delta(item)
-            if choice is not None:
+            for choice in deltas(state, item):
                 if first:
-                    on_first_text()
+                    stream.on_first_text()
                     first = False
                 yield sse(head | {"choices": [choice]})
-        if usage is not None:
-            yield sse(head | {"choices": [], "usage": usage()})
+        if stream.usage is not None:
+            yield sse(head | {"choices": [], "usage": stream.usage()})
         yield sse("[DONE]")
-    except KvpoolError as exc:
+    except KvpoolError as exc:  # the status line went out already: the error travels as an event
         yield sse(HttpError.from_kvpool(exc.code, exc.message).body())

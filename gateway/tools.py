@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import HttpError
+from .http_errors import HttpError
 from .schema import ChatCompletionRequest, NamedToolChoice
 
 INSTRUCTION = (

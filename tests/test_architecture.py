@@ -88,3 +88,15 @@ def test_the_client_the_gateway_and_the_protocol_never_import_the_daemon() -> No
     for name, path in known.items():
         if not name.startswith("kvpool.daemon"):
             assert not {m for m in imports_of(path, name, known) if m.startswith("kvpool.daemon")}, name
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A name says which module it is, wherever it is quoted; the two programs' `main.py` are the exception
+    (docs/architecture.md)."""
+    folders = [*PACKAGES.values(), ROOT / "bench", ROOT / "examples"]
+    seen: dict[str, list[str]] = {}
+    for folder in folders:
+        for path in folder.rglob("*.py"):
+            if path.name not in ("__init__.py", "main.py"):
+                seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

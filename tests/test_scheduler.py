@@ -21,9 +21,9 @@ from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.scheduler import Budget, Scheduler
 from kvpool.daemon.engine.step_plan import MIN_CHUNK, plan_budgeted, plan_fcfs, steps_for
 from kvpool.daemon.engine.stream_text import StreamText
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 from .fake_model import FakeModel, FakeSampler

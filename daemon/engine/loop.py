@@ -25,12 +25,12 @@ from kvpool.daemon.engine.requests import RequestHandlers
 from kvpool.daemon.engine.runner import Runner, StepOutcome
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.step_plan import Work
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model, Sampled
 from kvpool.daemon.ops.status_report import status_of
 from kvpool.daemon.preload.preloader import Preloader
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote.handlers import RemoteRequests
 from kvpool.daemon.remote.interface import CrossNode, NoRemote
 from kvpool.daemon.rpc.workers import Workers

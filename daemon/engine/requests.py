@@ -17,13 +17,13 @@ from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.stream_text import StreamText
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.opening import create_session
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.constraints import ConstraintError, parse_schema
 from kvpool.daemon.llama.model import Grammar, GrammarError, Model, SamplingParams, json_schema_grammar
 from kvpool.daemon.preload.preloader import Preloader
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote.interface import CrossNode, Handler
 from kvpool.protocol import ErrorCode, FinishReason
 from kvpool.protocol.status import DaemonStatus

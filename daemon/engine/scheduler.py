@@ -23,10 +23,10 @@ from kvpool.daemon.config import Config, TaskProfile
 from kvpool.daemon.engine.cost_model import CostModel, within
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.step_plan import Work, plan_budgeted, plan_fcfs, steps_for, urgency
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.ops.latency_stats import TaskStats
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 log = logging.getLogger("kvpool.engine")

@@ -9,7 +9,6 @@ import ctypes
 import logging
 import time
 
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.codec.kv_types import KvType
 from kvpool.daemon.kv.codec.state_format import StateBytes
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
@@ -31,6 +30,7 @@ from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SpillDir
 from kvpool.daemon.kv.spilling import Spiller
 from kvpool.daemon.llama.model import Model
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 log = logging.getLogger("kvpool.tiers")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session, SessionTable
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 TABLE_FULL = "The pool's session table is full; close a session or raise max_sessions (and restart with --reset-pool)."

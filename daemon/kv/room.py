@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.compression import PoolCompressor
@@ -20,6 +19,7 @@ from kvpool.daemon.kv.prefix.cache import PrefixCache
 from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.kv.spill import SpillDir
 from kvpool.daemon.kv.spilling import Spiller
+from kvpool.daemon.refusals import RequestRefused
 
 
 class PoolRoom:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.daemon.config import Config
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 if TYPE_CHECKING:

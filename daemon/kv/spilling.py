@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.compression import compressed_pool_state
@@ -16,6 +15,7 @@ from kvpool.daemon.kv.pool.layout import HOT_TYPES, NO_PREFIX, TIER_DISK, TIER_P
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 

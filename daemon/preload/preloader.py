@@ -16,10 +16,10 @@ import time
 
 import msgspec
 
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.preload.predictor import TurnHistory
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol.status import PreloadStatus
 
 log = logging.getLogger("kvpool.engine")

@@ -15,11 +15,11 @@ import numpy as np
 
 from kvpool import protocol as p
 from kvpool.daemon.engine.replies import session_opened
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.opening import create_session
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.preload.preloader import Preloader
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote.interface import Handler
 from kvpool.protocol import ErrorCode
 from kvpool.protocol.status import RemoteStatus

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvpool import protocol as p
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 from kvpool.protocol.status import RemoteStatus
 

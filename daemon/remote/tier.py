@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import msgspec
 
 from kvpool.daemon.config import Config
-from kvpool.daemon.errors import RequestRefused
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_POOL, payload_bytes
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote import record as rec
 from kvpool.daemon.remote.lease import Lease, LeaseHeld
 from kvpool.daemon.remote.store import RemoteStore, RemoteUnavailable

@@ -11,7 +11,7 @@ Prints time to first token per turn (p50, p99 over the 16 conversations) and tot
 to bench/out/chat.png. Then the gateway's own cost: the p50 latency of a 1-token completion through the gateway
 (--no-reuse, no name) and through the Python client library (open, complete, close), interleaved.
 
-    python bench/chat.py [--model PATH] [--conversations 16] [--turns 8] [--overhead-requests 40]
+    python bench/chat_turns.py [--model PATH] [--conversations 16] [--turns 8] [--overhead-requests 40]
 """
 
 from __future__ import annotations
