@@ -262,6 +262,104 @@ def test_a_chat_through_the_gateway_answers_with_the_template(
         gateway.stop()
 
 
+def test_agents_get_structured_output_tool_calls_and_logprobs_from_the_default_model(
+    start_daemon: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    """What an agent asks of the gateway, on the real default model through the real openai client: a JSON
+    record that validates, a tool call the model chooses (auto), one it must make (required), a named one, the
+    same streamed, and the log-probabilities of each token."""
+    import json
+
+    import jsonschema
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    from .gateway_process import GatewayProcess
+
+    light = {
+        "type": "function",
+        "function": {
+            "name": "set_light",
+            "description": "Switch the light of a room on or off",
+            "parameters": {
+                "type": "object",
+                "properties": {"room": {"enum": ["kitchen", "hall", "bedroom"]}, "on": {"type": "boolean"}},
+                "required": ["room", "on"],
+            },
+        },
+    }
+    timer = {
+        "type": "function",
+        "function": {
+            "name": "start_timer",
+            "description": "Start a kitchen timer",
+            "parameters": {
+                "type": "object",
+                "properties": {"minutes": {"type": "integer", "minimum": 1, "maximum": 90}},
+                "required": ["minutes"],
+            },
+        },
+    }
+    tools = [light, timer]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    record = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
+        "required": ["city", "country"],
+    }
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048", "--threads", "2", model=None)
+    gateway = GatewayProcess(short_tmp / "gw", daemon.address).start()
+    try:
+        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        ask = {"model": "gemma", "temperature": 0, "max_tokens": 100}
+        user = [{"role": "user", "content": "Turn on the light in the kitchen."}]
+
+        structured = c.chat.completions.create(
+            messages=[{"role": "user", "content": "Name a city in Italy and its country."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": record}},
+            **ask,
+        )
+        assert structured.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(structured.choices[0].message.content or ""), record)
+
+        def calls_of(completion: object) -> list[tuple[str, dict[str, object]]]:
+            choice = completion.choices[0]  # type: ignore[attr-defined]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            out = []
+            for call in choice.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                jsonschema.validate(arguments, schemas[call.function.name])
+                out.append((call.function.name, arguments))
+            return out
+
+        one = {"parallel_tool_calls": False}
+        chosen = c.chat.completions.create(messages=user, tools=tools, **one, **ask)  # auto: a call, or words
+        if chosen.choices[0].message.tool_calls:
+            assert calls_of(chosen)
+        else:
+            assert chosen.choices[0].message.content
+        forced = calls_of(c.chat.completions.create(messages=user, tools=tools, tool_choice="required", **one, **ask))
+        assert forced
+        named = {"type": "function", "function": {"name": "start_timer"}}
+        timed = calls_of(c.chat.completions.create(messages=user, tools=tools, tool_choice=named, **one, **ask))
+        assert [name for name, _ in timed] == ["start_timer"]
+        state = ChatCompletionStreamState()
+        for chunk in c.chat.completions.create(
+            messages=user, tools=tools, tool_choice="required", stream=True, **one, **ask
+        ):
+            state.handle_chunk(chunk)
+        assert calls_of(state.get_final_completion()) == forced  # greedy: streamed as answered whole
+
+        scored = c.chat.completions.create(messages=user, logprobs=True, top_logprobs=3, **ask)
+        assert scored.usage is not None
+        entries = scored.choices[0].logprobs.content
+        assert len(entries) == scored.usage.completion_tokens > 0
+        assert all(e.logprob <= 0.0 and len(e.top_logprobs) == 3 for e in entries)
+        assert all(e.top_logprobs[0].logprob >= e.logprob for e in entries)  # greedy: each token is the likeliest
+    finally:
+        gateway.stop()
+
+
 def test_the_voice_example_turns_utterances_into_device_calls(start_daemon: Callable[..., DaemonProcess]) -> None:
     """The demo's voice assistant: each utterance becomes a device call or a spoken answer, constrained by its
     JSON Schema, through the chat template code (for the base default model, a transcript). The instructions and
