@@ -136,14 +136,17 @@ def test_a_constrained_answer_cut_short_continues_across_a_daemon_restart(start_
 def test_a_preempted_constrained_generation_stays_valid(start_daemon: Start) -> None:
     config = "[tasks.default]\n[tasks.voice]\nttft_ms = 30000\n[tasks.background]\nbest_effort = true\n"
     daemon = start_daemon("--hot-slots", "1", "--context-size", "2048", config=config)
-    schema = SCHEMAS[1]
+    # Exactly 1,301 tokens (the tiny model spells byte by byte): the answer is still running, by a margin of a
+    # second or so, when the urgent request arrives.
+    grammar = 'root ::= "[" item ("," item){99} "]"\nitem ::= "\\"" [a-z]{10} "\\""'
+    schema = {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{10}$"}, "minItems": 100, "maxItems": 100}
     with (
         daemon.client() as client,
         daemon.client() as other,
         client.open_session(task="background") as slow,
         other.open_session(task="voice") as urgent,
     ):
-        stream = slow.generate("List:", json_schema=schema, max_tokens=400, temperature=0.7, seed=3)
+        stream = slow.generate("List:", grammar=grammar, max_tokens=1400, temperature=0.7, seed=3)
         first = next(stream)
         assert urgent.complete("now", max_tokens=4).usage.completion_tokens == 4  # takes the only slot
         text = first.text + "".join(chunk.text for chunk in stream)
