@@ -114,15 +114,15 @@ class ChatSession:
     def _start_messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.examples
 
-    def _open(self, c: Conversation, share: bool = True) -> None:
-        """A new session for ``c``: empty, or holding its start (the system message and the examples) when the
-        start is shared."""
+    def _open(self, c: Conversation, rendered: str | None = None) -> None:
+        """A new session for ``c``: holding its start (the system message and the examples) when the start is
+        shared and begins ``rendered`` (the conversation about to be sent), else empty."""
         start = self._start_messages()
-        if not (share and self.share_start and start):
+        text = self.template.render(start, add_generation_prompt=False) if self.share_start and start else ""
+        if not text or (rendered is not None and starting_with(text, 0).rest(rendered) is None):
             session = self.client.open_session(self.task, system_prompt="")
             c.session, c.token, c.held, c.empty = session.id, session.token, None, True
             return
-        text = self.template.render(start, add_generation_prompt=False)
         tokens = self.client.tokenize(text, add_bos=self.template.needs_bos(text))
         session = self.client.open_session(self.task, system_prompt=tokens)
         c.session, c.token, c.empty = session.id, session.token, False
@@ -150,12 +150,9 @@ class ChatSession:
         rest = c.held.rest(rendered) if c.held is not None else None
         if rest is None and not c.empty:  # what the session holds is not this conversation: start it over
             session.close()
-            self._open(c)
-            rest = c.held.rest(rendered) if c.held is not None else None
-            if rest is None and not c.empty:  # the rendering does not begin with the start as rendered alone
-                self._session().close()
-                self._open(c, share=False)
+            self._open(c, rendered)
             session = self._session()
+            rest = c.held.rest(rendered) if c.held is not None else None
         if c.held is not None and rest is not None:
             tokens, held = c.held.trim(self.client.tokenize(rest, add_bos=False)), c.held.tokens
         else:

@@ -5,8 +5,8 @@ The session stands for the conversation as the template rendered it up to the la
 every token generated (a stop string's included: the session holds it). When the next rendering begins with
 that text (give or take the whitespace around the answer, which templates trim), only the rest needs computing;
 comparing text, not tokens, keeps that true when an answer's tokens would tokenize differently when sent back.
-Anything else (an edited history, a cancelled answer) needs a new
-session, so an answer always comes from exactly the conversation sent.
+Anything else (an edited history, a cancelled answer) needs a new session, so an answer always comes from exactly
+the conversation sent.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return
-        self.tiers.ensure_room(sum(w.n_tokens for w in plan), pad=True)
+        if self.model.deterministic:
+            self.tiers.ensure_room(sum(w.n_tokens for w in plan), pad=True)
         started = time.monotonic()
         outcome = self.runner.run(plan)
         self._postprocess(plan, outcome, started)

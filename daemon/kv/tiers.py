@@ -361,9 +361,6 @@ class Tiers:
         if self.mirror is not None:
             self.mirror.forget(s.id, delete=False)
 
-    def close(self) -> None:
-        self.pool.close()
-
     def sessions_by_tier(self) -> dict[str, int]:
         by_tier: dict[str, int] = {}
         for s in self.sessions.by_id.values():

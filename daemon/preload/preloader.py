@@ -51,14 +51,14 @@ class Preloader:
         self._preloaded[s.id] = (s, s.tier)
 
     def turn(self, s: Session) -> None:
-        """A turn of ``s`` arrived (before it is scheduled): was it preloaded, and did that pay?"""
-        self._forget_gone()
+        """A turn of ``s`` arrived (before it is scheduled): was it preloaded, and did that pay? (Preloads of
+        sessions that left are counted by _forget_gone, from status() and predict().)"""
         self.history.note(s.id, time.monotonic())
         preloaded = self._preloaded.pop(s.id, None)
         if preloaded is not None:
-            _, target = preloaded
-            # a hit only if the session is still where the preload put it (or higher)
-            if s.slot is not None or (target == "pool" and s.tier == "pool"):
+            old, target = preloaded
+            # a hit only if it is the session preloaded, still where the preload put it (or higher)
+            if old is s and (s.slot is not None or (target == "pool" and s.tier == "pool")):
                 self.counts.hits += 1
             else:
                 self.counts.wasted += 1

@@ -36,6 +36,10 @@ class EntryTable:
         self.table = table
         self._free_extent = free_extent
 
+    def close(self) -> None:
+        """Let go of the segment's memory, so that it can be unmapped."""
+        del self.table
+
     def entries(self) -> list[EntryInfo]:
         return [self.entry(i) for i in np.nonzero(self.table["state"] != FREE)[0]]
 

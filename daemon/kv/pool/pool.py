@@ -79,8 +79,8 @@ class Pool:
 
     def close(self) -> None:
         """Unmap and unlock (the segment stays for the next daemon)."""
-        del self.header, self.table, self.entry_table, self.entries, self.committed, self.claim, self.touch
-        del self.release, self.mark_evicted, self.discard, self.mark_unsaved, self.settle, self.commit
+        self.entry_table.close()  # (the table's operations bound above hold the entry table, not the memory)
+        del self.header, self.table
         self._segment.close()
 
     def _owned_extents(self, start: int, size: int) -> tuple[list[Extent], set[int]]:

@@ -260,7 +260,7 @@ class PrefixCache:
         return [x for x in self.by_id.values() if x.seq is not None]
 
     def hot_cells(self) -> int:
-        return sum(len(x.tokens) for x in self.by_id.values() if x.seq is not None)
+        return sum(len(x.tokens) for x in self.hot())
 
     def status(self, pool_bytes_saved: int) -> PrefixStatus:
         """``pool_bytes_saved``: snapshot bytes sessions did not store again because they build on a prefix."""

@@ -6,11 +6,10 @@ whole process). Everything the rest of the daemon uses is importable from here."
 from kvpool.daemon.llama.model.backend import register_workers, supports_rpc, system_info
 from kvpool.daemon.llama.model.grammar import Grammar, GrammarError, json_schema_grammar
 from kvpool.daemon.llama.model.loading import ModelLoadError, Placement
-from kvpool.daemon.llama.model.model import DETERMINISTIC_STEP_TOKENS, Model
-from kvpool.daemon.llama.model.sampling import Sampled, Sampler, SamplingParams, token_logprob
+from kvpool.daemon.llama.model.model import Model
+from kvpool.daemon.llama.model.sampling import Sampled, Sampler, SamplingParams
 
 __all__ = [
-    "DETERMINISTIC_STEP_TOKENS",
     "Grammar",
     "GrammarError",
     "Model",
@@ -23,5 +22,4 @@ __all__ = [
     "register_workers",
     "supports_rpc",
     "system_info",
-    "token_logprob",
 ]

@@ -59,7 +59,7 @@ class Model:
         self.repack = repack
         self._model = load_weights(self.path, placement, repack)
         self.text = Tokenizer(self._model)
-        self.vocab, self.n_vocab, self.add_bos = self.text.vocab, self.text.n_vocab, self.text.add_bos
+        self.vocab, self.n_vocab = self.text.vocab, self.text.n_vocab
         self.token_ids = self.text.token_ids
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = context_size
@@ -110,7 +110,6 @@ class Model:
             else min(self.context_size, -(-swa_cells // 256) * 256)
         )
         self.seqs = Sequences(self.ctx, cell_room, scratch_seq, graveyard)
-        self.scratch_seq, self.graveyard = scratch_seq, graveyard
         self.hot_slots = hot_slots
         self.batch = Batch(batch_size)
         self.description = self._desc()
@@ -149,14 +148,17 @@ class Model:
     def decode(self) -> int:
         """Run the filled batch through the model. 0: done; 1: no room in the KV (state unchanged)."""
         batch = self.batch
-        tokens, outputs = batch.n, batch.outputs()
+        tokens = batch.n
         # A batch of one token takes other kernels than any larger one (a matrix-vector product; flash attention
         # split across threads), and one output row other kernels than two: deterministic decoding never runs
         # either. A pad row of its own sequence makes it two, then leaves: its cell was the last one taken, so
         # freeing it puts the next token where it would have gone.
-        padded = self.deterministic and (tokens == 1 or outputs == 1) and tokens < batch.capacity
-        if padded:
-            batch.add(self.pad_seq, [0], 0, want_last_logits=outputs == 1)
+        padded = False
+        if self.deterministic and tokens < batch.capacity:
+            one_output = batch.outputs() == 1
+            padded = tokens == 1 or one_output
+            if padded:
+                batch.add(self.pad_seq, [0], 0, want_last_logits=one_output)
         try:
             rc = lc.llama_decode(self.ctx, batch.as_llama_batch())
         finally:

@@ -39,7 +39,8 @@ class Sequences:
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
     def free(self, seq_id: int) -> None:
-        """Free a sequence's cells whatever the mode (deterministic decoding's pad row: see Model.decode)."""
+        """Free a sequence's cells whatever the mode: deterministic decoding's pad row (see Model.decode), and the
+        scratch sequence, whose cells its source keeps."""
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
     def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
@@ -76,7 +77,7 @@ class Sequences:
         try:
             yield self.scratch_seq
         finally:
-            self.forget_sequence(self.scratch_seq)
+            self.free(self.scratch_seq)  # its cells stay with seq_id: nothing for the graveyard
 
     def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0) -> bool:
         """Restore a saved state into an empty sequence; False when llama.cpp rejects it (no room, mismatch).
