@@ -92,13 +92,15 @@ class KvpoolLoop:
             result = tool_result(call.function.name, call.function.arguments)
             self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
 
-    def answer(self) -> float:
-        """Seconds to the first token of the answer to the tool's result: the gateway sends its first chunk once
-        the first token is generated (a call's id and name follow when they are generated, as llama-server's
-        envelope text does)."""
-        started, first = time.monotonic(), None
+    def answer(self) -> tuple[float, int]:
+        """Seconds to the first token of the answer to the tool's result (the gateway sends its first chunk once
+        the first token is generated; a call's id and name follow when they are generated, as llama-server's
+        envelope text does), and the prompt tokens computed for it (not taken from the session's KV)."""
+        started, first, computed = time.monotonic(), None, -1
         content, calls = [], {}
-        for chunk in self._create(tool_choice="auto", stream=True):
+        for chunk in self._create(tool_choice="auto", stream=True, stream_options={"include_usage": True}):
+            if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+                computed = chunk.usage.prompt_tokens - (chunk.usage.prompt_tokens_details.cached_tokens or 0)
             delta = chunk.choices[0].delta if chunk.choices else None
             if delta is None:
                 continue
@@ -119,7 +121,7 @@ class KvpoolLoop:
         for call in message.get("tool_calls", ()):
             result = tool_result(call["function"]["name"], call["function"]["arguments"])
             self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-        return (first or time.monotonic()) - started
+        return (first or time.monotonic()) - started, computed
 
 
 class LlamaServerLoop:
@@ -147,15 +149,18 @@ class LlamaServerLoop:
         self._add_user(question)
         self._results(self._create("required").choices[0].message.content or "")
 
-    def answer(self) -> float:
-        started, first, parts = time.monotonic(), None, []
+    def answer(self) -> tuple[float, int]:
+        started, first, parts, computed = time.monotonic(), None, [], -1
         for chunk in self._create("auto", stream=True):
+            timings = (chunk.model_extra or {}).get("timings")  # llama-server's own: prompt_n tokens evaluated
+            if isinstance(timings, dict) and "prompt_n" in timings:
+                computed = int(timings["prompt_n"])
             piece = chunk.choices[0].delta.content if chunk.choices else None
             if piece:
                 first = first or time.monotonic()
                 parts.append(piece)
         self._results("".join(parts))
-        return (first or time.monotonic()) - started
+        return (first or time.monotonic()) - started, computed
 
     def _add_user(self, text: str) -> None:
         if self.messages[-1]["role"] == "user":  # after a tool result: one user turn (roles alternate)
@@ -168,13 +173,16 @@ def toolbox(choice: str) -> Toolbox:
     return Toolbox(tuple(TOOLS), choice, parallel=False, response=None)
 
 
-def run(loops: list[Any], rounds: int) -> list[float]:
-    ttft = []
+def run(loops: list[Any], rounds: int) -> tuple[list[float], list[int]]:
+    """Each answer's time to first token (ms) and its computed prompt tokens (-1: the server did not say)."""
+    ttft, computed = [], []
     for r in range(rounds):
         for i, loop in enumerate(loops):
             loop.call(ask(i, r))
-            ttft.append(loop.answer() * 1000.0)
-    return ttft
+            seconds, tokens = loop.answer()
+            ttft.append(seconds * 1000.0)
+            computed.append(tokens)
+    return ttft, computed
 
 
 def main() -> int:
@@ -189,6 +197,7 @@ def main() -> int:
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
     results: dict[str, list[float]] = {}
+    computed: dict[str, list[int]] = {}
     with contextlib.ExitStack() as stack:
         daemon = stack.enter_context(private_daemon(model, "--hot-slots", str(SLOTS), "--threads", "2"))
         reuse = stack.enter_context(gateway(daemon.address, Path(tempfile.mkdtemp(prefix="kvgw-"))))
@@ -205,17 +214,19 @@ def main() -> int:
         for name, (url, make) in setups.items():
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
             loops = [make(client, i) for i in range(args.conversations)]
-            results[name] = run(loops, args.rounds)
+            results[name], computed[name] = run(loops, args.rounds)
             print(f"measured {name}", file=sys.stderr, flush=True)
     print(f"\nTime to the first token of the answer after a tool's result, ms ({args.conversations} conversations x "
           f"{args.rounds} rounds, {SLOTS} slots, Gemma 3 270M)")  # fmt: skip
-    print(f"{'setup':>18} | {'p50':>7} | {'p99':>7} | {'p50 vs (a)':>10}")
+    print(f"{'setup':>18} | {'p50':>7} | {'p99':>7} | {'p50 vs (a)':>10} | {'computed tokens p50':>19}")
     base = statistics.median(results["(a) kvpool"])
     for name, values in results.items():
         ordered = sorted(values)
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         p50 = statistics.median(values)
-        print(f"{name:>18} | {p50:>7.0f} | {p99:>7.0f} | {p50 / base:>9.2f}x")
+        known = [t for t in computed[name] if t >= 0]
+        tokens = f"{statistics.median(known):.0f}" if known else "?"
+        print(f"{name:>18} | {p50:>7.0f} | {p99:>7.0f} | {p50 / base:>9.2f}x | {tokens:>19}")
     return 0
 
 
