@@ -10,10 +10,20 @@ sends once the first token is generated, and llama-server's first text), side by
   (b) no reuse     kvpool-gateway --no-reuse: every request re-prefills the whole conversation
   (c) llama-server llama.cpp's server with the same 4 slots and its prompt cache; it has no tool syntax for this
                    model, so the benchmark offers the tools itself in the same words and envelope (the gateway's
-                   tools.Toolbox: the system text, and the envelope's JSON Schema as response_format)
+                   tools.Toolbox: the system text, and the envelope's JSON Schema as response_format); it renders
+                   them with its own default template for a GGUF without one, ChatML (spelled out in text: these
+                   are not special tokens of Gemma's vocabulary)
+  (d) same text    llama-server given the gateway's transcript template (--chat-template-file), so both servers
+                   compute the same text: what its template adds to (c)
 Target: (a) <= 0.5x (c) (or (b) when no llama-server is available).
 
+Then the floor those times run into, side by side in the same run: the time each server takes to compute N new
+tokens on a conversation it holds (HISTORY tokens, one output, no grammar), for N = what (a) and (c) computed per
+answer. kvpool: the daemon's time to the first token, and the client library's; llama-server: /completion on one
+slot with its cache, its own prompt_ms (and prompt_n, the tokens it evaluated) and the wall time of the request.
+
     python bench/tool_loop.py [--model PATH] [--conversations 8] [--rounds 4] [--llama-server PATH]
+                              [--floor-repeat 7]
 """
 
 from __future__ import annotations
@@ -30,12 +40,15 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from anchors import gateway, llama_server, llama_server_binary  # noqa: E402
+from anchors import ROOT, gateway, llama_server, llama_server_binary  # noqa: E402
 from common import default_model, private_daemon  # noqa: E402
 
+from kvpool.client import Client  # noqa: E402
 from kvpool.gateway.tools import Tool, Toolbox  # noqa: E402
 
 SLOTS = 4
+HISTORY = 450  # tokens a conversation holds when the floor is measured: the loop's answers start at 250 to 650
+TRANSCRIPT = ROOT / "client" / "templates" / "transcript.jinja"  # the gateway's template for this model
 SYSTEM = "You are a home robot's assistant. Keep answers short."
 TOOLS = [
     Tool("get_weather", "The weather now in a city.", {"type": "object", "properties": {"city": {"type": "string"}},
@@ -185,6 +198,53 @@ def run(loops: list[Any], rounds: int) -> tuple[list[float], list[int]]:
     return ttft, computed
 
 
+def floor(daemon_address: str, server: str | None, sizes: list[int], repeat: int) -> dict[str, dict[int, float]]:
+    """Median milliseconds to compute each of ``sizes`` new tokens on a conversation of HISTORY tokens, alternating
+    the two servers; a fresh conversation (and its first HISTORY tokens, untimed) for every measurement."""
+    import httpx
+
+    words = ["the", "robot", "looked", "at", "the", "kitchen", "timer", "and", "wrote", "a", "note"]
+    client = Client(daemon_address)
+    samples: dict[str, dict[int, list[float]]] = {}
+
+    def text(n: int, offset: int) -> list[int]:
+        return client.tokenize(" ".join(words[(i * 7 + offset) % len(words)] for i in range(n)), add_bos=False)[:n]
+
+    def note(name: str, n: int, value: float) -> None:
+        samples.setdefault(name, {}).setdefault(n, []).append(value)
+
+    try:
+        for r in range(repeat):
+            for n in sizes:
+                history = [*client.tokenize("", add_bos=True), *text(HISTORY - 1, r)]
+                new = text(n, r + 3)
+                session = client.open_session("default")
+                try:
+                    list(session.generate(history, max_tokens=1, temperature=0.0))
+                    started = time.monotonic()
+                    stream = session.generate(new, max_tokens=1, temperature=0.0)
+                    list(stream)
+                    note("kvpool client", n, (time.monotonic() - started) * 1000.0)
+                    assert stream.final is not None
+                    note("kvpool daemon", n, stream.final.timings.ttft_ms)
+                finally:
+                    session.close()
+                if server is None:
+                    continue
+                ask = {"n_predict": 1, "cache_prompt": True, "id_slot": 0, "temperature": 0.0}
+                httpx.post(server + "/completion", json={**ask, "prompt": history}, timeout=120).raise_for_status()
+                started = time.monotonic()
+                reply = httpx.post(server + "/completion", json={**ask, "prompt": history + new}, timeout=120)
+                reply.raise_for_status()
+                note("llama-server wall", n, (time.monotonic() - started) * 1000.0)
+                timings = reply.json()["timings"]
+                note("llama-server prompt_ms", n, float(timings["prompt_ms"]))
+                note("llama-server prompt_n", n, float(timings["prompt_n"]))
+    finally:
+        client.close()
+    return {name: {n: statistics.median(v) for n, v in by_n.items()} for name, by_n in samples.items()}
+
+
 def main() -> int:
     import openai
 
@@ -193,6 +253,7 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--llama-server", help="a llama-server binary (default: one scripts/build-llama-server.sh built)")
+    ap.add_argument("--floor-repeat", type=int, default=7, help="measurements per size in the floor table (0: none)")
     args = ap.parse_args()
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
@@ -206,9 +267,14 @@ def main() -> int:
             "(a) kvpool": (reuse, lambda c, i: KvpoolLoop(c, i, named=True)),
             "(b) no reuse": (fresh, lambda c, i: KvpoolLoop(c, i, named=False)),
         }
+        server = None
         if binary:
             server = stack.enter_context(llama_server(binary, model, SLOTS, 2048))
             setups["(c) llama-server"] = (server, LlamaServerLoop)
+            same_text = stack.enter_context(
+                llama_server(binary, model, SLOTS, 2048, "--chat-template-file", str(TRANSCRIPT))
+            )
+            setups["(d) same text"] = (same_text, LlamaServerLoop)
         else:
             print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
         for name, (url, make) in setups.items():
@@ -216,6 +282,9 @@ def main() -> int:
             loops = [make(client, i) for i in range(args.conversations)]
             results[name], computed[name] = run(loops, args.rounds)
             print(f"measured {name}", file=sys.stderr, flush=True)
+        known = {name: [t for t in computed.get(name, []) if t >= 0] for name in ("(a) kvpool", "(c) llama-server")}
+        sizes = sorted({round(statistics.median(tokens)) for tokens in known.values() if tokens})
+        floors = floor(daemon.address, server, sizes, args.floor_repeat) if args.floor_repeat > 0 else {}
     print(f"\nTime to the first token of the answer after a tool's result, ms ({args.conversations} conversations x "
           f"{args.rounds} rounds, {SLOTS} slots, Gemma 3 270M)")  # fmt: skip
     print(f"{'setup':>18} | {'p50':>7} | {'p99':>7} | {'p50 vs (a)':>10} | {'computed tokens p50':>19}")
@@ -227,6 +296,18 @@ def main() -> int:
         known = [t for t in computed[name] if t >= 0]
         tokens = f"{statistics.median(known):.0f}" if known else "?"
         print(f"{name:>18} | {p50:>7.0f} | {p99:>7.0f} | {p50 / base:>9.2f}x | {tokens:>19}")
+    if floors:
+        print(f"\nThe floor: ms to compute N new tokens on a conversation of {HISTORY} tokens each server holds (one "
+              f"output, no grammar), medians of {args.floor_repeat}")  # fmt: skip
+        names = list(floors)
+        print(f"{'N':>4} | " + " | ".join(f"{name:>22}" for name in names))
+        for n in sizes:
+            print(f"{n:>4} | " + " | ".join(f"{floors[name].get(n, float('nan')):>22.0f}" for name in names))
+        if len(sizes) == 2 and "llama-server wall" in floors:
+            ours, theirs = floors["kvpool client"][sizes[0]], floors["llama-server wall"][sizes[1]]
+            loop = base / statistics.median(results["(c) llama-server"])
+            print(f"floor ratio: kvpool computing {sizes[0]} / llama-server {sizes[1]} = {ours / theirs:.2f}x "
+                  f"(each one request's own work; the loop measured {loop:.2f}x)")  # fmt: skip
     return 0
 
 
