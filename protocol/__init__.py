@@ -175,7 +175,9 @@ class Generate(SessionRequest, tag="generate"):
 
     prompt: Annotated[str, Meta(max_length=1 << 20)] = ""
     prompt_tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 128
+    # 0: a prefill. The prompt goes into the session's KV and nothing is generated (the final message says
+    # completion_tokens 0, finish_reason length); a later generate computes only its own new tokens.
+    max_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 128
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.8
     top_k: Annotated[int, Meta(ge=0, le=1 << 24)] = 40
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.95

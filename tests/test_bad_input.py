@@ -77,7 +77,7 @@ def test_unknown_op_is_named(raw: RawConnection, daemon: DaemonProcess) -> None:
         ({"session": "s", "token": "x", "temperature": -1.0}, "temperature"),
         ({"session": "s", "token": "x", "top_p": 0.0}, "top_p"),
         ({"session": "s", "token": "x", "min_p": 1.5}, "min_p"),
-        ({"session": "s", "token": "x", "max_tokens": 0}, "max_tokens"),
+        ({"session": "s", "token": "x", "max_tokens": -1}, "max_tokens"),
         ({"session": "s", "token": "x", "repeat_penalty": 0.0}, "repeat_penalty"),
         ({"session": "s", "token": "x", "seed": -5}, "seed"),
     ],

@@ -40,6 +40,11 @@ class Generation:
         self.restore_seconds_at = self.session.restore_seconds
 
     @property
+    def samples(self) -> bool:
+        """False for a prefill (max_tokens 0): its last chunk needs no logits, and it ends once that is fed."""
+        return self.request.max_tokens > 0
+
+    @property
     def pending_tokens(self) -> int:
         return self.session.pending_tokens
 

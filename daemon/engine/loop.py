@@ -175,6 +175,8 @@ class Engine:
         for work, sampled in zip(plan, outcome.tokens, strict=True):
             if sampled is not None:
                 self._accept(work.item, sampled, now)
+            elif work.completes and not work.item.samples:  # a prefill: its prompt is in the KV, nothing more
+                self.finish(work.item, FinishReason.LENGTH, now)
         self.last_step_seconds = time.monotonic() - started
         self.counters.busy_seconds += self.last_step_seconds
 

@@ -14,7 +14,7 @@ from kvpool.daemon.llama.model import Model, Sampled
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
     rc: int  # llama_decode's answer: 0 done, 1 no room in the unified KV (nothing changed), else a failure
-    tokens: list[Sampled | None]  # per work item, the token sampled for it (None: its chunk left pending tokens)
+    tokens: list[Sampled | None]  # per work item, the token sampled for it (None: pending tokens left, or a prefill)
     batch_tokens: int  # tokens fed in the batch
     shape: StepShape  # what the cost model predicts a step's time from
     seconds: float  # decode plus sampling: what the cost model predicts
@@ -31,11 +31,15 @@ class Runner:
         for work in plan:
             s = work.item.session
             assert s.slot is not None  # the scheduler runs only generations whose session is hot
-            rows.append(batch.add(s.slot, s.tokens[s.n_kv : s.n_kv + work.n_tokens], s.n_kv, work.completes))
-        shape = StepShape.of([(w.item.position, w.n_tokens, w.completes) for w in plan])
+            samples = work.completes and work.item.samples
+            rows.append(batch.add(s.slot, s.tokens[s.n_kv : s.n_kv + work.n_tokens], s.n_kv, samples))
+        shape = StepShape.of([(w.item.position, w.n_tokens, w.completes and w.item.samples) for w in plan])
         started = time.perf_counter()
         rc = self.model.decode()
         if rc != 0:
             return StepOutcome(rc, [], batch.n, shape, 0.0)
-        tokens = [w.item.sampler.sample(row) if w.completes else None for w, row in zip(plan, rows, strict=True)]
+        tokens = [
+            w.item.sampler.sample(row) if w.completes and w.item.samples else None
+            for w, row in zip(plan, rows, strict=True)
+        ]
         return StepOutcome(0, tokens, batch.n, shape, time.perf_counter() - started)
