@@ -6,7 +6,9 @@ parallel_tool_calls false); the tool's result goes back; the model answers (tool
 Reported: the time to the first token of those answers (p50, p99; the first streamed chunk, which the gateway
 sends once the first token is generated, and llama-server's first text), side by side on one machine:
   (a) kvpool       kvpool-gateway, the conversation named by prompt_cache_key: each request computes only its
-                   new tokens (the call, the result, the next question)
+                   new tokens (the call, the result, the next question); after a call the gateway computes the
+                   opening of its result while the tool runs (docs/gateway.md)
+  (a') no prefill  the same without that (--no-tool-result-prefill)
   (b) no reuse     kvpool-gateway --no-reuse: every request re-prefills the whole conversation
   (c) llama-server llama.cpp's server with the same 4 slots and its prompt cache; it has no tool syntax for this
                    model, so the benchmark offers the tools itself in the same words and envelope (the gateway's
@@ -22,8 +24,11 @@ tokens on a conversation it holds (HISTORY tokens, one output, no grammar), for 
 answer. kvpool: the daemon's time to the first token, and the client library's; llama-server: /completion on one
 slot with its cache, its own prompt_ms (and prompt_n, the tokens it evaluated) and the wall time of the request.
 
+The tools answer at once unless --tool-ms says how long each takes (the loop waits that long between the call
+and the request with its result): a tool that switches a lamp or fetches a forecast takes tens to hundreds of ms.
+
     python bench/tool_loop.py [--model PATH] [--conversations 8] [--rounds 4] [--llama-server PATH]
-                              [--floor-repeat 7]
+                              [--floor-repeat 7] [--tool-ms 0]
 """
 
 from __future__ import annotations
@@ -186,12 +191,14 @@ def toolbox(choice: str) -> Toolbox:
     return Toolbox(tuple(TOOLS), choice, parallel=False, response=None)
 
 
-def run(loops: list[Any], rounds: int) -> tuple[list[float], list[int]]:
-    """Each answer's time to first token (ms) and its computed prompt tokens (-1: the server did not say)."""
+def run(loops: list[Any], rounds: int, tool_ms: float = 0.0) -> tuple[list[float], list[int]]:
+    """Each answer's time to first token (ms) and its computed prompt tokens (-1: the server did not say).
+    ``tool_ms``: how long each tool takes to answer (the loop waits that long between the call and the answer)."""
     ttft, computed = [], []
     for r in range(rounds):
         for i, loop in enumerate(loops):
             loop.call(ask(i, r))
+            time.sleep(tool_ms / 1000.0)  # the tool at work (a lamp switched, a forecast fetched)
             seconds, tokens = loop.answer()
             ttft.append(seconds * 1000.0)
             computed.append(tokens)
@@ -254,6 +261,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--llama-server", help="a llama-server binary (default: one scripts/build-llama-server.sh built)")
     ap.add_argument("--floor-repeat", type=int, default=7, help="measurements per size in the floor table (0: none)")
+    ap.add_argument("--tool-ms", type=float, default=0.0, help="how long each tool takes to answer (default: at once)")
     args = ap.parse_args()
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
@@ -262,9 +270,13 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         daemon = stack.enter_context(private_daemon(model, "--hot-slots", str(SLOTS), "--threads", "2"))
         reuse = stack.enter_context(gateway(daemon.address, Path(tempfile.mkdtemp(prefix="kvgw-"))))
+        plain = stack.enter_context(
+            gateway(daemon.address, Path(tempfile.mkdtemp(prefix="kvgw-")), "--no-tool-result-prefill")
+        )
         fresh = stack.enter_context(gateway(daemon.address, Path(tempfile.mkdtemp(prefix="kvgw-")), "--no-reuse"))
         setups: dict[str, tuple[str, Any]] = {
             "(a) kvpool": (reuse, lambda c, i: KvpoolLoop(c, i, named=True)),
+            "(a') no prefill": (plain, lambda c, i: KvpoolLoop(c, i, named=True)),
             "(b) no reuse": (fresh, lambda c, i: KvpoolLoop(c, i, named=False)),
         }
         server = None
@@ -280,13 +292,14 @@ def main() -> int:
         for name, (url, make) in setups.items():
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
             loops = [make(client, i) for i in range(args.conversations)]
-            results[name], computed[name] = run(loops, args.rounds)
+            results[name], computed[name] = run(loops, args.rounds, args.tool_ms)
             print(f"measured {name}", file=sys.stderr, flush=True)
-        known = {name: [t for t in computed.get(name, []) if t >= 0] for name in ("(a) kvpool", "(c) llama-server")}
-        sizes = sorted({round(statistics.median(tokens)) for tokens in known.values() if tokens})
+        known = {name: [t for t in tokens if t >= 0] for name, tokens in computed.items() if name != "(b) no reuse"}
+        size_of = {name: round(statistics.median(tokens)) for name, tokens in known.items() if tokens}
+        sizes = sorted(set(size_of.values()))
         floors = floor(daemon.address, server, sizes, args.floor_repeat) if args.floor_repeat > 0 else {}
     print(f"\nTime to the first token of the answer after a tool's result, ms ({args.conversations} conversations x "
-          f"{args.rounds} rounds, {SLOTS} slots, Gemma 3 270M)")  # fmt: skip
+          f"{args.rounds} rounds, {SLOTS} slots, Gemma 3 270M, tools answering in {args.tool_ms:.0f} ms)")  # fmt: skip
     print(f"{'setup':>18} | {'p50':>7} | {'p99':>7} | {'p50 vs (a)':>10} | {'computed tokens p50':>19}")
     base = statistics.median(results["(a) kvpool"])
     for name, values in results.items():
@@ -303,11 +316,14 @@ def main() -> int:
         print(f"{'N':>4} | " + " | ".join(f"{name:>22}" for name in names))
         for n in sizes:
             print(f"{n:>4} | " + " | ".join(f"{floors[name].get(n, float('nan')):>22.0f}" for name in names))
-        if len(sizes) == 2 and "llama-server wall" in floors:
-            ours, theirs = floors["kvpool client"][sizes[0]], floors["llama-server wall"][sizes[1]]
-            loop = base / statistics.median(results["(c) llama-server"])
-            print(f"floor ratio: kvpool computing {sizes[0]} / llama-server {sizes[1]} = {ours / theirs:.2f}x "
-                  f"(each one request's own work; the loop measured {loop:.2f}x)")  # fmt: skip
+        if "llama-server wall" in floors and "(c) llama-server" in size_of:
+            theirs_n = size_of["(c) llama-server"]
+            theirs = floors["llama-server wall"][theirs_n]
+            for name in ("(a) kvpool", "(a') no prefill"):
+                ours_n = size_of[name]
+                loop = statistics.median(results[name]) / statistics.median(results["(c) llama-server"])
+                print(f"floor ratio {name}: kvpool computing {ours_n} / llama-server {theirs_n} = "
+                      f"{floors['kvpool client'][ours_n] / theirs:.2f}x (the loop measured {loop:.2f}x)")  # fmt: skip
     return 0
 
 

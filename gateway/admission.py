@@ -80,6 +80,17 @@ class Admission:
             raise
         self.metrics.queue_wait.observe(time.monotonic() - waiter.since)
 
+    def try_hold(self) -> bool:
+        """Take one in-flight place now if one is free and no request waits, for work done ahead of requests (a
+        prefill, next_turn.py), which must never make a request wait; give it back with give_back()."""
+        if self.depth or self.in_flight + 1 > self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    def give_back(self) -> None:
+        self._release(1)
+
     def _refuse(self, message: str) -> None:
         self.refused += 1
         self.metrics.queue_refused.inc()

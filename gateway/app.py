@@ -45,8 +45,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.metrics = GatewayMetrics()
-        self.turns = Turns(ConversationStore(config.state_file), self.metrics, reuse=config.reuse)
         self.admission = Admission(config.queue_size, config.queue_per_key, self.metrics)
+        self.turns = Turns(ConversationStore(config.state_file), self.metrics, self.admission, reuse=config.reuse)
         self.memory = AnswerMemory()
         self._client: AsyncClient | None = None
         self._model: Model | None = None
@@ -92,6 +92,7 @@ class Gateway:
         return self._model
 
     async def close(self) -> None:
+        await self.turns.close()
         if self._client is not None:
             await self._client.close()
 

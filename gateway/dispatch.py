@@ -21,6 +21,7 @@ from kvpool.client.errors import KvpoolError
 from .generations import ConversationGenerations, Generations, SharedPrefixGenerations
 from .http_errors import HttpError
 from .middleware import unless_disconnected
+from .next_turn import ToolResultOpening
 from .shaping import ChoiceState, Shape, usage
 from .streaming import Stream, chat_events, completion_events
 
@@ -47,6 +48,8 @@ class Plan:
     # Where the schemas a request wrote stand in the json_schema sent (daemon path, request field): a refusal of a
     # schema then names the field the client wrote.
     schema_fields: list[tuple[str, str]] = field(default_factory=list)
+    # A request offering tools: what the request with the results of its calls will begin with (next_turn.py).
+    tool_results: ToolResultOpening | None = None
 
 
 async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan) -> Response:
@@ -91,6 +94,14 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
     def first_text() -> None:
         metrics.first_token.labels(plan.route).observe(time.monotonic() - started)
 
+    def expect_results() -> None:
+        """An answer that called tools: its conversation's next request carries their results."""
+        state = states[0]
+        if plan.tool_results is None or state.finish_reason() != "tool_calls":
+            return
+        opening, raw, names = plan.tool_results, state.raw, [name for name, _ in state.calls()]
+        generations.follow_with(lambda held: opening.after(held, raw, names))
+
     held = contextlib.AsyncExitStack()
 
     async def begin() -> None:
@@ -119,6 +130,7 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
                         states[index].add(item)
             except KvpoolError as exc:
                 raise refusal(exc, plan) from None
+            expect_results()
         for state in states:
             state.remember(gateway.memory)
         choices = [s.chat_choice() if chat else s.completion_choice() for s in states]
@@ -142,6 +154,7 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
                 yield event
             for state in states:
                 state.remember(gateway.memory)
+            expect_results()
         finally:
             # The client may close the connection as soon as it has [DONE], and Starlette then cancels this body:
             # the conversation's record must still be brought up to date, and the place in the queue given back.

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession, AsyncStream
-from kvpool.client.conversation import REFUSALS
+from kvpool.client.conversation import REFUSALS, Held
 from kvpool.client.errors import KvpoolError
 
 from .turns import Turn, Turns
@@ -48,6 +48,9 @@ class Generations:
 
     async def start(self) -> None:
         raise NotImplementedError
+
+    def follow_with(self, opening: Callable[[Held], str | None]) -> None:
+        """What the next request will begin with after this answer (next_turn.py): a conversation prefills it."""
 
     def events(self) -> AsyncIterator[Event]:
         raise NotImplementedError
@@ -81,6 +84,10 @@ class ConversationGenerations(Generations):
         self.prompt_tokens, self.cached_tokens = turn.held + len(turn.tokens), turn.held
         self._stream = turn.session.generate(turn.tokens, after=turn.held, **self._params)
         self._first = await self._read()
+
+    def follow_with(self, opening: Callable[[Held], str | None]) -> None:
+        if self._turn is not None:
+            self._turn.next_opening = opening
 
     async def _read(self) -> p.Chunk | p.Final:
         assert self._turn is not None and self._stream is not None

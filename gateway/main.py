@@ -28,6 +28,11 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         "--no-reuse", action="store_true", help="run every request on a fresh session (nothing kept between turns)"
     )
     ap.add_argument(
+        "--no-tool-result-prefill",
+        action="store_true",
+        help="do not compute the opening of a tool call's result while the tool runs (docs/gateway.md)",
+    )
+    ap.add_argument(
         "--chat-template",
         default="auto",
         help="auto (the GGUF's own; a transcript for a GGUF without one), gemma3, chatml, transcript, or a .jinja file",
@@ -78,6 +83,7 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         timeout=args.timeout,
         chat_template=args.chat_template,
         reuse=not args.no_reuse,
+        prefill_tool_results=not args.no_tool_result_prefill,
         curve_server_key=args.curve_server_key,
         curve_client_key=args.curve_client_key,
         max_inflight=args.max_inflight,

@@ -99,8 +99,7 @@ def template_messages(
                     "invalid_value",
                     param=f"{where}.tool_call_id",
                 )
-            result = json.dumps({"tool_response": {"name": name, "content": text or ""}}, ensure_ascii=False)
-            _add_user(out, from_tool, result, tool=True)
+            _add_user(out, from_tool, tool_result_text(name, text or ""), tool=True)
         elif message.role == "user":
             _add_user(out, from_tool, text or "", tool=False)
         else:  # system, developer
@@ -110,6 +109,11 @@ def template_messages(
         if note:
             _add_to_system(out, note)
     return out
+
+
+def tool_result_text(name: str, content: str) -> str:
+    """A tool's result as the model reads it (in a user message)."""
+    return json.dumps({"tool_response": {"name": name, "content": content}}, ensure_ascii=False)
 
 
 def _add_to_system(out: list[dict[str, str]], note: str) -> None:

@@ -44,6 +44,11 @@ class GatewayMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.prefilled_tokens = Counter(
+            "kvpool_gateway_prefilled_tokens",
+            "Tokens of a tool result's opening computed while the tool ran, before the request carrying it came.",
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "kvpool_gateway_queue_depth", "Requests waiting in the gateway's queue now.", registry=self.registry
         )

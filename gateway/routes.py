@@ -20,6 +20,7 @@ from .dispatch import Plan, respond
 from .http_errors import HttpError
 from .messages import answer_separator, template_messages
 from .middleware import decode, read_body, route
+from .next_turn import ToolResultOpening
 from .schema import ChatCompletionRequest, CompletionRequest
 from .shaping import Shape
 from .tools import Toolbox
@@ -100,6 +101,11 @@ def build_routes(gateway: Gateway) -> list[Route]:
             fairness=fairness_key(request, body.user, body.safety_identifier),
             service_tier=body.service_tier,
             schema_fields=schema_fields if schema is not None else [],
+            tool_results=(
+                ToolResultOpening(model.template, messages)
+                if toolbox is not None and config.prefill_tool_results
+                else None
+            ),
         )
         return await respond(request, gateway, model.id, plan)
 

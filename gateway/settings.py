@@ -26,6 +26,8 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     timeout: float = 300.0  # per answer from the daemon
     reuse: bool = True  # False (--no-reuse): every request on a fresh session, closed when it ends
+    # After a tool call, prefill the opening of its result into the conversation's session (next_turn.py).
+    prefill_tool_results: bool = True
     chat_template: str = "auto"  # auto (the GGUF's, else a transcript), a shipped name, or a Jinja file
     curve_server_key: str = ""  # a tcp:// daemon's public key file
     curve_client_key: str = ""  # the gateway's secret key file, listed in the daemon's curve_clients_dir

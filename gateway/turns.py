@@ -15,19 +15,23 @@
   for a new session.
 - A request the daemon refuses before it applied anything (over budget, overloaded) leaves its conversation as
   it was, so it can be sent again.
+- A turn may name what the next request will begin with (a tool call's result, next_turn.py): once the turn is
+  over, that opening is prefilled into the session while the conversation's lock is still held, so the next
+  request waits for it and computes only the rest; the HTTP answer does not wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession
-from kvpool.client.conversation import Held, after_answer
+from kvpool.client.conversation import REFUSALS, Held, after_answer
 from kvpool.client.errors import (
     KvpoolError,
     NotOwner,
@@ -37,10 +41,14 @@ from kvpool.client.errors import (
     UnknownSession,
 )
 
+from .admission import Admission
 from .conversations import ConversationStore, Mapping
 from .metrics import GatewayMetrics
+from .next_turn import stable_start
 
+log = logging.getLogger("kvpool.gateway")
 GONE = (UnknownSession, SessionEvicted, SessionCorrupt, NotOwner)  # the mapping names a session that is no more
+Release = Callable[[], None]
 
 
 @dataclass
@@ -49,27 +57,41 @@ class Turn:
     tokens: list[int]  # what this turn sends
     held: int  # tokens the session held before (sent as after=): the prompt tokens not computed
     rendered: str  # the conversation as rendered, up to the answer
+    special: bool = True  # how its text is tokenized (special tokens parsed)
     before: Held | None = None  # what the session stood for before this turn (restored if it is refused)
     generated: list[int] = field(default_factory=list)
     final: p.Final | None = None
     refused: bool = False  # the daemon refused it before applying anything
+    # What the next request will begin with after this answer, from what the session then stands for (None: not
+    # known): prefilled once the turn is over.
+    next_opening: Callable[[Held], str | None] | None = None
 
     def record(self, chunk: p.Chunk) -> None:
         self.generated.extend(chunk.tokens)
 
 
 class Turns:
-    def __init__(self, store: ConversationStore, metrics: GatewayMetrics, reuse: bool = True, anonymous_max: int = 16):
+    def __init__(
+        self,
+        store: ConversationStore,
+        metrics: GatewayMetrics,
+        admission: Admission,
+        reuse: bool = True,
+        anonymous_max: int = 16,
+    ):
         """``reuse`` False: every request runs on a fresh session, closed when it ends (to measure against, or
-        where conversations must not be kept). ``anonymous_max``: sessions kept for requests without a name."""
+        where conversations must not be kept). ``anonymous_max``: sessions kept for requests without a name.
+        ``admission``: the queue, whose in-flight places a prefill takes only when one is free."""
         self.store = store
         self.metrics = metrics
+        self.admission = admission
         self.reuse = reuse
         self.anonymous_max = anonymous_max
         self.anonymous = ConversationStore(None)  # session id -> what it holds, for requests without a name
         self._busy: set[str] = set()  # anonymous sessions in a turn now
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiting: Counter[str] = Counter()  # requests holding or waiting for each conversation's lock
+        self._prefills: set[asyncio.Task[None]] = set()  # running (kept referenced until done)
 
     @contextlib.asynccontextmanager
     async def turn(
@@ -88,26 +110,103 @@ class Turns:
             async with self._anonymous_turn(client, rendered, task, special, add_bos) as turn:
                 yield turn
             return
-        async with self._conversation_lock(key):
+        release = await self._lock(key)
+        try:
             turn = await self._named(client, key, rendered, task, special, add_bos)
             try:
                 yield turn
             finally:
                 await self._remember(client, self.store, key, turn)
+                if self._prefill_next(client, key, turn, release):
+                    release = None  # the prefill holds the lock now, and gives it back when done
+        finally:
+            if release is not None:
+                release()
 
-    @contextlib.asynccontextmanager
-    async def _conversation_lock(self, key: str) -> AsyncIterator[None]:
-        """One lock per conversation, dropped once nobody holds or waits for it (names are unbounded)."""
+    async def _lock(self, key: str) -> Release:
+        """Take the conversation's lock; returns what gives it back. One lock per conversation, dropped once
+        nobody holds or waits for it (names are unbounded)."""
         self._waiting[key] += 1
         lock = self._locks.setdefault(key, asyncio.Lock())
-        try:
-            async with lock:
-                yield
-        finally:
+
+        def done_waiting() -> None:
             self._waiting[key] -= 1
             if not self._waiting[key]:
                 del self._waiting[key]
                 self._locks.pop(key, None)
+
+        try:
+            await lock.acquire()
+        except BaseException:
+            done_waiting()
+            raise
+
+        def release() -> None:
+            lock.release()
+            done_waiting()
+
+        return release
+
+    def _prefill_next(self, client: AsyncClient, key: str, turn: Turn, release: Release) -> bool:
+        """Start prefilling what the next request will begin with, holding the conversation's lock until it is
+        done; False when there is nothing to prefill (the caller keeps the lock)."""
+        mapping = self.store.get(key)
+        if turn.next_opening is None or mapping is None or mapping.held is None or mapping.held.then_chars:
+            return False
+        opening = turn.next_opening(mapping.held)
+        if not opening or not self.admission.try_hold():  # (busy: requests go first)
+            return False
+
+        async def prefill() -> None:
+            try:
+                await self._prefill(client, key, turn, mapping, opening)
+            except Exception:  # a prefill is an optimisation: a failure costs it, never the conversation
+                log.exception("could not prefill the next turn of conversation %s", key)
+                self.store.forget(key)  # (its session may hold part of it: the next request starts afresh)
+                await self._close_session(turn.session)
+            finally:
+                self.admission.give_back()
+                release()
+
+        task = asyncio.get_running_loop().create_task(prefill())
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+        return True
+
+    async def _prefill(self, client: AsyncClient, key: str, turn: Turn, mapping: Mapping, opening: str) -> None:
+        held = mapping.held
+        assert held is not None
+        try:
+            start = await stable_start(client, opening, turn.special)
+        except KvpoolError:  # nothing was applied: the conversation goes on without it
+            return
+        if start is None:
+            return
+        text, tokens = start
+        tokens = held.trim(tokens)
+        if not tokens:
+            return
+        stream = turn.session.generate(tokens, after=held.tokens, max_tokens=0)
+        try:
+            async for _ in stream:
+                pass
+        except KvpoolError as exc:
+            if exc.code not in REFUSALS:  # it may have applied part of it: the next request starts afresh
+                self.store.forget(key)
+                await self._close_session(turn.session)
+            return
+        final = stream.final
+        if final is None or final.usage.context_tokens != held.tokens + len(tokens):
+            self.store.forget(key)
+            await self._close_session(turn.session)
+            return
+        self.store.put(key, Mapping(mapping.session, mapping.token, held.followed_by(text, final.usage.context_tokens)))
+        self.metrics.prefilled_tokens.inc(len(tokens))
+
+    async def close(self) -> None:
+        """Wait for the prefills still running (a stopping gateway keeps the conversations it was prefilling)."""
+        if self._prefills:
+            await asyncio.gather(*self._prefills, return_exceptions=True)
 
     async def _named(
         self, client: AsyncClient, key: str, rendered: str, task: str, special: bool, add_bos: bool
@@ -165,7 +264,7 @@ class Turns:
             tokens = mapping.held.trim(await client.tokenize(rest, add_bos=False, special=special))
             if tokens:
                 self.metrics.reused.labels("continued").inc()
-                return Turn(session, tokens, mapping.held.tokens, rendered, before=mapping.held)
+                return Turn(session, tokens, mapping.held.tokens, rendered, special, before=mapping.held)
         self.metrics.reused.labels("edited").inc()
         await self._close(client, mapping)
         return None
@@ -174,7 +273,7 @@ class Turns:
         tokens = await client.tokenize(rendered, add_bos=add_bos, special=special)
         session = await self.open_session(client, task, "")
         self.metrics.reused.labels("new").inc()
-        return Turn(session, tokens, 0, rendered)
+        return Turn(session, tokens, 0, rendered, special)
 
     async def open_session(self, client: AsyncClient, task: str, system_prompt: str | list[int]) -> AsyncSession:
         """A new session; when the daemon holds as many sessions as it may, the least recently used anonymous one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -69,3 +70,11 @@ class GatewayProcess:
 def client_of(gateway: GatewayProcess, api_key: str = "none") -> openai.OpenAI:
     """The real openai client, pointed at the gateway (no retries: a test sees every answer as it is)."""
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
+
+
+def metric(gateway: GatewayProcess, name: str) -> float:
+    """A series of the gateway's /metrics (one without labels)."""
+    text = httpx.get(gateway.url + "/metrics", timeout=WAIT_S).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert found, f"{name} is not in /metrics"
+    return float(found.group(1))

@@ -52,3 +52,41 @@ def test_a_saved_record_of_another_shape_is_no_held_session() -> None:
     assert Held.load(asdict(held)) == held
     assert Held.load({"tokens": 3, "text_chars": 4, "text_hash": "ab"}) is None  # an older record
     assert Held.load(None) is None and Held.load("x") is None
+
+
+def test_text_computed_after_the_answer_must_be_what_the_next_rendering_goes_on_with() -> None:
+    held = after_answer("User: hi\nAssistant:", '{"call": 1}', [5, 2], final(eog=True, context=50))
+    assert held is not None and held.eog_token == 2
+    opening = '\nUser: {"result": "'
+    ahead = held.followed_by(opening, 56)
+    assert ahead.tokens == 56 and ahead.eog_token == -1  # the end of generation came before the opening
+    assert ahead.text_chars == held.text_chars + len(opening)
+    assert ahead.rest('User: hi\nAssistant: {"call": 1}\nUser: {"result": "ok"}\nAssistant:') == 'ok"}\nAssistant:'
+    assert ahead.rest('User: hi\nAssistant: {"call": 1}\nUser: never mind\nAssistant:') is None
+    assert ahead.rest('User: hi\nAssistant: {"call": 1}\nUser: {"result": "') is None  # nothing after it
+    assert Held.load(asdict(ahead)) == ahead
+
+
+def test_the_opening_of_a_tools_result_is_read_off_the_template() -> None:
+    from kvpool.client.chat_template import ChatTemplate, shipped
+    from kvpool.gateway.messages import tool_result_text
+    from kvpool.gateway.next_turn import ToolResultOpening
+
+    for name in ("transcript", "chatml", "gemma3"):
+        template = ChatTemplate(shipped(name), "<bos>", "<eos>")
+        messages = [{"role": "user", "content": "lights"}]
+        rendered = template.render(messages, add_generation_prompt=True)
+        raw = '{"tool_calls": [{"name": "lamp", "arguments": {}}]}'
+        held = after_answer(rendered, raw, [5], final())
+        assert held is not None
+        opening = ToolResultOpening(template, messages)
+        one = opening.after(held, raw, ["lamp"])
+        assert one is not None and one.endswith('{"tool_response": {"name": "lamp", "content": "'), name
+        result = {"role": "user", "content": tool_result_text("lamp", "ok")}
+        with_result = template.render([*messages, {"role": "assistant", "content": raw}, result], True)
+        rest = held.rest(with_result)
+        assert rest is not None and rest.startswith(one) and rest[len(one) :].startswith('ok"}}'), name
+        # several calls: their results may come in any order, so the opening stops before the first one's name
+        several = opening.after(held, raw, ["lamp", "timer"])
+        assert several is not None and several.endswith('{"tool_response": {"name": "'), name
+        assert opening.after(held, raw, []) is None

@@ -25,7 +25,7 @@ import pytest
 from kvpool.gateway.schema import ChatCompletionRequest, CompletionRequest
 
 from .daemon_process import DaemonProcess, wait_until
-from .gateway_process import WAIT_S, GatewayProcess, client_of
+from .gateway_process import WAIT_S, GatewayProcess, client_of, metric
 
 REPEATS = "a b c"  # a prompt whose greedy answer repeats a token (the penalties change it)
 Z = 3 + ord("Z")  # the tiny model's token for "Z"
@@ -413,11 +413,6 @@ def check_best_of(api: Api) -> None:
 
 
 # ---------------------------------------------------------------------- fairness keys (the gateway's queue)
-
-
-def metric(gateway: GatewayProcess, name: str) -> float:
-    text = httpx.get(gateway.url + "/metrics", timeout=WAIT_S).text
-    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
 
 
 def check_fairness_key(api: Api, field: str) -> None:

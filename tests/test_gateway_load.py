@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,18 +17,11 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from .daemon_process import DaemonProcess, wait_until
-from .gateway_process import WAIT_S, GatewayProcess, client_of
+from .gateway_process import WAIT_S, GatewayProcess, client_of, metric
 
 Start = Callable[..., DaemonProcess]
 NO_END = {"2": -100}  # the end-of-sequence token banned: a hot sampler's answers run their full length
 PROMPT = "Describe the kitchen, the hall and the garden of this house in a few words each, please. " * 2
-
-
-def metric(gateway: GatewayProcess, name: str) -> float:
-    text = httpx.get(gateway.url + "/metrics", timeout=WAIT_S).text
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert found, name
-    return float(found.group(1))
 
 
 # ---------------------------------------------------------------------- n choices

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -17,7 +18,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from kvpool.gateway.tools import EnvelopeParser
 
-from .gateway_process import WAIT_S, GatewayProcess, client_of
+from .daemon_process import DaemonProcess
+from .gateway_process import WAIT_S, GatewayProcess, client_of, metric
 
 LIGHT = {
     "type": "function",
@@ -230,7 +232,12 @@ def test_a_tool_loop_keeps_its_kv(served: GatewayProcess) -> None:
     check_calls(call)
     messages += [call, *({"role": "tool", "tool_call_id": t.id, "content": "ok"} for t in call.tool_calls)]
     second = create(c, messages, tools=TOOLS, logit_bias=RESPOND, prompt_cache_key="house", max_tokens=40)
-    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    # (and the opening of the result, prefilled while the "tool" ran)
+    prefilled = metric(served, "kvpool_gateway_prefilled_tokens_total")
+    assert prefilled > 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (
+        first.usage.prompt_tokens + first.usage.completion_tokens + prefilled
+    )
     messages += [second.choices[0].message, {"role": "user", "content": "and a timer"}]
     third = create(c, messages, tools=TOOLS, tool_choice="required", prompt_cache_key="house")
     assert (
@@ -249,6 +256,50 @@ def test_a_tool_loop_keeps_its_kv(served: GatewayProcess) -> None:
     with pytest.raises(openai.BadRequestError, match="tool_call_id") as unknown:
         create(c, [*foreign[:1], {"role": "tool", "tool_call_id": "nobody", "content": "?"}], tools=TOOLS)
     assert unknown.value.body["param"] == "messages[1].tool_call_id"  # type: ignore[index]
+
+
+def computed(answer: Any) -> int:
+    """The prompt tokens an answer computed (not taken from its session)."""
+    return int(answer.usage.prompt_tokens - answer.usage.prompt_tokens_details.cached_tokens)
+
+
+def test_the_opening_of_a_tools_result_is_computed_before_the_result_comes(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    """After a call, the gateway computes what the request carrying its result begins with (the end of the turn,
+    `{"tool_response": {"name": ..., "content": "`) while the tool runs: that request computes the rest only."""
+    eager = start_gateway(daemon.address, name="eager")
+    plain = start_gateway(daemon.address, "--no-tool-result-prefill", name="plain")
+    answers = {}
+    for name, gateway in (("eager", eager), ("plain", plain)):
+        c = client_of(gateway)
+        messages: list[Any] = [{"role": "user", "content": "the hall light, please"}]
+        call = create(c, messages, tools=TOOLS, tool_choice="required", prompt_cache_key="hall").choices[0].message
+        messages += [call, *({"role": "tool", "tool_call_id": t.id, "content": "done"} for t in call.tool_calls)]
+        answers[name] = create(
+            c, messages, tools=TOOLS, logit_bias=RESPOND, prompt_cache_key="hall", max_tokens=40
+        )
+    eager_answer, plain_answer = answers["eager"], answers["plain"]
+    prefilled = metric(eager, "kvpool_gateway_prefilled_tokens_total")
+    assert prefilled > 0 and metric(plain, "kvpool_gateway_prefilled_tokens_total") == 0
+    # Tokenized apart, the rest gets again what this tokenizer puts in front of a text (SentencePiece's "▁").
+    with daemon.client() as client:
+        in_front = len(client.tokenize("ab", add_bos=False)) - 2
+    assert computed(eager_answer) == computed(plain_answer) - prefilled + in_front
+    assert eager_answer.choices[0].message.content is not None
+
+
+def test_a_conversation_that_goes_on_without_the_results_starts_afresh(served: GatewayProcess) -> None:
+    """A client that answers a call with a user message instead of its result (OpenAI's API would refuse it) gets
+    its answer from exactly that conversation: the prefilled opening does not match, so a new session computes it."""
+    c = client_of(served)
+    messages: list[Any] = [{"role": "user", "content": "a timer"}]
+    call = create(c, messages, tools=TOOLS, tool_choice="required", prompt_cache_key="odd").choices[0].message
+    messages += [call, {"role": "user", "content": "never mind"}]
+    answer = create(c, messages, tools=TOOLS, logit_bias=RESPOND, prompt_cache_key="odd", max_tokens=40)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
+    alone = create(c, messages, tools=TOOLS, logit_bias=RESPOND, max_tokens=40)  # the same, without a conversation
+    assert answer.choices[0].message.content == alone.choices[0].message.content is not None
 
 
 def test_schemas_with_local_references_work_inside_the_envelope(served: GatewayProcess) -> None:
