@@ -110,7 +110,7 @@ class Turns:
             async with self._anonymous_turn(client, rendered, task, special, add_bos) as turn:
                 yield turn
             return
-        release = await self._lock(key)
+        release: Release | None = await self._lock(key)
         try:
             turn = await self._named(client, key, rendered, task, special, add_bos)
             try:
