@@ -57,12 +57,8 @@ async def stable_start(client: AsyncClient, text: str, special: bool) -> tuple[s
     """The longest start of ``text`` (it may leave out a few characters at its end) whose tokens are the ones any
     result after it would be tokenized with, and those tokens; None when there is none."""
     tokenized = [await client.tokenize(text + sample, add_bos=False, special=special) for sample in SAMPLE_RESULTS]
-    common = tokenized[0]
-    for whole in tokenized[1:]:
-        same = 0
-        while same < min(len(common), len(whole)) and common[same] == whole[same]:
-            same += 1
-        common = common[:same]
+    differ = (i for i, column in enumerate(zip(*tokenized, strict=False)) if len(set(column)) > 1)
+    common = tokenized[0][: next(differ, min(map(len, tokenized)))]
     for cut in range(len(text), max(0, len(text) - MAX_CUT), -1):
         tokens = await client.tokenize(text[:cut], add_bos=False, special=special)
         if tokens and tokens == common[: len(tokens)]:

@@ -276,9 +276,7 @@ def test_the_opening_of_a_tools_result_is_computed_before_the_result_comes(
         messages: list[Any] = [{"role": "user", "content": "the hall light, please"}]
         call = create(c, messages, tools=TOOLS, tool_choice="required", prompt_cache_key="hall").choices[0].message
         messages += [call, *({"role": "tool", "tool_call_id": t.id, "content": "done"} for t in call.tool_calls)]
-        answers[name] = create(
-            c, messages, tools=TOOLS, logit_bias=RESPOND, prompt_cache_key="hall", max_tokens=40
-        )
+        answers[name] = create(c, messages, tools=TOOLS, logit_bias=RESPOND, prompt_cache_key="hall", max_tokens=40)
     eager_answer, plain_answer = answers["eager"], answers["plain"]
     prefilled = metric(eager, "kvpool_gateway_prefilled_tokens_total")
     assert prefilled > 0 and metric(plain, "kvpool_gateway_prefilled_tokens_total") == 0

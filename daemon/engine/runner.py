@@ -28,18 +28,15 @@ class Runner:
         batch = self.model.batch
         batch.clear()
         rows = []
-        for work in plan:
+        sampling = [w.completes and w.item.samples for w in plan]  # a prefill's last chunk needs no logits
+        for work, samples in zip(plan, sampling, strict=True):
             s = work.item.session
             assert s.slot is not None  # the scheduler runs only generations whose session is hot
-            samples = work.completes and work.item.samples
             rows.append(batch.add(s.slot, s.tokens[s.n_kv : s.n_kv + work.n_tokens], s.n_kv, samples))
-        shape = StepShape.of([(w.item.position, w.n_tokens, w.completes and w.item.samples) for w in plan])
+        shape = StepShape.of([(w.item.position, w.n_tokens, out) for w, out in zip(plan, sampling, strict=True)])
         started = time.perf_counter()
         rc = self.model.decode()
         if rc != 0:
             return StepOutcome(rc, [], batch.n, shape, 0.0)
-        tokens = [
-            w.item.sampler.sample(row) if w.completes and w.item.samples else None
-            for w, row in zip(plan, rows, strict=True)
-        ]
+        tokens = [w.item.sampler.sample(row) if out else None for w, row, out in zip(plan, rows, sampling, strict=True)]
         return StepOutcome(0, tokens, batch.n, shape, time.perf_counter() - started)
