@@ -24,8 +24,8 @@ from kvpool.protocol.status import DaemonStatus
 
 from . import core
 from .address import default_address
-from .core import HEARTBEAT_S, ClientCore
-from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
+from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
+from .errors import DaemonUnavailable, KvpoolError, NotConnected, RequestTimeout
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
 
@@ -35,14 +35,17 @@ class AsyncClient:
         address: str | None = None,
         *,
         timeout: float = 30.0,
+        reconnect_wait: float = RECONNECT_WAIT_S,
         curve: tuple[bytes, bytes, bytes] | None = None,
     ):
         """Not connected yet: use ``await AsyncClient.connect(...)``, which takes the sync Client's arguments."""
         self.address = address or default_address()
         self.timeout = timeout
+        self.reconnect_wait = reconnect_wait
         self._context = zmq.asyncio.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # requests go out only over a connection to a daemon
         if curve is not None:
             self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = curve
         self._core = ClientCore(self.address)
@@ -61,13 +64,15 @@ class AsyncClient:
         *,
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        reconnect_wait: float = RECONNECT_WAIT_S,
         name: str = "",
         curve: tuple[bytes, bytes, bytes] | None = None,
         multiplexer: bool = False,
     ) -> AsyncClient:
         """Connect and say hello (None: $KVPOOL_ADDRESS, else the daemon's default address). ``curve``: (daemon
-        public key, client public key, client secret key) for a tcp:// daemon. ``multiplexer``: see Client."""
-        client = cls(address, timeout=timeout, curve=curve)
+        public key, client public key, client secret key) for a tcp:// daemon. ``reconnect_wait`` and
+        ``multiplexer``: see Client."""
+        client = cls(address, timeout=timeout, reconnect_wait=min(reconnect_wait, connect_timeout), curve=curve)
         core.check_socket_exists(client.address)
         client._sock.connect(client.address)
         client._reader = asyncio.get_running_loop().create_task(client._read())
@@ -82,6 +87,7 @@ class AsyncClient:
         client.daemon_version, client.model = hello.daemon_version, hello.model
         client._core.max_frame = hello.max_message_bytes
         client.max_inflight = hello.max_inflight
+        client.reconnect_wait = reconnect_wait
         client._core.heartbeat_on = True
         client._beater = asyncio.get_running_loop().create_task(client._beat())
         return client
@@ -134,7 +140,8 @@ class AsyncClient:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             if self._queues and not self._sock.closed:
-                await self._sock.send(ping)
+                with contextlib.suppress(zmq.Again):  # no connection now: the waits notice
+                    await self._sock.send(ping, zmq.NOBLOCK)
 
     async def _read(self) -> None:
         while True:
@@ -146,8 +153,9 @@ class AsyncClient:
                 queue.put_nowait(reply)
 
     def _send(self, message: p.Request) -> int:
-        """Send now, as the sync client does (called on the event loop's thread). ZeroMQ sends at once unless its
-        queue is full; such a send completes on the loop, and the first wait for its reply awaits it."""
+        """Send now, as the sync client does (called on the event loop's thread). ZeroMQ sends at once over a
+        connection to the daemon; with none (or a full queue) the send completes on the loop, and the first wait for
+        its reply awaits it, for reconnect_wait at most (then it is not sent at all)."""
         request_id, frame = self._core.prepare(message)
         self._queues[request_id] = asyncio.Queue()
         sent = self._sock.send(frame)
@@ -166,10 +174,14 @@ class AsyncClient:
         # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a reply that arrives together with a
         # cancellation and drops the cancellation, so a cancelled reader of a fast stream could read on.
         if (sending := self._sends.pop(request_id, None)) is not None:
-            async with asyncio.timeout(max(0.0, deadline - started)):
-                await sending
+            try:
+                async with asyncio.timeout(max(0.0, min(deadline - started, self.reconnect_wait))):
+                    await sending
+            except TimeoutError:  # the send was cancelled with its wait: no daemon will ever see it
+                raise core.not_connected(self.address, self.reconnect_wait) from None
         while True:
-            remaining = self._core.check(request_id, started, deadline)
+            connected = bool(self._sock.get(zmq.EVENTS) & zmq.POLLOUT)
+            remaining = self._core.check(request_id, started, deadline, connected)
             try:
                 async with asyncio.timeout(min(remaining, HEARTBEAT_S)):
                     return await queue.get()
@@ -189,6 +201,8 @@ class AsyncClient:
             request_id = self._send(message)
             try:
                 return await self._next(request_id, timeout)
+            except NotConnected:
+                raise  # never sent: a resend would only wait again
             except DaemonUnavailable:
                 if attempt + 1 == attempts:
                     raise

@@ -173,7 +173,7 @@ class ChatSession:
         except KvpoolError as exc:
             # A refusal (over budget, overloaded) comes before anything was applied: the turn can be sent again.
             # Anything else may have left part of it in the session, which then stands for nothing known.
-            if generated or exc.code not in REFUSALS:
+            if generated or exc.cut or exc.code not in REFUSALS:
                 c.held, c.empty = None, False
             raise
         except BaseException:

@@ -20,7 +20,7 @@ from kvpool.protocol.status import DaemonStatus
 
 from . import core
 from .address import default_address
-from .core import HEARTBEAT_S, ClientCore
+from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
 from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
 
@@ -34,21 +34,25 @@ class Client:
         *,
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        reconnect_wait: float = RECONNECT_WAIT_S,
         name: str = "",
         curve: tuple[bytes, bytes, bytes] | None = None,
         multiplexer: bool = False,
     ):
         """Connect to kvpoold at ``address`` (None: $KVPOOL_ADDRESS, else the daemon's default address).
-        ``curve``: (daemon public key, client public key, client secret key) for a tcp:// daemon.
+        ``reconnect_wait``: how long a request waits for a connection to the daemon (one restarting) before
+        NotConnected. ``curve``: (daemon public key, client public key, client secret key) for a tcp:// daemon.
         ``multiplexer``: this connection serves many users (a gateway): the daemon lets it have more generations
         in flight (``max_inflight`` says how many)."""
         self.address = address or default_address()
         self.timeout = timeout
+        self.reconnect_wait = min(reconnect_wait, connect_timeout)
         core.check_socket_exists(self.address)
         self._core = ClientCore(self.address)
         self._context = zmq.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # requests go out only over a connection to a daemon
         if curve is not None:
             self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = curve
         self._sock.connect(self.address)
@@ -66,6 +70,7 @@ class Client:
         self.model = hello.model
         self._core.max_frame = hello.max_message_bytes
         self.max_inflight = hello.max_inflight
+        self.reconnect_wait = reconnect_wait
         self._closed = threading.Event()
         self._core.heartbeat_on = True
         self._heartbeat = threading.Thread(target=self._beat, name="kvpool-heartbeat", daemon=True)
@@ -122,19 +127,30 @@ class Client:
 
     def _beat(self) -> None:
         """While replies are awaited, tell the daemon this process is alive: if it dies mid-generation, the
-        daemon stops the generation within a second instead of finishing it for nobody."""
+        daemon stops the generation instead of finishing it for nobody (after its client_patience)."""
         ping = p.encode(p.Ping(id=0))  # id 0: the pong is dropped, no request waits for it
         while not self._closed.wait(HEARTBEAT_S):
             with self._lock:
                 if self._inboxes and not self._sock.closed:
-                    self._sock.send(ping)
+                    with contextlib.suppress(zmq.Again):  # no connection now: the waits notice
+                        self._sock.send(ping, zmq.NOBLOCK)
 
     def _send(self, message: p.Request) -> int:
+        """Send over a connection to the daemon, waiting up to reconnect_wait for one (NotConnected)."""
         with self._lock:
             request_id, frame = self._core.prepare(message)
             self._inboxes[request_id] = deque()
-            self._sock.send(frame)
-        return request_id
+        deadline = time.monotonic() + self.reconnect_wait
+        while True:
+            with self._lock:
+                if self._sock.poll(POLL_SLICE_MS, zmq.POLLOUT):
+                    with contextlib.suppress(zmq.Again):
+                        self._sock.send(frame, zmq.NOBLOCK)
+                        return request_id
+            if time.monotonic() >= deadline:
+                self._done(request_id)
+                raise core.not_connected(self.address, self.reconnect_wait)
+            time.sleep(0)  # let a thread waiting for the lock in
 
     def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
         """The next reply to ``request_id``, receiving (and sorting) whatever arrives meanwhile."""
@@ -147,7 +163,8 @@ class Client:
                     raise KvpoolError(f"Request {request_id} is no longer awaited: its stream was closed.")
                 if inbox:
                     return inbox.popleft()
-                remaining = self._core.check(request_id, started, deadline)
+                connected = bool(self._sock.get(zmq.EVENTS) & zmq.POLLOUT)
+                remaining = self._core.check(request_id, started, deadline, connected)
                 if self._sock.poll(min(POLL_SLICE_MS, remaining * 1000)):
                     self._drain()
             time.sleep(0)  # let a thread waiting for the lock in

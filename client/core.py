@@ -6,7 +6,12 @@ decide alike lives here, so they cannot drift apart:
 - a request's frame is refused here when the daemon would drop it for its size (framing.encode_request);
 - a reply frame that cannot be decoded is counted and logged, never silently dropped;
 - a request is lost to a restart when the old daemon spoke after it was sent (restarts.RestartWatch);
-- once heartbeats flow, a daemon silent for DAEMON_SILENCE_S has died or is restarting;
+- a request goes out only over a connection to a daemon (ZeroMQ's IMMEDIATE): with none for ``reconnect_wait``
+  seconds the daemon is down, and the request was never sent, so no daemon runs it later;
+- a connection lost while a reply is awaited means the daemon stopped or died: the request is lost with it;
+- once heartbeats flow, a daemon silent for DAEMON_SILENCE_S has died or hung, counted only while this process
+  runs: a client process that was not scheduled (stopped, or starved by other work) does not blame the daemon for
+  the time it did not look;
 - requests that are safe to send twice are resent, a bounded number of times, after RESEND_PAUSE_S.
 """
 
@@ -20,14 +25,17 @@ from pathlib import Path
 from kvpool import protocol as p
 
 from .address import ipc_path
-from .errors import DaemonUnavailable, RequestTimeout
+from .errors import DaemonUnavailable, NotConnected, RequestTimeout
 from .framing import encode_request
 from .restarts import RestartWatch
 
 log = logging.getLogger("kvpool.client")
 
-HEARTBEAT_S = 0.25  # the daemon stops the generations of a client it has not heard from for a second
-DAEMON_SILENCE_S = 3.0  # no reply, not even to heartbeats, for this long: the daemon died or is restarting
+HEARTBEAT_S = 0.25  # pings while replies are awaited; the daemon waits client_patience (10 s) before giving up
+DAEMON_SILENCE_S = 3.0  # no reply, not even to heartbeats, for this long: the daemon died or hung
+RECONNECT_WAIT_S = 10.0  # how long a request waits for a connection to the daemon (a restart takes a few seconds)
+DISCONNECT_GRACE_S = 0.5  # a connection gone this long while a reply is awaited: the daemon stopped or died
+PAUSE_GAP_S = 1.0  # waits look at least every HEARTBEAT_S; a longer gap means this process was not running
 RETRIES = 3  # resends of a request that is safe to repeat, after the daemon fell silent
 RESEND_PAUSE_S = HEARTBEAT_S  # before a resend: time for ZeroMQ to reconnect to a restarted daemon
 
@@ -50,6 +58,13 @@ def no_answer(address: str, connect_timeout: float) -> DaemonUnavailable:
     return DaemonUnavailable(f"No kvpoold answered at {address} within {connect_timeout:g} s; is it running?")
 
 
+def not_connected(address: str, waited: float) -> NotConnected:
+    return NotConnected(
+        f"No kvpoold is connected at {address}: none answered the connection within {waited:g} s (it is stopped, "
+        "restarting or crashed); the request was not sent. Retry once it runs (`kvpool health`)."
+    )
+
+
 def attempts_for(message: p.Request) -> int:
     """How many times a request may be sent: once for those that must not happen twice (a hello, opening a
     session), else up to RETRIES more after the daemon restarted under it."""
@@ -65,6 +80,9 @@ class ClientCore:
         self.undecodable_frames = 0
         self._ids = itertools.count(1)
         self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
+        self._last_look = time.monotonic()  # when a wait last looked at its request
+        self._resumed_at = 0.0  # when this process ran again after a gap (stopped, or starved of CPU)
+        self._disconnected_at: float | None = None  # since when no connection to the daemon exists
 
     def prepare(self, message: p.Request) -> tuple[int, bytes]:
         """Give the request its id and encode it (BadRequest when it is too large for the daemon)."""
@@ -91,17 +109,32 @@ class ClientCore:
         self.watch.heard(reply, time.monotonic())
         return reply
 
-    def check(self, request_id: int, started: float, deadline: float) -> float:
-        """Raise when waiting for ``request_id`` is pointless; else the seconds left before its deadline."""
+    def check(self, request_id: int, started: float, deadline: float, connected: bool) -> float:
+        """Raise when waiting for ``request_id`` is pointless; else the seconds left before its deadline.
+        ``connected``: a connection to the daemon exists now."""
         now = time.monotonic()
+        if now - self._last_look > PAUSE_GAP_S:
+            self._resumed_at = now  # the silence while this process did not run is not the daemon's
+        self._last_look = now
+        if connected:
+            self._disconnected_at = None
+        elif self._disconnected_at is None:
+            self._disconnected_at = now
         if self.watch.lost(self._sent_at.get(request_id, started)):
             raise DaemonUnavailable(
                 f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
                 "and send the turn again (Session.history() tells whether it was kept)."
             )
-        if self.heartbeat_on and now - max(self.watch.last_heard, started) > DAEMON_SILENCE_S:
+        since = max(started, self._resumed_at)
+        if self._disconnected_at is not None and now - max(self._disconnected_at, since) > DISCONNECT_GRACE_S:
             raise DaemonUnavailable(
-                f"kvpoold at {self.address} stopped answering heartbeats (it died or is restarting); "
+                f"The connection to kvpoold at {self.address} closed while this request was in flight (it stopped "
+                "or died); resume the session once it is back and send the turn again (Session.history() tells "
+                "whether it was kept)."
+            )
+        if self.heartbeat_on and now - max(self.watch.last_heard, since) > DAEMON_SILENCE_S:
+            raise DaemonUnavailable(
+                f"kvpoold at {self.address} stopped answering heartbeats (it died or hung); "
                 "resume the session and send the turn again (Session.history() tells whether it was kept)."
             )
         if now >= deadline:

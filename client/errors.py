@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.protocol import ErrorCode
+from kvpool.protocol import ErrorCode, is_cut
 
 
 class KvpoolError(Exception):
@@ -22,11 +22,22 @@ class KvpoolError(Exception):
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
 
+    @property
+    def cut(self) -> bool:
+        """True when this error ended a generation that had begun: the session keeps its prompt and the
+        ``detail["completion_tokens"]`` tokens generated before the cut (``detail["context_tokens"]`` in all)."""
+        return is_cut(self.detail)
+
 
 class DaemonUnavailable(KvpoolError):
     """No daemon answered (client-side: the daemon is down, or the address is wrong)."""
 
     code = "UNAVAILABLE"
+
+
+class NotConnected(DaemonUnavailable):
+    """No connection to a daemon could be made within the client's ``reconnect_wait``: the request was not sent
+    (so it is never resent: no daemon can run it later)."""
 
 
 class RequestTimeout(KvpoolError):
@@ -57,6 +68,8 @@ Overloaded = _subclass("Overloaded", ErrorCode.OVERLOADED)
 ShuttingDown = _subclass("ShuttingDown", ErrorCode.SHUTTING_DOWN)
 WorkerLost = _subclass("WorkerLost", ErrorCode.WORKER_LOST)
 RemoteTierUnavailable = _subclass("RemoteTierUnavailable", ErrorCode.REMOTE_UNAVAILABLE)
+ClientUnresponsive = _subclass("ClientUnresponsive", ErrorCode.CLIENT_UNRESPONSIVE)
+KvFull = _subclass("KvFull", ErrorCode.KV_FULL)
 InternalError = _subclass("InternalError", ErrorCode.INTERNAL)
 
 _BY_CODE: dict[str, type[KvpoolError]] = {

@@ -79,8 +79,16 @@ def open_request(task: str, system_prompt: str | list[int] | None) -> p.OpenSess
 
 
 def raise_if_error(reply: p.AnyReply) -> p.AnyReply:
+    """The reply, unless it is an error; a generation cut short always raises (an Error whose detail says what the
+    session kept, or an older daemon's `shutdown` finish), so a cut answer never reads as a finished one."""
     if isinstance(reply, p.Error):
         raise error_from_code(reply.code, reply.message, reply.detail)
+    if isinstance(reply, p.Final) and reply.finish_reason == p.FinishReason.SHUTDOWN:
+        raise error_from_code(
+            p.ErrorCode.SHUTTING_DOWN,
+            "The daemon stopped during this generation; resume the session once it is back and continue it.",
+            p.cut_detail(reply.usage.completion_tokens, reply.usage.context_tokens),
+        )
     return reply
 
 

@@ -157,6 +157,11 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     pool_kv_type: one_of(*STORE_TYPES) = "same"
     pool_kv_policy: one_of("when_full", "always") = "when_full"
     spill_kv_type: one_of(*STORE_TYPES) = "same"
+    # Seconds a client may send nothing (not even heartbeats) or read nothing while it has a generation running
+    # before the daemon stops that generation (CLIENT_UNRESPONSIVE). Until then its replies wait (up to 16 MiB per
+    # connection) and its generations pause, holding their hot slots: a task process that is not scheduled for a
+    # few seconds loses nothing. A client whose connection closes (its process died) is stopped at once.
+    client_patience: Annotated[float, Meta(ge=1, le=3600)] = 10.0
     # Seconds of inactivity after which a session is closed; 0 keeps sessions until closed.
     session_timeout: Annotated[float, Meta(ge=0)] = 3600.0
     # llama.cpp's weight repacking for faster CPU kernels (its extra buffer types): "auto" uses it unless this CPU

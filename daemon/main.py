@@ -51,6 +51,7 @@ OVERRIDES = (
     "context_size",
     "max_sessions",
     "session_timeout",
+    "client_patience",
     "threads",
     "cpu_repack",
     "batch_size",
@@ -91,6 +92,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--context-size", type=int, help="KV cells shared by all hot slots")
     ap.add_argument("--max-sessions", type=int, help="most sessions open at once")
     ap.add_argument("--session-timeout", type=float, help="seconds of inactivity before a session is closed")
+    ap.add_argument(
+        "--client-patience",
+        type=float,
+        help="seconds a client may send or read nothing while it generates before its generation is stopped",
+    )
     ap.add_argument("--threads", type=int, help="CPU threads for decoding (0: one per core)")
     ap.add_argument(
         "--cpu-repack",
@@ -202,8 +208,7 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
         server.send,
         __version__,
         frame_errors=server.frame_errors,
-        last_heard=server.last_heard,
-        lagging=server.lagging,
+        liveness=server.liveness,
         workers=Workers(placement.devices, plan.memory.remote) if placement else None,
         remote=remote,
         preloader=Preloader(tiers, config.preload, config.preload_horizon_s),

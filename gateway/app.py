@@ -4,6 +4,7 @@ routes (routes.py) behind the checks every request goes through (middleware.py).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from kvpool.client.aio import AsyncClient
 from kvpool.client.chat_template import ChatTemplate, TemplateError, template_for
+from kvpool.client.errors import DaemonUnavailable
 from kvpool.protocol.status import ModelStatus
 
 from .admission import Admission
@@ -27,6 +29,9 @@ from .tools import AnswerMemory
 from .turns import Turns
 
 FALLBACK_INFLIGHT = 16  # a daemon whose hello does not say how many generations a connection may have
+# How long a request waits for a connection to kvpoold before it is answered 503 with Retry-After: a daemon that is
+# stopped or restarting is reported at once, not after the client library's ride-through of a restart.
+DAEMON_WAIT_S = 1.5
 
 
 @dataclass
@@ -51,18 +56,29 @@ class Gateway:
         self._client: AsyncClient | None = None
         self._model: Model | None = None
         self._connecting = asyncio.Lock()  # concurrent first requests share one connection
+        self._connect_failed: tuple[float, DaemonUnavailable] | None = None  # the last failed attempt
 
     async def client(self) -> AsyncClient:
+        asked = time.monotonic()
         async with self._connecting:
             if self._client is None:
-                # A multiplexer: the daemon lets this one connection have many users' generations in flight.
-                self._client = await AsyncClient.connect(
-                    self.config.daemon,
-                    timeout=self.config.timeout,
-                    name="gateway",
-                    curve=self.config.curve(),
-                    multiplexer=True,
-                )
+                failed = self._connect_failed
+                if failed is not None and failed[0] >= asked:
+                    raise failed[1]  # an attempt made while this request waited for it failed: so does this one
+                try:
+                    # A multiplexer: the daemon lets this one connection have many users' generations in flight.
+                    self._client = await AsyncClient.connect(
+                        self.config.daemon,
+                        timeout=self.config.timeout,
+                        connect_timeout=DAEMON_WAIT_S,
+                        reconnect_wait=DAEMON_WAIT_S,
+                        name="gateway",
+                        curve=self.config.curve(),
+                        multiplexer=True,
+                    )
+                except DaemonUnavailable as exc:
+                    self._connect_failed = (time.monotonic(), exc)
+                    raise
                 status = await self._client.status()
                 # Sessions kept for requests without a name: a quarter of what the daemon may hold.
                 self.turns.anonymous_max = max(1, status.sessions.max // 4)

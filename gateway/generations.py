@@ -27,18 +27,30 @@ from kvpool.client.aio import AsyncClient, AsyncSession, AsyncStream
 from kvpool.client.conversation import REFUSALS, Held
 from kvpool.client.errors import KvpoolError
 
+from .http_errors import CANCELLED
+from .shaping import FINISH
 from .turns import Turn, Turns
 
 Event = tuple[int, p.Chunk | p.Final]
 
 
 async def _next(stream: AsyncStream) -> p.Chunk | p.Final:
-    """The stream's next chunk, or its final message once it ended."""
+    """The stream's next chunk, or its final message once it ended normally. Any other end raises: a cut is an
+    Error from the daemon already; a generation cancelled by someone else (its session cancelled or closed by
+    another request with its token) raises CANCELLED here, so it is never reported as finished."""
     try:
         return await anext(stream)
     except StopAsyncIteration:
-        assert stream.final is not None
-        return stream.final
+        final = stream.final
+        assert final is not None
+        if str(final.finish_reason) not in FINISH:
+            raise KvpoolError(
+                f"This answer was cancelled after {final.usage.completion_tokens} tokens: its session was cancelled "
+                "or closed by another request. Send the request again.",
+                code=CANCELLED,
+                detail=p.cut_detail(final.usage.completion_tokens, final.usage.context_tokens),
+            ) from None
+        return final
 
 
 class Generations:
@@ -95,7 +107,7 @@ class ConversationGenerations(Generations):
             item = await _next(self._stream)
         except KvpoolError as exc:
             # A refusal (over budget, overloaded) comes before anything was applied to the session.
-            self._turn.refused = exc.code in REFUSALS
+            self._turn.refused = exc.code in REFUSALS and not exc.cut
             raise
         if isinstance(item, p.Chunk):
             self._turn.record(item)

@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse
 
 from kvpool.protocol import ErrorCode
 
+CANCELLED = "CANCELLED"  # the gateway's own code: a generation cancelled by another request (generations.py)
 # daemon error code -> (HTTP status, OpenAI error type)
 STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
@@ -27,6 +28,13 @@ STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.BUDGET_UNMEETABLE: (429, "rate_limit_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),
+    ErrorCode.WORKER_LOST: (503, "server_error"),
+    ErrorCode.REMOTE_UNAVAILABLE: (503, "server_error"),
+    # An answer cut short: the gateway's own connection went quiet past the daemon's client_patience, the KV
+    # filled up, or someone else cancelled it. Sending it again is the remedy.
+    ErrorCode.CLIENT_UNRESPONSIVE: (503, "server_error"),
+    ErrorCode.KV_FULL: (503, "server_error"),
+    CANCELLED: (409, "conflict_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
 }
 RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a restart

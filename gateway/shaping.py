@@ -11,7 +11,9 @@ from kvpool import protocol as p
 
 from .tools import AnswerMemory, EnvelopeParser
 
-FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "shutdown": "stop"}
+# The daemon's finish reasons that end an answer normally; any other end reaches the caller as an error
+# (generations.py), never as one of these.
+FINISH = {"stop": "stop", "length": "length"}
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,9 @@ class ChoiceState:
         return "".join(self.text)
 
     def finish_reason(self) -> str:
-        reason = FINISH.get(str(self.final.finish_reason), "stop") if self.final is not None else "stop"
+        if self.final is None or str(self.final.finish_reason) not in FINISH:
+            raise RuntimeError("an answer that did not end normally was about to be reported as finished")
+        reason = FINISH[str(self.final.finish_reason)]
         if reason == "stop" and self.envelope is not None and self.envelope.calls and not self.envelope.responding:
             return "tool_calls"
         return reason

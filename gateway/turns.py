@@ -191,7 +191,7 @@ class Turns:
             async for _ in stream:
                 pass
         except KvpoolError as exc:
-            if exc.code not in REFUSALS:  # it may have applied part of it: the next request starts afresh
+            if exc.cut or exc.code not in REFUSALS:  # it may have applied part of it: the next request starts afresh
                 self.store.forget(key)
                 await self._close_session(turn.session)
             return

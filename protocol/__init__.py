@@ -51,14 +51,22 @@ class ErrorCode(StrEnum):
     # An RPC worker holding part of the model was lost: the daemon restarts, its sessions stay in the pool
     WORKER_LOST = "WORKER_LOST"
     REMOTE_UNAVAILABLE = "REMOTE_UNAVAILABLE"  # the remote tier (Redis) did not answer; local sessions still work
+    # The client sent nothing (not even heartbeats), or read nothing, for the daemon's client_patience: its
+    # generation was stopped; the session keeps what was generated.
+    CLIENT_UNRESPONSIVE = "CLIENT_UNRESPONSIVE"
+    KV_FULL = "KV_FULL"  # the unified KV ran out of cells mid-answer and no idle session could make room
     INTERNAL = "INTERNAL"
 
 
 class FinishReason(StrEnum):
+    """Why a generation ended as asked: its own end, its limit, or its client's cancel. A generation the daemon
+    had to stop (shutting down, a client it could not reach, a full KV) ends with an ``Error`` instead, whose
+    ``detail`` says what the session kept (``cut_detail``)."""
+
     STOP = "stop"  # end-of-generation token or a stop string
     LENGTH = "length"  # max_tokens reached, or the session's context is full
-    CANCELLED = "cancelled"
-    SHUTDOWN = "shutdown"  # the daemon is stopping
+    CANCELLED = "cancelled"  # the client cancelled it (Cancel, or closing the session)
+    SHUTDOWN = "shutdown"  # older daemons only (now an Error SHUTTING_DOWN); clients treat it as that error
 
 
 # ---------------------------------------------------------------- requests (client -> daemon)
@@ -366,6 +374,17 @@ class Error(Reply, tag="error"):
     code: ErrorCode
     message: str
     detail: dict[str, Any] | None = None
+
+
+def cut_detail(completion_tokens: int, context_tokens: int) -> dict[str, int]:
+    """The ``detail`` of an Error that ends a generation after its prompt went into the session: the tokens it
+    generated, and the session's whole context now (what a resumed session holds). A refusal never has them."""
+    return {"completion_tokens": completion_tokens, "context_tokens": context_tokens}
+
+
+def is_cut(detail: dict[str, Any] | None) -> bool:
+    """True when an Error with this ``detail`` ended a generation that had started (cut_detail)."""
+    return detail is not None and "context_tokens" in detail
 
 
 AnyReply = (

@@ -69,8 +69,11 @@ class Counters(Struct, kw_only=True):
     generated_tokens: int = 0  # tokens sampled and sent to clients
     busy_seconds: float = 0.0  # wall time spent inside engine steps that decoded something
     kv_full_events: int = 0  # llama_decode found no room in the unified KV
-    clients_lost: int = 0  # generations stopped because their client stopped sending heartbeats
-    clients_not_reading: int = 0  # generations stopped because their client's send queue was full
+    # Generations stopped (CLIENT_UNRESPONSIVE) because their client's connection closed or it sent nothing for
+    # client_patience; because it read nothing for client_patience.
+    clients_lost: int = 0
+    clients_not_reading: int = 0
+    client_pauses: int = 0  # times a generation paused because its client had replies it had not read yet
     requests: dict[str, int] = field(default_factory=Counter)  # by op
     errors: dict[str, int] = field(default_factory=Counter)  # error replies by code
     finished: dict[str, int] = field(default_factory=Counter)  # generations by finish reason

@@ -46,6 +46,13 @@ class RawConnection:
             skipped.append(reply)
 
     def until_final(self, request_id: int) -> tuple[list[p.Chunk], p.Final]:
+        chunks, end = self.until_end(request_id)
+        if isinstance(end, p.Error):
+            raise AssertionError(f"unexpected error {end.code}: {end.message}")
+        return chunks, end
+
+    def until_end(self, request_id: int) -> tuple[list[p.Chunk], p.Final | p.Error]:
+        """The chunks of a generation and what ended it: its final message, or an error."""
         chunks: list[p.Chunk] = []
         skipped: list[p.AnyReply] = []  # other requests' replies, kept for later recv() calls
         while True:
@@ -53,9 +60,7 @@ class RawConnection:
             if reply.id != request_id:
                 skipped.append(reply)
                 continue
-            if isinstance(reply, p.Error):
-                raise AssertionError(f"unexpected error {reply.code}: {reply.message}")
-            if isinstance(reply, p.Final):
+            if isinstance(reply, p.Final | p.Error):
                 self.backlog[:0] = skipped
                 return chunks, reply
             assert isinstance(reply, p.Chunk)

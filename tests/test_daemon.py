@@ -138,7 +138,7 @@ def test_stop_strings_end_the_text_before_them(daemon: DaemonProcess) -> None:
         assert stopped.tokens == plain.tokens[: len(stopped.tokens)]
 
 
-def test_sigterm_ends_generations_with_shutdown(start_daemon: Start) -> None:
+def test_sigterm_cuts_generations_with_an_error_that_says_what_was_kept(start_daemon: Start) -> None:
     daemon = start_daemon("--context-size", "4096")
     raw = RawConnection(daemon.address)
     try:
@@ -148,8 +148,10 @@ def test_sigterm_ends_generations_with_shutdown(start_daemon: Start) -> None:
         )
         assert isinstance(raw.recv(), p.Chunk)
         daemon.proc.send_signal(signal.SIGTERM)
-        _, final = raw.until_final(2)
-        assert final.finish_reason == p.FinishReason.SHUTDOWN
+        chunks, ended = raw.until_end(2)
+        # never a normal finish: an error whose detail says what the session keeps
+        assert isinstance(ended, p.Error) and ended.code == p.ErrorCode.SHUTTING_DOWN
+        assert p.is_cut(ended.detail) and ended.detail["completion_tokens"] == 1 + sum(len(c.tokens) for c in chunks)
         assert daemon.stop() == 0
         assert not Path(daemon.address.removeprefix("ipc://")).exists(), "the socket file should be removed"
     finally:

@@ -121,9 +121,9 @@ def test_a_full_kv_with_nobody_idle_ends_the_generation_holding_the_most_context
         start(engine, generate(2, shorter, prompt=25, stop=["xx"]))  # the fake's tokens read "x" each
         engine.step()  # 55 tokens (one batch) for 48 cells, and no idle session to give way
         assert engine.counters.kv_full_events == 1
-        ended = replies.last(1)
-        assert isinstance(ended, p.Final) and ended.finish_reason == FinishReason.LENGTH
-        assert ended.usage.completion_tokens == 0 and replies.last(2) is None
+        ended = replies.last(1)  # a cut, never a finish: an error that says what the session kept
+        assert isinstance(ended, p.Error) and ended.code == p.ErrorCode.KV_FULL
+        assert ended.detail == p.cut_detail(0, 30) and replies.last(2) is None
         step_until_done(engine, replies, 2)  # the other one goes on alone
         final = replies.last(2)
         assert isinstance(final, p.Final) and final.finish_reason == FinishReason.STOP

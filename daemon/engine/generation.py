@@ -35,6 +35,8 @@ class Generation:
     ended_by_eog: bool = False  # its last token was the model's end-of-generation token
     restore_seconds_at: float = -1.0  # the session's restore_seconds at arrival (set by __post_init__)
     restore_ms: float = 0.0  # what of its time to first token went into making the session hot
+    started: bool = False  # its prompt went into the session (an end now is a cut, not a refusal)
+    paused: bool = False  # its client has replies waiting (serve/liveness.py): no step feeds it until it reads
 
     def __post_init__(self) -> None:
         self.restore_seconds_at = self.session.restore_seconds

@@ -1,5 +1,6 @@
-"""Checks the engine runs between steps, each at most a few times a second: clients that died or stopped
-reading, the daemon's resident memory against its high-water mark, sessions idle past session_timeout."""
+"""Checks the engine runs between steps, each at most a few times a second: clients that went away or stopped
+reading (serve/liveness.py), the daemon's resident memory against its high-water mark, sessions idle past
+session_timeout."""
 
 from __future__ import annotations
 
@@ -10,30 +11,25 @@ from collections.abc import Callable
 import psutil
 
 from kvpool.daemon.config import Config
+from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.kv.tiers import Tiers
-from kvpool.protocol import FinishReason
+from kvpool.daemon.serve.liveness import Liveness
+from kvpool.protocol import ErrorCode
 from kvpool.protocol.status import Counters
 
 log = logging.getLogger("kvpool.engine")
-CLIENT_SILENCE_S = 1.0  # clients ping every 0.25 s while they wait; four missed pings mean the client is gone
+Cut = Callable[[Generation, ErrorCode, str, float], None]
 
 
 class Housekeeping:
     def __init__(
-        self,
-        config: Config,
-        scheduler: Scheduler,
-        tiers: Tiers,
-        counters: Counters,
-        finish: Callable[..., None],
-        last_heard: dict[bytes, float],
-        lagging: set[bytes],
+        self, config: Config, scheduler: Scheduler, tiers: Tiers, counters: Counters, cut: Cut, liveness: Liveness
     ):
-        """``last_heard`` (client -> when its last frame came) and ``lagging`` (clients whose send queue is full)
-        are kept by the I/O thread; ``finish`` is Engine.finish."""
-        self.config, self.scheduler, self.tiers, self.counters, self.finish = config, scheduler, tiers, counters, finish
-        self.last_heard, self.lagging = last_heard, lagging
+        """``liveness``: what the I/O thread knows of each client; ``cut``: Engine.cut, which ends a generation
+        the daemon has to stop with an error."""
+        self.config, self.scheduler, self.tiers, self.counters, self.cut = config, scheduler, tiers, counters, cut
+        self.liveness = liveness
         self._next_client_check = 0.0
         self._next_memory_check = 0.0
         self._next_expiry_check = 0.0
@@ -41,31 +37,39 @@ class Housekeeping:
     def run(self) -> None:
         self.expire_idle_sessions()
         self.watch_memory()
-        self.stop_for_silent_clients()
+        self.watch_clients()
 
-    def stop_for_silent_clients(self) -> None:
-        """A client that sends heartbeats and then falls silent has died (or hung): its generations stop, so its
-        slot and cells go to the living. Its sessions stay until session_timeout: a restarted client resumes."""
+    def watch_clients(self) -> None:
+        """A generation waits while its client has replies it has not read (it is paused, not gone); it stops when
+        its client's connection closed, or when the client sent nothing or read nothing for client_patience. Its
+        session stays until session_timeout, holding what was generated: a client that comes back resumes it."""
         now = time.monotonic()
         if now < self._next_client_check:
             return
-        self._next_client_check = now + 0.1
+        self._next_client_check = now + 0.05
+        patience = self.config.client_patience
         for g in self.scheduler.generations():
-            if g.client in self.lagging:
-                log.warning("the client of session %s stopped reading: stopping its generation", g.session.id)
-                self.counters.clients_not_reading += 1
-                self.finish(g, FinishReason.CANCELLED, now)
+            verdict = self.liveness.verdict(g.client, patience, now)
+            if verdict == "paused" and not g.paused:
+                self.counters.client_pauses += 1
+            g.paused = verdict == "paused"
+            if verdict in ("ok", "paused"):
                 continue
-            heard = self.last_heard.get(g.client)
-            if heard is not None and now - heard > CLIENT_SILENCE_S:
-                log.warning(
-                    "client of session %s is silent for %.1f s: stopping its generation", g.session.id, now - heard
-                )
+            if verdict == "not_reading":
+                self.counters.clients_not_reading += 1
+                why = f"read no reply for {patience:g} s (client_patience)"
+            else:
                 self.counters.clients_lost += 1
-                self.finish(g, FinishReason.CANCELLED, now)
-        for client, heard in list(self.last_heard.items()):
-            if now - heard > 300.0:  # forget long-gone clients
-                self.last_heard.pop(client, None)
+                why = "closed its connection" if verdict == "gone" else f"sent nothing for {patience:g} s"
+            log.warning("the client of session %s %s: stopping its generation", g.session.id, why)
+            self.cut(
+                g,
+                ErrorCode.CLIENT_UNRESPONSIVE,
+                f"This client {why}, so the daemon stopped its generation after {g.completion_tokens} tokens "
+                "(the session keeps them). Resume the session and continue; raise client_patience if the client "
+                "may pause longer.",
+                now,
+            )
 
     def watch_memory(self) -> None:
         limit = self.config.memory_high_water

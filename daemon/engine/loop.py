@@ -34,6 +34,7 @@ from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote.handlers import RemoteRequests
 from kvpool.daemon.remote.interface import CrossNode, NoRemote
 from kvpool.daemon.rpc.workers import Workers
+from kvpool.daemon.serve.liveness import Liveness
 from kvpool.protocol import ErrorCode, FinishReason
 from kvpool.protocol.status import Counters, DaemonStatus
 
@@ -44,6 +45,7 @@ log = logging.getLogger("kvpool.engine")
 
 Send = Callable[[bytes, p.Reply], None]
 IDLE_WAIT_S = 0.25  # how long an idle engine blocks for new work before checking timeouts and stop
+PAUSED_WAIT_S = 0.01  # how long it waits when every generation is paused for its client (or waits for a slot)
 
 
 class Engine:
@@ -55,8 +57,7 @@ class Engine:
         send: Send,
         daemon_version: str,
         frame_errors: Counter[str] | None = None,
-        last_heard: dict[bytes, float] | None = None,
-        lagging: set[bytes] | None = None,
+        liveness: Liveness | None = None,
         workers: Workers | None = None,
         remote: RemoteTier | None = None,
         preloader: Preloader | None = None,
@@ -97,15 +98,8 @@ class Engine:
             self.remote,
             self.preloader,
         )
-        self.housekeeping = Housekeeping(
-            config,
-            self.scheduler,
-            tiers,
-            self.counters,
-            self.finish,
-            last_heard if last_heard is not None else {},  # heartbeats, kept by the I/O thread
-            lagging if lagging is not None else set(),  # clients that stopped reading (I/O thread)
-        )
+        self.liveness = liveness if liveness is not None else Liveness(0)  # kept by the I/O thread
+        self.housekeeping = Housekeeping(config, self.scheduler, tiers, self.counters, self.cut, self.liveness)
 
     # ------------------------------------------------------------------ loop
 
@@ -133,7 +127,7 @@ class Engine:
 
     def step(self) -> None:
         self.heartbeat = time.monotonic()  # the watchdog pings systemd only while this keeps moving
-        self._take_requests(block=self.scheduler.idle)
+        self._take_requests(IDLE_WAIT_S if self.scheduler.idle else 0.0)
         self.housekeeping.run()
         if self.workers is not None:
             self.workers.check(idle=self.scheduler.idle)
@@ -141,6 +135,8 @@ class Engine:
         self.remote.between_steps()
         plan = self.scheduler.schedule()
         if not plan:
+            if not self.scheduler.idle:  # its generations wait for their clients (or a slot): do not spin
+                self._take_requests(PAUSED_WAIT_S)
             return
         if self.model.deterministic:
             self.tiers.ensure_room(sum(w.n_tokens for w in plan), pad=True)
@@ -195,9 +191,9 @@ class Engine:
             if self.model.deterministic:
                 self.tiers.compact()  # the calibration's cells went to the graveyard
 
-    def _take_requests(self, block: bool) -> None:
+    def _take_requests(self, wait: float) -> None:
         try:
-            item = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -277,15 +273,28 @@ class Engine:
     def finish(
         self, g: Generation, reason: FinishReason, now: float, flushed: bool = False, checkpoint: bool = True
     ) -> None:
-        """End a generation: flush its text, checkpoint its session (by policy), then send its final message.
-        The final message comes after the checkpoint, so a turn the client saw finish is never silently lost to a
-        crash: when the checkpoint fails, the session is marked so that a crash evicts it instead."""
+        """End a generation as asked (its end, its limit, its client's cancel): flush its text, checkpoint its
+        session (by policy), then send its final message. The final message comes after the checkpoint, so a turn
+        the client saw finish is never silently lost to a crash: when the checkpoint fails, the session is marked
+        so that a crash evicts it instead."""
+        self._end(g, now, flushed, checkpoint)
+        self.counters.finished[reason.value] += 1
+        self.send(g.client, g.final(reason, now))
+
+    def cut(self, g: Generation, code: ErrorCode, message: str, now: float) -> None:
+        """End a generation the daemon has to stop before it is done (it is stopping, the client is unreachable,
+        the KV is full): as finish() does, but the last message is an Error whose detail says what the session
+        kept, so that no client takes a cut answer for a finished one."""
+        self._end(g, now, flushed=False, checkpoint=True)
+        detail = p.cut_detail(g.completion_tokens, len(g.session.tokens))
+        self.reply_error(g.client, g.request.id, code, message, detail)
+
+    def _end(self, g: Generation, now: float, flushed: bool, checkpoint: bool) -> None:
         if not flushed and (rest := g.text.flush()):
             self.send(g.client, p.Chunk(id=g.request.id, text=rest, tokens=[]))
         self._release(g)
         g.session.last_used = now
         self.tiers.pool.touch(g.session.entry)  # a restarted daemon times the session out from here, not from its start
-        self.counters.finished[reason.value] += 1
         stats = self.scheduler.task_stats[g.session.task]
         stats.late_tokens += g.late_tokens
         if g.completion_tokens > 1 and g.first_token_at is not None and g.last_token_at is not None:
@@ -300,7 +309,6 @@ class Engine:
                     # Its older snapshot lacks this turn: a daemon restarted from it would answer the next turn as
                     # if this one never happened. Give it up, so that a crash before the next checkpoint evicts.
                     self.tiers.give_up_snapshot(g.session)
-        self.send(g.client, g.final(reason, now))
 
     def _record_first_token(self, g: Generation, now: float) -> None:
         stats = self.scheduler.task_stats[g.session.task]
@@ -315,13 +323,15 @@ class Engine:
         self.scheduler.remove(g)
 
     def _abandon(self, g: Generation, code: ErrorCode, message: str) -> None:
-        """End a generation with an error instead of a final message."""
+        """End a generation with an error and no checkpoint: a refusal when it had not started, else a cut (its
+        detail says what the session holds)."""
         self._release(g)
-        self.reply_error(g.client, g.request.id, code, message)
+        detail = p.cut_detail(g.completion_tokens, len(g.session.tokens)) if g.started else None
+        self.reply_error(g.client, g.request.id, code, message, detail)
 
     def _kv_full(self, plan: list[Work[Generation]], now: float) -> None:
         """llama_decode found no free cells in the unified KV (state unchanged): hibernate idle sessions to make
-        room and retry next step; if none is idle, the session with the most context ends with `length`."""
+        room and retry next step; if none is idle, the generation with the most context is cut (KV_FULL)."""
         self.counters.kv_full_events += 1
         try:
             if self.tiers.free_cells(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
@@ -332,11 +342,18 @@ class Engine:
             log.warning("could not hibernate idle sessions to free KV cells: %s", refused.message)
         victim = max((w.item for w in plan), key=lambda g: len(g.session.tokens))
         log.warning(
-            "unified KV is full (%d cells): ending the generation of session %s with `length`",
+            "unified KV is full (%d cells): stopping the generation of session %s",
             self.model.context_size,
             victim.session.id,
         )
-        self.finish(victim, FinishReason.LENGTH, now)
+        self.cut(
+            victim,
+            ErrorCode.KV_FULL,
+            f"The unified KV ({self.model.context_size} cells) filled up and no idle session could give way, so this "
+            f"answer was stopped after {victim.completion_tokens} tokens (the session keeps them). Retry when other "
+            "generations have finished, or give the daemon a larger context_size.",
+            now,
+        )
 
     def _decode_failed(self, plan: list[Work[Generation]], rc: int) -> None:
         """A fatal decode error: the KV of these sessions is in an unknown state, so they are closed."""
@@ -361,7 +378,13 @@ class Engine:
     def _shut_down(self) -> None:
         now = time.monotonic()
         for g in list(self.scheduler.running):
-            self.finish(g, FinishReason.SHUTDOWN, now)
+            self.cut(
+                g,
+                ErrorCode.SHUTTING_DOWN,
+                f"The daemon is stopping, so this answer was stopped after {g.completion_tokens} tokens (the "
+                "session keeps them); resume the session once the daemon is back and continue it.",
+                now,
+            )
         for g in list(self.scheduler.waiting):
             self._abandon(g, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts.")
         # A clean stop loses nothing: every resident session is checkpointed, whatever the policy.

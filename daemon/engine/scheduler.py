@@ -174,11 +174,12 @@ class Scheduler:
     def schedule(self) -> list[Work[Generation]]:
         """Admit waiting generations into hot slots, then plan what this step feeds (empty: nothing to run)."""
         self._admit_waiting()
-        if not self.running:
+        ready = [g for g in self.running if not g.paused]
+        if not ready:
             return []
         if self.config.scheduling == "fcfs":
-            return plan_fcfs(self.running, self.capacity)
-        return plan_budgeted(self.running, self.capacity, self.cost, self.step_time_cap())
+            return plan_fcfs(ready, self.capacity)
+        return plan_budgeted(ready, self.capacity, self.cost, self.step_time_cap())
 
     def _admit_waiting(self) -> None:
         """Give waiting generations a hot slot (restoring their KV), most urgent first; a deadline-bound one
@@ -209,6 +210,7 @@ class Scheduler:
         if g.new_tokens:  # first admission (a preempted generation comes back with nothing new)
             g.session.tokens.extend(g.new_tokens)
             g.new_tokens = []
+        g.started = True
         s = g.session
         if s.n_kv == 0 and s.slot is not None and s.prefix is None and self.tiers.prefixes.enabled:
             self.tiers.share_prefix(s)  # its first prompt: compute only what no shared prefix already holds

@@ -66,6 +66,16 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
         [({"reason": k}, n) for k, n in c.finished.items()],
     )
     yield _family(
+        counter,
+        "kvpool_client_events",
+        "Generations paused for a client with unread replies, and stopped for one unresponsive or gone.",
+        [
+            ({"event": "paused"}, c.client_pauses),
+            ({"event": "stopped_lost"}, c.clients_lost),
+            ({"event": "stopped_not_reading"}, c.clients_not_reading),
+        ],
+    )
+    yield _family(
         gauge,
         "kvpool_sessions",
         "Open sessions by tier.",

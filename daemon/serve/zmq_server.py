@@ -3,7 +3,8 @@
 The I/O thread receives frames, decodes them (answering malformed ones itself) and queues requests for the
 engine. The engine never touches the ROUTER socket (ZeroMQ sockets are not thread-safe): it pushes replies
 into an inproc PUSH socket that the I/O thread drains into the ROUTER. ctypes releases the GIL during
-llama_decode, so frames keep moving while the model runs.
+llama_decode, so frames keep moving while the model runs. What the I/O thread learns of each client's connection
+(heard from, reading, gone) is in liveness.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvpool import protocol as p
 from kvpool.client.address import ipc_path
+from kvpool.daemon.serve.liveness import Liveness
 from kvpool.protocol import ErrorCode
 
 log = logging.getLogger("kvpool.server")
@@ -31,8 +33,9 @@ OUTBOX = "inproc://kvpool-outbox"
 MAX_MESSAGE_BYTES = 4 << 20  # a larger frame is dropped by ZeroMQ (prompts are capped at 1 MiB of text)
 POLL_MS = 100
 INSTANCE = f"{os.getpid()}-{time.time_ns()}"  # this daemon process, as clients see it
-SEND_QUEUE = 1024  # messages queued for one client before it counts as not reading (a healthy reader is never
-# that far behind: each message is one token)
+SEND_QUEUE = 1024  # messages ZeroMQ queues for one client; beyond, its replies wait in its backlog (liveness.py)
+MAX_BACKLOG_BYTES = 16 << 20  # a client's backlog beyond ZeroMQ's queue; its generations pause long before this
+BACKLOG_POLL_MS = 5  # how often a backlog is offered to ZeroMQ again while one exists
 
 
 class AddressUnavailable(Exception):
@@ -54,10 +57,7 @@ class Server:
         self.max_message_bytes = max_message_bytes
         self.context = zmq.Context()
         self.frame_errors: Counter[str] = Counter()  # frames refused before they reached the engine
-        # When each heartbeating client was last heard from (written here, read by the engine thread).
-        self.last_heard: dict[bytes, float] = {}
-        self.lagging: set[bytes] = set()  # clients whose send queue is full (read by the engine thread)
-        self.dropped_replies = 0
+        self.liveness = Liveness(MAX_BACKLOG_BYTES)  # written here, read by the engine thread
         self._router: zmq.Socket | None = None
         self._outbox_in: zmq.Socket | None = None
         self._sender_local = threading.local()
@@ -82,9 +82,10 @@ class Server:
                 )
             self._enable_curve(router, curve_secret_file, curve_clients_dir)
         router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        # Slow readers: each client may have SEND_QUEUE messages waiting; beyond that the send fails at once
-        # (ROUTER_MANDATORY) instead of blocking every other client or growing the daemon's memory, and the
-        # engine stops that client's generations. Sends to clients that are gone fail the same way.
+        # Slow readers: each client may have SEND_QUEUE messages waiting in ZeroMQ; beyond that the send fails at
+        # once (ROUTER_MANDATORY) instead of blocking every other client, the reply waits in the client's backlog
+        # and the engine pauses its generations until it reads. Sends to a client that is gone fail with
+        # EHOSTUNREACH: its generations stop at once.
         router.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 1000)
@@ -171,16 +172,26 @@ class Server:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(outbox, zmq.POLLIN)
+        next_forget = time.monotonic() + 10.0
         while not engine_done.is_set():
-            events = dict(poller.poll(POLL_MS))
+            backlog = self._offer_backlogs()
+            events = dict(poller.poll(BACKLOG_POLL_MS if backlog else POLL_MS))
             if outbox in events:
                 self._forward_replies()
             if router in events:
                 self._receive(submit)
+            if time.monotonic() > next_forget:
+                self.liveness.forget_old()
+                next_forget = time.monotonic() + 10.0
         # The engine has exited: its PUSH socket flushed on close, so everything it sent is here.
         self._forward_replies()
+        self._offer_backlogs()
         while router.poll(0):  # whoever is still asking learns that the daemon is going away
             self._receive(lambda client, request: False)
+
+    @property
+    def dropped_replies(self) -> int:
+        return self.liveness.dropped_replies
 
     def _forward_replies(self) -> None:
         outbox = self._outbox_in
@@ -192,19 +203,45 @@ class Server:
             self._deliver(frames)
 
     def _deliver(self, frames: list[bytes]) -> None:
-        """Send one reply without ever blocking: a client whose queue is full, or that is gone, loses it."""
+        """Send one reply without ever blocking; behind the client's backlog when it has one, so replies keep
+        their order."""
+        client = frames[0]
+        if self.liveness.has_backlog(client):
+            self.liveness.defer(frames)
+            return
+        outcome = self._try_send(frames)
+        if outcome == "sent":
+            self.liveness.sent(client)
+        elif outcome == "full":
+            log.info("a client is not reading (%d replies queued): keeping its replies, pausing it", SEND_QUEUE)
+            self.liveness.defer(frames)
+
+    def _offer_backlogs(self) -> bool:
+        """Hand waiting replies to ZeroMQ as far as each client's queue takes them; True while any still wait."""
+        waiting = False
+        for client in self.liveness.backlogged():
+            while (frames := self.liveness.next_deferred(client)) is not None:
+                outcome = self._try_send(frames)
+                if outcome == "sent":
+                    self.liveness.delivered_deferred(client)
+                    continue
+                waiting = outcome == "full"
+                break
+        return waiting
+
+    def _try_send(self, frames: list[bytes]) -> str:
+        """ "sent", "full" (the client's queue is full: it is not reading now) or "gone" (its connection closed)."""
+        assert self._router is not None
         try:
             self._router.send_multipart(frames, zmq.NOBLOCK)
-            self.lagging.discard(frames[0])
-        except zmq.Again:  # its queue is full: it stopped reading
-            if frames[0] not in self.lagging:
-                log.warning("a client stopped reading (%d messages queued): dropping its replies", SEND_QUEUE)
-            self.lagging.add(frames[0])
-            self.dropped_replies += 1
+            return "sent"
+        except zmq.Again:
+            return "full"
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:  # a client that has gone away: nobody left to tell
+            if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            self.dropped_replies += 1
+            self.liveness.went_away(frames[0])  # its process died or closed its socket: nobody left to tell
+            return "gone"
 
     def _receive(self, submit: Callable[[bytes, p.AnyRequest], bool]) -> None:
         for _ in range(1_000):
@@ -221,8 +258,7 @@ class Server:
                     f"Expected one frame per message, got {len(payload)}; send one msgpack frame.",
                 )
                 continue
-            if client in self.last_heard:
-                self.last_heard[client] = time.monotonic()
+            self.liveness.heard(client)
             try:
                 request = p.decode_request(payload[0])
             except p.RequestDecodeError as exc:
@@ -235,9 +271,8 @@ class Server:
                 )
                 continue
             if isinstance(request, p.Hello) and request.heartbeat:
-                self.last_heard[client] = time.monotonic()  # from now on its silence means it is gone
+                self.liveness.heard(client, heartbeats=True)  # from now on its long silence means something
             if isinstance(request, p.Ping):  # heartbeats never wait behind an engine step
-                self.last_heard[client] = time.monotonic()
                 self._deliver([client, p.encode(p.Pong(id=request.id, instance=INSTANCE))])
                 continue
             if not submit(client, request):
