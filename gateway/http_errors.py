@@ -7,6 +7,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from kvpool.client.errors import DaemonUnavailable, RequestTimeout
 from kvpool.protocol import ErrorCode
 
 CANCELLED = "CANCELLED"  # the gateway's own code: a generation cancelled by another request (generations.py)
@@ -36,6 +37,9 @@ STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.KV_FULL: (503, "server_error"),
     CANCELLED: (409, "conflict_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
+    # The client library's own: no daemon connected (or one that went silent), no answer within --timeout.
+    DaemonUnavailable.code: (503, "server_error"),
+    RequestTimeout.code: (504, "server_error"),
 }
 RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a restart
 
@@ -50,7 +54,8 @@ class HttpError(Exception):
     @classmethod
     def from_kvpool(cls, code: str | None, message: str) -> HttpError:
         status, kind = STATUS.get(code or "", (500, "server_error"))
-        return cls(status, message, (code or "internal").lower(), kind)
+        name = "daemon_unavailable" if code == DaemonUnavailable.code else (code or "internal").lower()
+        return cls(status, message, name, kind)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param or None}}

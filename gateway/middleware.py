@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kvpool.client.errors import DaemonUnavailable, KvpoolError, RequestTimeout
+from kvpool.client.errors import KvpoolError
 
 from .http_errors import HttpError
 from .metrics import GatewayMetrics
@@ -45,10 +45,7 @@ def route(name: str, config: GatewayConfig, metrics: GatewayMetrics) -> Callable
                 response = await handler(request)
             except HttpError as exc:
                 response = exc.response()
-            except (DaemonUnavailable, RequestTimeout) as exc:
-                status = 504 if isinstance(exc, RequestTimeout) else 503
-                response = HttpError(status, exc.message, "daemon_unavailable", "server_error").response()
-            except KvpoolError as exc:
+            except KvpoolError as exc:  # DaemonUnavailable (503) and RequestTimeout (504) too
                 response = HttpError.from_kvpool(exc.code, exc.message).response()
             except ClientGone:
                 response = Response(status_code=CLIENT_GONE)
