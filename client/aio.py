@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvpool import protocol as p
 from kvpool.protocol.status import DaemonStatus
@@ -45,7 +46,9 @@ class AsyncClient:
         self._context = zmq.asyncio.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # requests go out only over a connection to a daemon
+        # Whether a connection to a daemon exists, from the socket's own events (see the sync Client).
+        self._monitor = self._sock.get_monitor_socket(core.CONNECTION_EVENTS)
+        self._connected = asyncio.Event()
         if curve is not None:
             self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = curve
         self._core = ClientCore(self.address)
@@ -53,6 +56,7 @@ class AsyncClient:
         self._sends: dict[int, asyncio.Future[Any]] = {}  # sends ZeroMQ could not complete at once
         self._reader: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self.daemon_version = ""
         self.model = ""
         self.max_inflight = 0  # generations this connection may have in flight (the daemon's hello says)
@@ -74,6 +78,7 @@ class AsyncClient:
         ``multiplexer``: see Client."""
         client = cls(address, timeout=timeout, reconnect_wait=min(reconnect_wait, connect_timeout), curve=curve)
         core.check_socket_exists(client.address)
+        client._watcher = asyncio.get_running_loop().create_task(client._watch())
         client._sock.connect(client.address)
         client._reader = asyncio.get_running_loop().create_task(client._read())
         try:
@@ -117,13 +122,15 @@ class AsyncClient:
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
     async def close(self) -> None:
-        for task in (self._beater, self._reader):
+        for task in (self._beater, self._reader, self._watcher):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._reader = self._beater = None
+        self._reader = self._beater = self._watcher = None
         if not self._sock.closed:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
 
     async def __aenter__(self) -> AsyncClient:
@@ -139,9 +146,18 @@ class AsyncClient:
         ping = p.encode(p.Ping(id=0))
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            if self._queues and not self._sock.closed:
-                with contextlib.suppress(zmq.Again):  # no connection now: the waits notice
+            if self._queues and not self._sock.closed and self._connected.is_set():
+                with contextlib.suppress(zmq.Again):
                     await self._sock.send(ping, zmq.NOBLOCK)
+
+    async def _watch(self) -> None:
+        """Follow the socket's events: whether a connection to the daemon exists."""
+        while True:
+            self._core.connection_event(parse_monitor_message(await self._monitor.recv_multipart())["event"])
+            if self._core.connected:
+                self._connected.set()
+            else:
+                self._connected.clear()
 
     async def _read(self) -> None:
         while True:
@@ -153,17 +169,25 @@ class AsyncClient:
                 queue.put_nowait(reply)
 
     def _send(self, message: p.Request) -> int:
-        """Send now, as the sync client does (called on the event loop's thread). ZeroMQ sends at once over a
-        connection to the daemon; with none (or a full queue) the send completes on the loop, and the first wait for
-        its reply awaits it, for reconnect_wait at most (then it is not sent at all)."""
+        """Send now, as the sync client does (called on the event loop's thread), over a connection to the daemon;
+        with none, the send waits on the loop and the first wait for its reply awaits it, for reconnect_wait at most
+        (then it is not sent at all)."""
         request_id, frame = self._core.prepare(message)
         self._queues[request_id] = asyncio.Queue()
-        sent = self._sock.send(frame)
+        if self._connected.is_set():
+            sent = self._sock.send(frame)
+        else:
+            sent = asyncio.ensure_future(self._send_when_connected(request_id, frame))
         if sent.done():
             sent.result()  # a send that failed at once raises here
         else:
             self._sends[request_id] = sent  # type: ignore[assignment]
         return request_id
+
+    async def _send_when_connected(self, request_id: int, frame: bytes) -> None:
+        await self._connected.wait()
+        self._core.sent_now(request_id)
+        await self._sock.send(frame)
 
     async def _next(self, request_id: int, timeout: float | None = None) -> p.AnyReply:
         started = time.monotonic()
@@ -180,8 +204,9 @@ class AsyncClient:
             except TimeoutError:  # the send was cancelled with its wait: no daemon will ever see it
                 raise core.not_connected(self.address, self.reconnect_wait) from None
         while True:
-            connected = bool(self._sock.get(zmq.EVENTS) & zmq.POLLOUT)
-            remaining = self._core.check(request_id, started, deadline, connected)
+            if not queue.empty():  # replies that came are read before any verdict on the daemon's silence
+                return queue.get_nowait()
+            remaining = self._core.check(request_id, started, deadline)
             try:
                 async with asyncio.timeout(min(remaining, HEARTBEAT_S)):
                     return await queue.get()
@@ -190,7 +215,8 @@ class AsyncClient:
 
     def _done(self, request_id: int) -> None:
         self._queues.pop(request_id, None)
-        self._sends.pop(request_id, None)
+        if (sending := self._sends.pop(request_id, None)) is not None:
+            sending.cancel()  # not sent yet (no connection): it never will be
         self._core.done(request_id)
 
     async def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:

@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvpool import protocol as p
 from kvpool.protocol.status import DaemonStatus
@@ -52,7 +53,10 @@ class Client:
         self._context = zmq.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # requests go out only over a connection to a daemon
+        # Whether a connection to a daemon exists, from the socket's own events: requests are sent only over one.
+        # (ZeroMQ's IMMEDIATE would do that too, but it drops the replies not read yet when the daemon goes, the
+        # error that ends a generation at a daemon's stop among them.)
+        self._monitor = self._sock.get_monitor_socket(core.CONNECTION_EVENTS)
         if curve is not None:
             self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = curve
         self._sock.connect(self.address)
@@ -115,6 +119,8 @@ class Client:
                 self._heartbeat.join(1.0)
         with self._lock:
             if not self._sock.closed:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
                 self._sock.close(0)
 
     def __enter__(self) -> Client:
@@ -131,9 +137,17 @@ class Client:
         ping = p.encode(p.Ping(id=0))  # id 0: the pong is dropped, no request waits for it
         while not self._closed.wait(HEARTBEAT_S):
             with self._lock:
-                if self._inboxes and not self._sock.closed:
-                    with contextlib.suppress(zmq.Again):  # no connection now: the waits notice
+                if self._inboxes and not self._sock.closed and self._watch_connection():
+                    with contextlib.suppress(zmq.Again):
                         self._sock.send(ping, zmq.NOBLOCK)
+
+    def _watch_connection(self, wait_ms: float = 0) -> bool:
+        """Whether a connection to the daemon exists, after reading the socket's events (waiting up to ``wait_ms``
+        for one). Call it holding the lock."""
+        while self._monitor.poll(wait_ms):
+            self._core.connection_event(recv_monitor_message(self._monitor)["event"])
+            wait_ms = 0
+        return self._core.connected
 
     def _send(self, message: p.Request) -> int:
         """Send over a connection to the daemon, waiting up to reconnect_wait for one (NotConnected)."""
@@ -143,10 +157,10 @@ class Client:
         deadline = time.monotonic() + self.reconnect_wait
         while True:
             with self._lock:
-                if self._sock.poll(POLL_SLICE_MS, zmq.POLLOUT):
-                    with contextlib.suppress(zmq.Again):
-                        self._sock.send(frame, zmq.NOBLOCK)
-                        return request_id
+                if self._watch_connection(POLL_SLICE_MS):
+                    self._core.sent_now(request_id)
+                    self._sock.send(frame)
+                    return request_id
             if time.monotonic() >= deadline:
                 self._done(request_id)
                 raise core.not_connected(self.address, self.reconnect_wait)
@@ -163,8 +177,8 @@ class Client:
                     raise KvpoolError(f"Request {request_id} is no longer awaited: its stream was closed.")
                 if inbox:
                     return inbox.popleft()
-                connected = bool(self._sock.get(zmq.EVENTS) & zmq.POLLOUT)
-                remaining = self._core.check(request_id, started, deadline, connected)
+                self._watch_connection()
+                remaining = self._core.check(request_id, started, deadline)
                 if self._sock.poll(min(POLL_SLICE_MS, remaining * 1000)):
                     self._drain()
             time.sleep(0)  # let a thread waiting for the lock in
@@ -277,7 +291,8 @@ class Session:
         repeat_last_n, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed, stop (list of
         strings), logprobs (top log-probabilities per token), deadline_ms, after; constrained decoding: grammar
         (GBNF) or json_schema (a dict or its JSON text), grammar_trigger_words / grammar_trigger_tokens (a lazy
-        grammar), grammar_from (continue a constrained answer). docs/client.md has them all.
+        grammar), grammar_from (continue a constrained answer), text_from (continue an answer cut short, its text
+        joining exactly). docs/client.md has them all.
         """
         request = generate_request(self.id, self.token, prompt, params)
         return Stream(self, self.client._send(request))

@@ -6,8 +6,8 @@ decide alike lives here, so they cannot drift apart:
 - a request's frame is refused here when the daemon would drop it for its size (framing.encode_request);
 - a reply frame that cannot be decoded is counted and logged, never silently dropped;
 - a request is lost to a restart when the old daemon spoke after it was sent (restarts.RestartWatch);
-- a request goes out only over a connection to a daemon (ZeroMQ's IMMEDIATE): with none for ``reconnect_wait``
-  seconds the daemon is down, and the request was never sent, so no daemon runs it later;
+- a request goes out only over a connection to a daemon (the socket's handshake and disconnect events): with none
+  for ``reconnect_wait`` seconds the daemon is down, and the request was never sent, so no daemon runs it later;
 - a connection lost while a reply is awaited means the daemon stopped or died: the request is lost with it;
 - once heartbeats flow, a daemon silent for DAEMON_SILENCE_S has died or hung, counted only while this process
   runs: a client process that was not scheduled (stopped, or starved by other work) does not blame the daemon for
@@ -58,6 +58,14 @@ def no_answer(address: str, connect_timeout: float) -> DaemonUnavailable:
     return DaemonUnavailable(f"No kvpoold answered at {address} within {connect_timeout:g} s; is it running?")
 
 
+CONNECTION_EVENTS = 0x1000 | 0x0200  # ZeroMQ's EVENT_HANDSHAKE_SUCCEEDED | EVENT_DISCONNECTED
+
+
+def connection_up(event: int) -> bool:
+    """After this socket event, a connection to the daemon exists (a handshake succeeded) or not (it closed)."""
+    return event == 0x1000
+
+
 def not_connected(address: str, waited: float) -> NotConnected:
     return NotConnected(
         f"No kvpoold is connected at {address}: none answered the connection within {waited:g} s (it is stopped, "
@@ -82,6 +90,9 @@ class ClientCore:
         self._sent_at: dict[int, float] = {}  # when each outstanding request was sent
         self._last_look = time.monotonic()  # when a wait last looked at its request
         self._resumed_at = 0.0  # when this process ran again after a gap (stopped, or starved of CPU)
+        self.connected = False  # a connection to a daemon exists now (the socket's events, connection_event)
+        self._connections = 0  # connections made so far: a request sent on an earlier one went with it
+        self._sent_on: dict[int, int] = {}  # the connection each outstanding request was sent on
         self._disconnected_at: float | None = None  # since when no connection to the daemon exists
 
     def prepare(self, message: p.Request) -> tuple[int, bytes]:
@@ -90,10 +101,23 @@ class ClientCore:
         message.id = request_id
         frame = encode_request(message, self.max_frame)
         self._sent_at[request_id] = time.monotonic()
+        self._sent_on[request_id] = self._connections
         return request_id, frame
+
+    def sent_now(self, request_id: int) -> None:
+        """A request whose send waited for a connection went out now, on the current one."""
+        self._sent_at[request_id] = time.monotonic()
+        self._sent_on[request_id] = self._connections
+
+    def connection_event(self, event: int) -> None:
+        """The socket's event (CONNECTION_EVENTS): a connection to a daemon was made, or closed."""
+        self.connected = connection_up(event)
+        if self.connected:
+            self._connections += 1
 
     def done(self, request_id: int) -> None:
         self._sent_at.pop(request_id, None)
+        self._sent_on.pop(request_id, None)
 
     def outstanding(self) -> bool:
         return bool(self._sent_at)
@@ -109,17 +133,25 @@ class ClientCore:
         self.watch.heard(reply, time.monotonic())
         return reply
 
-    def check(self, request_id: int, started: float, deadline: float, connected: bool) -> float:
-        """Raise when waiting for ``request_id`` is pointless; else the seconds left before its deadline.
-        ``connected``: a connection to the daemon exists now."""
+    def check(self, request_id: int, started: float, deadline: float) -> float:
+        """Raise when waiting for ``request_id`` is pointless; else the seconds left before its deadline. Call it
+        only when no reply to it is waiting to be read: replies that came are read before any verdict."""
         now = time.monotonic()
         if now - self._last_look > PAUSE_GAP_S:
             self._resumed_at = now  # the silence while this process did not run is not the daemon's
         self._last_look = now
-        if connected:
+        if self.connected:
             self._disconnected_at = None
         elif self._disconnected_at is None:
             self._disconnected_at = now
+        if self._sent_on.get(request_id, self._connections) < self._connections:
+            # Sent on a connection that has closed since (a daemon stopping, then one starting): whatever it did not
+            # answer before it went, nobody will.
+            raise DaemonUnavailable(
+                f"The kvpoold at {self.address} that had this request went away before answering it (a new "
+                "connection was made since); resume the session and send the turn again (Session.history() tells "
+                "whether it was kept)."
+            )
         if self.watch.lost(self._sent_at.get(request_id, started)):
             raise DaemonUnavailable(
                 f"kvpoold at {self.address} restarted while this request was in flight; resume the session "

@@ -70,8 +70,7 @@ class Gateway:
                     self._client = await AsyncClient.connect(
                         self.config.daemon,
                         timeout=self.config.timeout,
-                        connect_timeout=DAEMON_WAIT_S,
-                        reconnect_wait=DAEMON_WAIT_S,
+                        reconnect_wait=DAEMON_WAIT_S,  # the hello's answer may take connect_timeout (5 s)
                         name="gateway",
                         curve=self.config.curve(),
                         multiplexer=True,

@@ -70,7 +70,15 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
     started = time.monotonic()
     if conversing:
         generations: Generations = ConversationGenerations(
-            gateway.turns, client, plan.conversation, str(plan.prompt), plan.special, plan.add_bos, plan.params
+            gateway.turns,
+            client,
+            plan.conversation,
+            str(plan.prompt),
+            plan.special,
+            plan.add_bos,
+            plan.params,
+            resume_wait=gateway.config.resume_wait,
+            on_continued=lambda code: gateway.metrics.continued.labels(code).inc(),
         )
     else:  # n choices sharing the prompt's KV, or a prompt of token ids: fresh sessions, closed after
         generations = SharedPrefixGenerations(

@@ -17,21 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+import msgspec
 
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession, AsyncStream
 from kvpool.client.conversation import REFUSALS, Held
 from kvpool.client.errors import KvpoolError
 
+from .continuation import RESUMABLE, rest_of, resume_and_generate
 from .http_errors import CANCELLED
 from .shaping import FINISH
 from .turns import Turn, Turns
 
 Event = tuple[int, p.Chunk | p.Final]
+log = logging.getLogger("kvpool.gateway")
 
 
 async def _next(stream: AsyncStream) -> p.Chunk | p.Final:
@@ -81,13 +85,21 @@ class ConversationGenerations(Generations):
         special: bool,
         add_bos: bool,
         params: dict[str, Any],
+        resume_wait: float = 0.0,
+        on_continued: Callable[[str], None] | None = None,
     ):
+        """``resume_wait``: how long an answer cut short waits for its daemon to take it back and continue it
+        (continuation.py; 0: a cut is the caller's error). ``on_continued`` is told each continuation's cause."""
         self._context = turns.turn(client, key, text, "default", special=special, add_bos=add_bos)
+        self._client = client
         self._params = params
+        self._resume_wait = resume_wait
+        self._on_continued = on_continued
         self._entered = False
         self._turn: Turn | None = None
         self._stream: AsyncStream | None = None
         self._first: p.Chunk | p.Final | None = None
+        self._before_continuing = 0  # tokens generated before the latest continuation (its final counts the rest)
 
     async def start(self) -> None:
         self._turn = await self._context.__aenter__()
@@ -106,14 +118,48 @@ class ConversationGenerations(Generations):
         try:
             item = await _next(self._stream)
         except KvpoolError as exc:
-            # A refusal (over budget, overloaded) comes before anything was applied to the session.
-            self._turn.refused = exc.code in REFUSALS and not exc.cut
-            raise
+            continued = await self._continue(exc)
+            if continued is None:
+                # A refusal (over budget, overloaded) comes before anything was applied to the session.
+                self._turn.refused = exc.code in REFUSALS and not exc.cut
+                raise
+            item = continued
         if isinstance(item, p.Chunk):
             self._turn.record(item)
         else:
+            if self._before_continuing:
+                usage = msgspec.structs.replace(
+                    item.usage, completion_tokens=item.usage.completion_tokens + self._before_continuing
+                )
+                item = msgspec.structs.replace(item, usage=usage)
             self._turn.final = item
         return item
+
+    async def _continue(self, cut: KvpoolError) -> p.Chunk | p.Final | None:
+        """The first item of the rest of an answer the daemon cut short, or None when it cannot go on."""
+        turn = self._turn
+        assert turn is not None
+        if not self._resume_wait or not cut.cut or cut.code not in RESUMABLE:
+            return None
+        start = turn.held + len(turn.tokens)
+        kept = cut.detail["context_tokens"]
+        params = rest_of(self._params, start, len(turn.generated))
+        if params is None or kept != start + len(turn.generated):
+            seen = start + len(turn.generated)
+            why = "it reached max_tokens" if params is None else f"it keeps {kept} tokens, this gateway saw {seen}"
+            log.info("an answer cut short (%s) is not continued: %s", cut.code, why)
+            return None
+        log.info("continuing an answer cut short (%s) after %d tokens", cut.code, len(turn.generated))
+        resumed = await resume_and_generate(
+            self._client, turn.session.id, turn.session.token, kept, params, self._resume_wait, _next
+        )
+        if resumed is None:
+            return None
+        self._stream, first = resumed
+        self._before_continuing = len(turn.generated)
+        if self._on_continued is not None:
+            self._on_continued(str(cut.code))
+        return first
 
     async def events(self) -> AsyncIterator[Event]:
         item = self._first

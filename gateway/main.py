@@ -25,6 +25,12 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each answer from kvpoold")
     ap.add_argument(
+        "--resume-wait",
+        type=float,
+        default=30.0,
+        help="seconds an answer cut short (a daemon restart) waits to be continued; 0: the caller gets the error",
+    )
+    ap.add_argument(
         "--no-reuse", action="store_true", help="run every request on a fresh session (nothing kept between turns)"
     )
     ap.add_argument(
@@ -81,6 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> GatewayConfig:
         state_file=Path(args.state_file) if args.state_file else default_state_file(),
         max_body_bytes=args.max_body_bytes,
         timeout=args.timeout,
+        resume_wait=args.resume_wait,
         chat_template=args.chat_template,
         reuse=not args.no_reuse,
         prefill_tool_results=not args.no_tool_result_prefill,

@@ -49,6 +49,12 @@ class GatewayMetrics:
             "Tokens of a tool result's opening computed while the tool ran, before the request carrying it came.",
             registry=self.registry,
         )
+        self.continued = Counter(
+            "kvpool_gateway_continued",
+            "Answers the daemon cut short that the gateway continued, by the cut's code (continuation.py).",
+            ["code"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "kvpool_gateway_queue_depth", "Requests waiting in the gateway's queue now.", registry=self.registry
         )

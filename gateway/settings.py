@@ -25,6 +25,9 @@ class GatewayConfig:
     state_file: Path | None = None  # the conversation map (None: kept in memory only)
     max_body_bytes: int = 4 << 20
     timeout: float = 300.0  # per answer from the daemon
+    # How long an answer the daemon cut short (it restarted, or this gateway was unresponsive past its
+    # client_patience) waits for the daemon to take its session back and continue it (continuation.py); 0: never.
+    resume_wait: float = 30.0
     reuse: bool = True  # False (--no-reuse): every request on a fresh session, closed when it ends
     # After a tool call, prefill the opening of its result into the conversation's session (next_turn.py).
     prefill_tool_results: bool = True
@@ -57,6 +60,7 @@ class GatewayConfig:
             ("--max-inflight", self.max_inflight, 0),
             ("--queue-size", self.queue_size, 0),
             ("--queue-per-key", self.queue_per_key, 0),
+            ("--resume-wait", self.resume_wait, 0),
         ):
             if value < least:
                 raise GatewayConfigError(f"{flag} {value}: give a number >= {least}.")

@@ -178,7 +178,9 @@ class Generate(SessionRequest, tag="generate"):
     ``grammar_trigger_words`` or ``grammar_trigger_tokens`` the grammar is lazy: free text until one of them is
     generated, then the grammar applies from that word (or token) on. ``grammar_from`` replays the session's
     tokens from that position into the grammar first, so a constrained answer cut short (by max_tokens, or a
-    daemon restart) can be continued under the same grammar.
+    daemon restart) can be continued under the same grammar. ``text_from`` likewise replays them into the text
+    stream without sending their text, so a continuation holds back what the cut answer held back (the bytes of a
+    character split across tokens, the start of a stop string) and its text joins the streamed text exactly.
     """
 
     prompt: Annotated[str, Meta(max_length=1 << 20)] = ""
@@ -211,6 +213,7 @@ class Generate(SessionRequest, tag="generate"):
     grammar_trigger_words: Annotated[list[TriggerWord], Meta(max_length=16)] = []
     grammar_trigger_tokens: Annotated[list[NonNegInt], Meta(max_length=16)] = []
     grammar_from: NonNegInt | None = None
+    text_from: NonNegInt | None = None
 
 
 AnyRequest = (

@@ -71,8 +71,9 @@ def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
         def say(text: str) -> str:
             box = driver.find_element(By.ID, "chat-input")  # type: ignore[attr-defined]
             box.send_keys(text)
-            driver.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
+            # read before the click: the answer may come, and change it, before a read after the click
             before = driver.find_element(By.ID, "chat-usage").text  # type: ignore[attr-defined]
+            driver.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
             return wait.until(lambda d: (u := d.find_element(By.ID, "chat-usage").text) != before and u)
 
         first = say("hello page")

@@ -36,7 +36,7 @@ from .gateway_process import WAIT_S, GatewayProcess, client_of
 
 Start = Callable[..., DaemonProcess]
 StartGateway = Callable[..., GatewayProcess]
-LONG = 1500  # tokens: more than the queues between daemon and caller hold, so a caller that stops reading pauses it
+LONG = 2000  # tokens: well over the ~1,000 the queues between daemon and caller hold (a stopped caller pauses it)
 NO_END = {"2": -100}  # the tiny model's end token banned: every answer runs to LONG tokens
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a robot."}]
 SAY = {
@@ -153,7 +153,7 @@ def test_a_gateway_paused_beyond_the_patience_gets_an_error_never_a_finish(
     start_daemon: Start, start_gateway: StartGateway, kind: str
 ) -> None:
     daemon = start_daemon("--context-size", "4096", "--hot-slots", "2", "--threads", "2", "--client-patience", "2")
-    gateway = start_gateway(daemon.address)
+    gateway = start_gateway(daemon.address, "--resume-wait", "0")  # a cut is not continued
     asked = paused_answer(daemon, gateway, kind, 4.0)
     assert asked.answer is None, f"a cut answer was reported as finished: {asked.answer}"
     if KINDS[kind].get("stream"):  # cut after the 200 went out: an error event, which the client raises
@@ -169,6 +169,33 @@ def test_a_gateway_paused_beyond_the_patience_gets_an_error_never_a_finish(
     assert ask(gateway, "plain")["finish"] == "length"  # and the gateway serves on
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_answer_cut_beyond_the_patience_is_continued_whole(
+    start_daemon: Start, start_gateway: StartGateway, kind: str
+) -> None:
+    """The gateway takes the session back after the cut and generates the rest (a grammar replayed over the answer
+    so far): the caller sees a delay, and the answer is the unpaused one."""
+    daemon = start_daemon(
+        *("--context-size", "4096", "--hot-slots", "2", "--threads", "2", "--client-patience", "2", "--deterministic")
+    )
+    gateway = start_gateway(daemon.address)
+    unpaused = ask(gateway, kind)
+    asked = paused_answer(daemon, gateway, kind, 4.0)
+    assert asked.error is None, repr(asked.error)
+    assert asked.answer == unpaused
+    with daemon.client() as watcher:
+        counters = watcher.status().counters
+    assert counters.clients_lost == 1 and counters.errors == {"CLIENT_UNRESPONSIVE": 1}  # it was cut, then continued
+    assert metric_of(gateway, 'kvpool_gateway_continued_total{code="CLIENT_UNRESPONSIVE"}') == 1
+
+
+def metric_of(gateway: GatewayProcess, series: str) -> float:
+    text = httpx.get(gateway.url + "/metrics", timeout=WAIT_S).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")]
+    assert len(values) == 1, f"{series} is not in /metrics"
+    return values[0]
+
+
 def raw_stream(gateway: GatewayProcess) -> tuple[int, list[str]]:
     """A streamed chat answer read as the raw server-sent events: its status and every `data:` line."""
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": LONG, "logit_bias": NO_END, "stream": True}
@@ -181,7 +208,7 @@ def test_a_daemon_stopped_mid_answer_is_an_error_never_a_finish(
     start_daemon: Start, start_gateway: StartGateway, sig: int
 ) -> None:
     daemon = start_daemon("--context-size", "4096", "--hot-slots", "2", "--threads", "2")
-    gateway = start_gateway(daemon.address)
+    gateway = start_gateway(daemon.address, "--resume-wait", "0")  # a cut is not continued
     assert daemon.proc is not None
     # streamed: the daemon goes when the first events are out; the stream ends with an error event, no [DONE]
     with daemon.client() as watcher:
@@ -234,6 +261,27 @@ def test_a_request_while_the_daemon_is_down_is_a_prompt_503(start_daemon: Start,
     daemon.start()
     wait_until(lambda: httpx.get(gateway.url + "/health", timeout=5.0).status_code == 200, "the gateway to recover")
     assert ask(gateway, "plain")["finish"] == "length"
+
+
+@pytest.mark.parametrize("kind", ["plain", "streamed"])
+def test_an_answer_cut_by_a_daemon_restart_is_continued_whole(
+    start_daemon: Start, start_gateway: StartGateway, kind: str
+) -> None:
+    """SIGTERM mid-answer checkpoints the session with the answer so far; the daemon comes back (as systemd
+    restarts it) and the gateway continues the answer: a delay for the caller, and the unpaused answer."""
+    daemon = start_daemon("--context-size", "4096", "--hot-slots", "2", "--threads", "2", "--deterministic")
+    gateway = start_gateway(daemon.address)
+    unpaused = ask(gateway, kind)
+    with daemon.client() as watcher:
+        before = watcher.status().counters.generated_tokens
+        asked = Asked(gateway, kind)
+        wait_until(generating(watcher, before), "the answer to start", WAIT_S)
+    assert daemon.stop() == 0  # SIGTERM: the answer is cut, its session checkpointed into the pool
+    daemon.start()  # the same pool: the session is there
+    asked.wait()
+    assert asked.error is None, repr(asked.error)
+    assert asked.answer == unpaused
+    assert metric_of(gateway, 'kvpool_gateway_continued_total{code="SHUTTING_DOWN"}') == 1
 
 
 # ---------------------------------------------------------------------- a process using the client library

@@ -285,7 +285,9 @@ class Engine:
         """End a generation the daemon has to stop before it is done (it is stopping, the client is unreachable,
         the KV is full): as finish() does, but the last message is an Error whose detail says what the session
         kept, so that no client takes a cut answer for a finished one."""
-        self._end(g, now, flushed=False, checkpoint=True)
+        # Text held back (a character's first bytes, the start of a stop string) is not sent: what it becomes is
+        # not known yet. A continuation with text_from= holds it back the same way and sends it when it is.
+        self._end(g, now, flushed=True, checkpoint=True)
         detail = p.cut_detail(g.completion_tokens, len(g.session.tokens))
         self.reply_error(g.client, g.request.id, code, message, detail)
 

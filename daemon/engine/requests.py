@@ -281,7 +281,7 @@ class RequestHandlers:
             session=s,
             sampler=sampler,
             prompt_tokens=len(new),
-            text=StreamText(r.stop),
+            text=self._text(r, s.tokens + new),
             new_tokens=new,
             arrival=received_at,
             ttft_s=budget.ttft_s,
@@ -328,6 +328,21 @@ class RequestHandlers:
         except (ConstraintError, GrammarError) as exc:
             raise RequestRefused(ErrorCode.BAD_REQUEST, str(exc)) from None
         return Grammar(text, tuple(r.grammar_trigger_words), tuple(r.grammar_trigger_tokens))
+
+    def _text(self, r: p.Generate, tokens: list[int]) -> StreamText:
+        """The generation's text stream; with ``text_from``, fed the tokens from there on without sending their
+        text, so that it holds back what the answer it continues held back when it was cut."""
+        text = StreamText(r.stop)
+        if r.text_from is not None:
+            if r.text_from > len(tokens):
+                raise RequestRefused(
+                    ErrorCode.BAD_REQUEST,
+                    f"`text_from` is {r.text_from} but the session (with this prompt) holds {len(tokens)} tokens; "
+                    "give the position where the answer being continued started.",
+                )
+            for token in tokens[r.text_from :]:
+                text.feed(self.model.token_bytes(token))
+        return text
 
     @staticmethod
     def _replay(r: p.Generate, tokens: list[int]) -> list[int]:

@@ -36,6 +36,7 @@ INSTANCE = f"{os.getpid()}-{time.time_ns()}"  # this daemon process, as clients 
 SEND_QUEUE = 1024  # messages ZeroMQ queues for one client; beyond, its replies wait in its backlog (liveness.py)
 MAX_BACKLOG_BYTES = 16 << 20  # a client's backlog beyond ZeroMQ's queue; its generations pause long before this
 BACKLOG_POLL_MS = 5  # how often a backlog is offered to ZeroMQ again while one exists
+SHUTDOWN_DRAIN_S = 2.0  # at a stop, how long replies still waiting for slow readers may take to go out
 
 
 class AddressUnavailable(Exception):
@@ -183,9 +184,13 @@ class Server:
             if time.monotonic() > next_forget:
                 self.liveness.forget_old()
                 next_forget = time.monotonic() + 10.0
-        # The engine has exited: its PUSH socket flushed on close, so everything it sent is here.
+        # The engine has exited: its PUSH socket flushed on close, so everything it sent is here. Replies waiting
+        # for slow readers (the errors that end their generations among them) get a bounded time to go out.
         self._forward_replies()
-        self._offer_backlogs()
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        while self._offer_backlogs() and time.monotonic() < deadline:
+            if router.poll(BACKLOG_POLL_MS):
+                self._receive(lambda client, request: False)
         while router.poll(0):  # whoever is still asking learns that the daemon is going away
             self._receive(lambda client, request: False)
 
