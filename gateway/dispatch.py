@@ -26,7 +26,7 @@ from .shaping import ChoiceState, Shape, usage
 from .streaming import Stream, chat_events, completion_events
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 
 @dataclass

@@ -26,7 +26,7 @@ from .shaping import Shape
 from .tools import Toolbox
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

@@ -1,9 +1,10 @@
-"""The tree's rules, checked statically (no model, no daemon): no import cycles in the daemon, type-only ones
-included; only the model package imports llama_cpp; the client never imports the daemon."""
+"""The tree's rules, checked statically (no model, no daemon): no import cycles anywhere in the package, type-only
+ones included; only the model package imports llama_cpp; the client never imports the daemon."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,9 +47,10 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
     return out
 
 
-def test_no_import_cycles_in_the_daemon() -> None:
+def test_no_import_cycles() -> None:
+    """In the daemon, the client, the gateway and the protocol alike."""
     known = modules()
-    graph = {name: imports_of(path, name, known) for name, path in known.items() if name.startswith("kvpool.daemon")}
+    graph = {name: imports_of(path, name, known) for name, path in known.items()}
     cycles: list[list[str]] = []
     state: dict[str, int] = {}
 
@@ -100,3 +102,19 @@ def test_no_two_modules_share_a_name() -> None:
             if path.name not in ("__init__.py", "main.py"):
                 seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_docs_architecture_names_every_module_bench_script_and_page() -> None:
+    """docs/architecture.md is the map of the tree: each module of the package, each bench script and each page of
+    docs/ is named in it by its file name, and every bench script or page it names exists."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    files = [path for folder in PACKAGES.values() for path in folder.rglob("*.py") if path.name != "__init__.py"]
+    files += [*(ROOT / "bench").glob("*.py"), *(ROOT / "docs").glob("*.md")]
+    missing = sorted(str(path.relative_to(ROOT)) for path in files if path.name not in text)
+    assert missing == [], f"docs/architecture.md does not name: {missing}"
+    rows = text[text.index("## The tree") :].splitlines()
+    for folder, suffix in (("bench", ".py"), ("docs", ".md")):
+        start = next(i for i, row in enumerate(rows) if row.startswith(f"{folder}/"))
+        end = next(i for i in range(start + 1, len(rows)) if not rows[i].startswith(" "))
+        for name in re.findall(rf"[\w.-]+{re.escape(suffix)}", " ".join(rows[start:end])):
+            assert (ROOT / folder / name).exists(), f"docs/architecture.md names {folder}/{name}, which does not exist"

@@ -1,1 +1,2 @@
-"""The model layer: llama.cpp (model.py is the only llama_cpp importer), GGUF metadata, the memory plan, CPU checks."""
+"""The model layer: llama.cpp (the model/ package is the only llama_cpp importer), GGUF metadata, the memory plan,
+CPU checks."""

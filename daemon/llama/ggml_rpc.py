@@ -3,8 +3,8 @@ llama-cpp-python ships in ``llama_cpp/lib``.
 
 The worker (``kvpool rpc-worker``) needs ggml alone: it serves its CPU with ``ggml_backend_rpc_start_server``
 and never loads libllama or a model, so this module finds the library folder with
-``importlib.util.find_spec`` instead of importing llama_cpp (model.py stays the only llama_cpp importer; it calls
-the master-side functions here before it loads a model).
+``importlib.util.find_spec`` instead of importing llama_cpp (the model/ package stays the only llama_cpp importer;
+it calls the master-side functions here before it loads a model).
 
 The wheel's ``lib`` folder holds *copies*, not symlinks: ``libggml-base.so`` and ``libggml-base.so.0`` are two
 files, and loading both gives two independent ggml instances (two backend registries, two abort callbacks).
