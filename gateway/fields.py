@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from .http_errors import HttpError
+from .http_errors import refuse
 from .schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,10 +34,6 @@ SAMPLERS = (
     "frequency_penalty",
     "seed",
 )
-
-
-def refuse(param: str, message: str, code: str = "unsupported_parameter") -> HttpError:
-    return HttpError(400, message, code, param=param)
 
 
 def refuse_chat_fields(body: ChatCompletionRequest) -> None:

@@ -44,6 +44,11 @@ STATUS: dict[str, tuple[int, str]] = {
 RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a restart
 
 
+def refuse(param: str, message: str, code: str = "unsupported_parameter") -> HttpError:
+    """A 400 that names the request field it refuses and says what to do instead."""
+    return HttpError(400, message, code, param=param)
+
+
 class HttpError(Exception):
     """An error to answer with: ``status``, an OpenAI error ``type`` and ``code``, and a sentence."""
 

@@ -8,15 +8,11 @@ import json
 
 from kvpool.client.chat_template import ChatTemplate, TemplateError
 
-from .http_errors import HttpError
+from .http_errors import HttpError, refuse
 from .schema import ChatMessage
 from .tools import AnswerMemory, Toolbox, envelope_text
 
 MARK = "\u2063kvpool-answer\u2063"  # a text no template trims or rewrites, to find where an answer starts
-
-
-def refuse(param: str, message: str) -> HttpError:
-    return HttpError(400, message, "unsupported_parameter", param=param)
 
 
 def message_text(message: ChatMessage, where: str) -> str | None:

@@ -90,6 +90,12 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def sliding_window_cells(context: int, window: int, sequences: int, batch: int) -> int:
+    """The cells of a sliding-window layer's cache (llama-kv-cache-iswa.cpp): a window per sequence id and a batch,
+    in steps of 256, never more than the context's."""
+    return min(context, _round_up(window * sequences + batch, 256))
+
+
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -151,7 +157,7 @@ def plan_memory(
         every = GLOBAL_LAYER_EVERY[arch]
         # llama.cpp keeps a window of cells per sequence id: hot slots, shared prefixes and the scratch sequence
         sequences = sequence_count(config.hot_slots, config.prefix_slots, config.deterministic)
-        swa_cells = min(cells, _round_up(window * sequences + config.batch_size, 256))
+        swa_cells = sliding_window_cells(cells, window, sequences, config.batch_size)
         layer_cells = [cells if (il + 1) % every == 0 else swa_cells for il in range(n_layer)]
     layer_kv = [per_cell_layer * c for c in layer_cells]
     # The graph buffer holds a batch's activations (the widest are the feed-forward and the attention rows)

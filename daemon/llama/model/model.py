@@ -17,6 +17,7 @@ import numpy as np
 from kvpool.daemon.config import sequence_count
 from kvpool.daemon.kv.codec.kv_types import F16
 from kvpool.daemon.llama.kv_settings import KvSettings
+from kvpool.daemon.llama.memory_plan import sliding_window_cells
 from kvpool.daemon.llama.model.backend import init_backend
 from kvpool.daemon.llama.model.batch import Batch
 from kvpool.daemon.llama.model.loading import ModelLoadError, Placement, fingerprint, load_weights
@@ -101,13 +102,12 @@ class Model:
             )
         self.context_size = lc.llama_n_ctx(self.ctx)
         self.n_swa = lc.llama_model_n_swa(self._model)  # 0: every layer attends to the whole context
-        # Each cache of the model has its own size: the sliding-window one (llama-kv-cache-iswa.cpp) is smaller
-        # when the window times the sequences is.
-        swa_cells = self.n_swa * cparams.n_seq_max + batch_size
+        # Each cache of the model has its own size: the sliding-window one is smaller when the window times the
+        # sequences is.
         cell_room = (
             self.context_size
             if not self.n_swa or self.kv.swa_full
-            else min(self.context_size, -(-swa_cells // 256) * 256)
+            else sliding_window_cells(self.context_size, self.n_swa, cparams.n_seq_max, batch_size)
         )
         self.seqs = Sequences(self.ctx, cell_room, scratch_seq, graveyard)
         self.hot_slots = hot_slots
