@@ -122,6 +122,9 @@ class AsyncClient:
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
     async def close(self) -> None:
+        for sending in self._sends.values():
+            sending.cancel()
+        self._sends.clear()
         for task in (self._beater, self._reader, self._watcher):
             if task is not None:
                 task.cancel()
@@ -257,12 +260,17 @@ class AsyncStream:
     async def __anext__(self) -> p.Chunk:
         while not self._closed:
             try:
-                reply = raise_if_error(await self._client._next(self._id))
+                reply = await self._client._next(self._id)
             except DaemonUnavailable:
                 await self.aclose(cancel=False)  # the daemon that ran it is gone: nothing to cancel
                 raise
             except BaseException:
                 await self.aclose()
+                raise
+            try:
+                raise_if_error(reply)
+            except KvpoolError:
+                await self.aclose(cancel=False)  # the daemon ended it with this error: nothing left to cancel
                 raise
             if isinstance(reply, p.Final):
                 self.final = self._session.final = reply

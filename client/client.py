@@ -157,7 +157,7 @@ class Client:
         deadline = time.monotonic() + self.reconnect_wait
         while True:
             with self._lock:
-                if self._watch_connection(POLL_SLICE_MS):
+                if self._watch_connection(0 if self._core.connected else POLL_SLICE_MS):
                     self._core.sent_now(request_id)
                     self._sock.send(frame)
                     return request_id
@@ -175,6 +175,9 @@ class Client:
                 inbox = self._inboxes.get(request_id)
                 if inbox is None:
                     raise KvpoolError(f"Request {request_id} is no longer awaited: its stream was closed.")
+                if inbox:
+                    return inbox.popleft()
+                self._drain()  # replies that came are read before any verdict on the daemon
                 if inbox:
                     return inbox.popleft()
                 self._watch_connection()
@@ -237,12 +240,17 @@ class Stream:
     def __next__(self) -> p.Chunk:
         while not self._closed:
             try:
-                reply = raise_if_error(self._client._next(self._id))
+                reply = self._client._next(self._id)
             except DaemonUnavailable:
                 self.close(cancel=False)  # the daemon that ran it is gone: nothing to cancel, no retries to wait
                 raise
             except BaseException:
                 self.close()
+                raise
+            try:
+                raise_if_error(reply)
+            except KvpoolError:
+                self.close(cancel=False)  # the daemon ended it with this error: nothing left to cancel
                 raise
             if isinstance(reply, p.Final):
                 self.final = self._session.final = reply

@@ -387,7 +387,7 @@ def cut_detail(completion_tokens: int, context_tokens: int) -> dict[str, int]:
 
 def is_cut(detail: dict[str, Any] | None) -> bool:
     """True when an Error with this ``detail`` ended a generation that had started (cut_detail)."""
-    return detail is not None and "context_tokens" in detail
+    return detail is not None and "completion_tokens" in detail and "context_tokens" in detail
 
 
 AnyReply = (

@@ -30,6 +30,10 @@ def test_a_cut_error_says_what_the_session_kept_and_a_refusal_does_not() -> None
     with pytest.raises(ShuttingDown) as refused:
         raise_if_error(p.Error(code=p.ErrorCode.SHUTTING_DOWN, message="m"))
     assert not refused.value.cut
+    conflict = p.Error(code=p.ErrorCode.CONFLICT, message="m", detail={"context_tokens": 40, "after": 30})
+    with pytest.raises(KvpoolError) as mismatch:  # a refusal that names the session's context is no cut
+        raise_if_error(conflict)
+    assert not mismatch.value.cut
 
 
 def test_an_older_daemons_shutdown_finish_raises_as_a_cut() -> None:

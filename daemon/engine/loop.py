@@ -284,7 +284,10 @@ class Engine:
     def cut(self, g: Generation, code: ErrorCode, message: str, now: float) -> None:
         """End a generation the daemon has to stop before it is done (it is stopping, the client is unreachable,
         the KV is full): as finish() does, but the last message is an Error whose detail says what the session
-        kept, so that no client takes a cut answer for a finished one."""
+        kept, so that no client takes a cut answer for a finished one. One that never started is refused."""
+        if not g.started:
+            self._abandon(g, code, message)
+            return
         # Text held back (a character's first bytes, the start of a stop string) is not sent: what it becomes is
         # not known yet. A continuation with text_from= holds it back the same way and sends it when it is.
         self._end(g, now, flushed=True, checkpoint=True)

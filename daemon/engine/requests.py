@@ -270,6 +270,7 @@ class RequestHandlers:
             to_compute -= match[1] if match else 0
         params = self._sampling(r)
         replay = self._replay(r, s.tokens + new)
+        text = self._text(r, s.tokens + new)  # refused (text_from out of range) before a sampler is built
         budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at)
         try:
             sampler = self.model.new_sampler(params, s.tokens + new, replay)
@@ -281,7 +282,7 @@ class RequestHandlers:
             session=s,
             sampler=sampler,
             prompt_tokens=len(new),
-            text=self._text(r, s.tokens + new),
+            text=text,
             new_tokens=new,
             arrival=received_at,
             ttft_s=budget.ttft_s,

@@ -104,7 +104,8 @@ class Liveness:
     def forget_old(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for client in [c for c, s in self._clients.items() if now - s.heard > FORGET_S]:
+            # One with replies waiting is kept: forgetting them would leave a hole in its stream.
+            for client in [c for c, s in self._clients.items() if now - s.heard > FORGET_S and not s.backlog]:
                 state = self._clients.pop(client)
                 self.dropped_replies += len(state.backlog)
 
