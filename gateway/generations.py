@@ -142,10 +142,9 @@ class ConversationGenerations(Generations):
         if not self._resume_wait or not cut.cut or cut.code not in RESUMABLE:
             return None
         start = turn.held + len(turn.tokens)
-        kept = cut.detail["context_tokens"]
+        kept, seen = cut.detail["context_tokens"], start + len(turn.generated)
         params = rest_of(self._params, start, len(turn.generated))
-        if params is None or kept != start + len(turn.generated):
-            seen = start + len(turn.generated)
+        if params is None or kept != seen:
             why = "it reached max_tokens" if params is None else f"it keeps {kept} tokens, this gateway saw {seen}"
             log.info("an answer cut short (%s) is not continued: %s", cut.code, why)
             return None

@@ -98,8 +98,14 @@ class Engine:
             self.remote,
             self.preloader,
         )
-        self.liveness = liveness if liveness is not None else Liveness(0)  # kept by the I/O thread
-        self.housekeeping = Housekeeping(config, self.scheduler, tiers, self.counters, self.cut, self.liveness)
+        self.housekeeping = Housekeeping(
+            config,
+            self.scheduler,
+            tiers,
+            self.counters,
+            self.cut,
+            liveness or Liveness(0),  # kept by the I/O thread
+        )
 
     # ------------------------------------------------------------------ loop
 

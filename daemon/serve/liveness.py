@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-FORGET_S = 300.0  # a client heard from this long ago is forgotten (its backlog dropped)
+FORGET_S = 300.0  # a client heard from this long ago, with no replies waiting, is forgotten
 
 
 @dataclass
@@ -102,12 +102,12 @@ class Liveness:
             state.last_read = time.monotonic()
 
     def forget_old(self) -> None:
+        """Drop clients unheard for FORGET_S; one with replies waiting is kept (forgetting them would leave a hole in
+        its stream)."""
         now = time.monotonic()
         with self._lock:
-            # One with replies waiting is kept: forgetting them would leave a hole in its stream.
             for client in [c for c, s in self._clients.items() if now - s.heard > FORGET_S and not s.backlog]:
-                state = self._clients.pop(client)
-                self.dropped_replies += len(state.backlog)
+                del self._clients[client]
 
     # ------------------------------------------------------------------ engine thread
 
@@ -126,9 +126,3 @@ class Liveness:
             if state.backlog:
                 return "not_reading" if now - state.last_read > patience else "paused"
             return "ok"
-
-    def backlog_total(self) -> tuple[int, int]:
-        """(clients with replies waiting, bytes waiting)."""
-        with self._lock:
-            waiting = [s for s in self._clients.values() if s.backlog]
-            return len(waiting), sum(s.backlog_bytes for s in waiting)
