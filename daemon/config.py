@@ -37,11 +37,11 @@ def one_of(*values: str) -> Any:
     ]
 
 
-def sequence_count(hot_slots: int, prefix_slots: int, deterministic: bool = False) -> int:
+def sequence_count(hot_slots: int, prefix_slots: int, extra: int = 0) -> int:
     """llama.cpp sequence ids the daemon uses: the hot slots, one per shared prefix, one scratch sequence when
     sharing is on, and the pad row's and the graveyard's of deterministic decoding (docs/determinism.md). The model
     sizes its context with it, and the memory plan too (every sequence id widens the sliding-window cache)."""
-    return hot_slots + prefix_slots + (1 if prefix_slots else 0) + (2 if deterministic else 0)
+    return hot_slots + prefix_slots + (1 if prefix_slots else 0) + extra
 
 
 class TaskProfile(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -22,12 +22,12 @@ from kvpool.client.address import default_address
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.loop import Engine
 from kvpool.daemon.kv.codec.kv_types import STORE_TYPES
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.pool.segment import PoolError
 from kvpool.daemon.kv.recovery import recover
 from kvpool.daemon.kv.sessions import SessionTable
-from kvpool.daemon.kv.spill import SpillDir, SpillError
-from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.kv.spill_dir import SpillDir, SpillError
 from kvpool.daemon.llama.model import Model, ModelLoadError, Placement
 from kvpool.daemon.locations import default_pool_name, group_id, spill_dir_for
 from kvpool.daemon.preload.preloader import Preloader
@@ -185,6 +185,9 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
     log_plan(plan)
     address = config.address or default_address()
     server = bind_server(config, address, stack)  # before the model: a clash fails at once
+    os.environ.update(plan.determinism.environment)  # what ggml must find before the model loads
+    if plan.determinism.on:
+        log.info("%s", plan.determinism.describe())
     model = load_model(plan, placement)
     stack.callback(model.close)
     pool_name = config.pool_name or default_pool_name(address)
@@ -199,25 +202,25 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
     remote = open_remote(config, model, pool, spill, address)
     if remote is not None:
         stack.callback(remote.close)  # pending writes first (bounded), then the pool they read from
-    tiers = Tiers(model, pool, spill, SessionTable(config, model.context_size), config, mirror=remote)
-    recover_sessions(tiers)
+    kv = KvManager(model, pool, spill, SessionTable(config, model.context_size), config, mirror=remote)
+    recover_sessions(kv)
     engine = Engine(
         model,
         config,
-        tiers,
+        kv,
         server.send,
         __version__,
         frame_errors=server.frame_errors,
         liveness=server.liveness,
         workers=Workers(placement.devices, plan.memory.remote) if placement else None,
         remote=remote,
-        preloader=Preloader(tiers, config.preload, config.preload_horizon_s),
+        preloader=Preloader(kv, config.preload, config.preload_horizon_s),
     )
     watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
     if config.rpc_servers:
         watch.watch_stalls(lambda: engine.heartbeat, engine.stopping, config.rpc_timeout)
     if remote is not None:
-        remote.start(list(tiers.sessions.by_id.values()))  # recovered sessions: their leases, their newest state
+        remote.start(list(kv.sessions.by_id.values()))  # recovered sessions: their leases, their newest state
     return Daemon(config, address, server, model, engine)
 
 
@@ -239,11 +242,6 @@ def bind_server(config: Config, address: str, stack: contextlib.ExitStack) -> Se
 
 def load_model(plan: StartPlan, placement: Placement | None) -> Model:
     config = plan.config
-    if config.deterministic:
-        # llama.cpp's tiled K-quant matmul serves batches of 8 rows and more, vec_dot fewer: another sum order.
-        # ggml reads this once, at the first decode of the process.
-        os.environ["GGML_CPU_TILED_MM"] = "0"
-        log.info("deterministic decoding: repacking and the tiled matmul off, steps of 2 to 63 rows")
     try:
         return Model(
             plan.model_path,
@@ -255,7 +253,7 @@ def load_model(plan: StartPlan, placement: Placement | None) -> Model:
             repack=plan.repack.enabled,
             kv=plan.kv,
             placement=placement,
-            deterministic=config.deterministic,
+            determinism=plan.determinism,
         )
     except ModelLoadError as exc:
         raise StartFailed(str(exc), 1) from None
@@ -289,13 +287,13 @@ def open_remote(config: Config, model: Model, pool: Pool, spill: SpillDir, addre
     return RemoteTier(config, model.fingerprint, model.kv_layout, pool, spill, node_name(config, address))
 
 
-def recover_sessions(tiers: Tiers) -> None:
+def recover_sessions(kv: KvManager) -> None:
     """Rebuild the sessions the pool (and the spill directory) hold."""
     try:
-        recovered = recover(tiers)
+        recovered = recover(kv)
     except PoolError as exc:
         raise StartFailed(str(exc), 1) from None
-    pool = tiers.pool
+    pool = kv.pool
     log.info(
         "pool %s %s: %d bytes, %d sessions recovered, %d bytes in use; spill dir %s",
         pool.name,
@@ -303,7 +301,7 @@ def recover_sessions(tiers: Tiers) -> None:
         pool.size,
         recovered,
         pool.usage().used_bytes,
-        tiers.spill.path,
+        kv.spill.path,
     )
 
 

@@ -15,6 +15,7 @@ from kvpool.daemon.config import Config, ConfigError, load_config
 from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
 from kvpool.daemon.llama.cpu_repack import RepackChoice
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
+from kvpool.daemon.llama.deterministic_mode import Determinism
 from kvpool.daemon.llama.gguf_meta import GgufError
 from kvpool.daemon.llama.kv_settings import KvSettings, KvSettingsError, resolve_kv_settings
 from kvpool.daemon.llama.memory_plan import MemoryPlan, model_shape, plan_memory
@@ -42,6 +43,7 @@ class StartPlan:
     kv: KvSettings
     kv_why: str
     repack: RepackChoice
+    determinism: Determinism
 
     def print_memory(self) -> None:
         print(f"kvpoold: memory plan for {self.model_path.name}:\n{self.memory.table()}", file=sys.stderr)
@@ -58,11 +60,11 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         kv, kv_why = resolve_kv_settings(
             config.cache_type_k, config.cache_type_v, config.flash_attn, shape.head_k, shape.head_v
         )
-        # Deterministic decoding turns repacking off: see config._check_deterministic.
-        repack = choose_repack("off" if config.deterministic else config.cpu_repack, model_path)
+        determinism = Determinism(config.deterministic)
+        repack = choose_repack(determinism.repack(config.cpu_repack), model_path)
     except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, OSError) as exc:
         raise StartFailed(str(exc), 2) from None
-    plan = StartPlan(config, model_path, memory, kv, kv_why, repack)
+    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism)
     if check_only:
         print(f"kvpoold: {repack.describe()}", file=sys.stderr)
         print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvpool.daemon.config import Config, load_config
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session, SessionTable
-from kvpool.daemon.kv.spill import SpillDir
-from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.kv.spill_dir import SpillDir
 
 from .fake_model import FakeModel
 
@@ -27,7 +27,7 @@ def tiers_on_fake_model(
     pool_bytes: int = 1 << 20,
     spill_bytes: int = 1 << 20,
     config_text: dict[str, object] | None = None,
-) -> Iterator[Tiers]:
+) -> Iterator[KvManager]:
     """Tiers over a FakeModel; the pool segment is unlinked afterwards, whatever happens."""
     config = load_config(None, {"hot_slots": hot_slots, "prefix_slots": 0, **(config_text or {})})
     model = FakeModel(context_size=context_size, hot_slots=hot_slots)
@@ -35,32 +35,32 @@ def tiers_on_fake_model(
     pool = Pool.open(name, pool_bytes, config.max_sessions, model.fingerprint, model.kv_layout)
     try:
         spill = SpillDir(tmp / "spill", spill_bytes)
-        yield Tiers(model, pool, spill, SessionTable(config, model.context_size), config)  # type: ignore[arg-type]
+        yield KvManager(model, pool, spill, SessionTable(config, model.context_size), config)  # type: ignore[arg-type]
     finally:
         pool.close()
         Pool.unlink(name)
 
 
-def open_session(tiers: Tiers, task: str = "default") -> Session:
+def open_session(kv: KvManager, task: str = "default") -> Session:
     """As the open handler does: a pool entry, then the session."""
     session_id, token = secrets.token_hex(8), secrets.token_hex(16)
-    entry = tiers.pool.claim(session_id, token, task)
+    entry = kv.pool.claim(session_id, token, task)
     assert entry is not None
-    s = Session(id=session_id, token=token, task=task, entry=entry, context_limit=tiers.sessions.context_limit(task))
-    tiers.sessions.add(s)
+    s = Session(id=session_id, token=token, task=task, entry=entry, context_limit=kv.sessions.context_limit(task))
+    kv.sessions.add(s)
     return s
 
 
-def compute(tiers: Tiers, s: Session, n: int) -> None:
+def compute(kv: KvManager, s: Session, n: int) -> None:
     """What a turn does to the KV: take a hot slot, then n more tokens computed into it."""
-    assert tiers.make_resident(s), "no hot slot could be had"
-    model = tiers.model
+    assert kv.make_resident(s), "no hot slot could be had"
+    model = kv.model
     assert isinstance(model, FakeModel) and s.slot is not None
     assert model.fill(s.slot, s.n_kv, n)
     s.tokens.extend(range(len(s.tokens), len(s.tokens) + n))
-    s.n_kv += n
+    kv.fed(s, n)
     s.last_used = time.monotonic()
 
 
-def config_of(tiers: Tiers) -> Config:
-    return tiers.config
+def config_of(kv: KvManager) -> Config:
+    return kv.config

@@ -118,3 +118,64 @@ def test_docs_architecture_names_every_module_bench_script_and_page() -> None:
         end = next(i for i in range(start + 1, len(rows)) if not rows[i].startswith(" "))
         for name in re.findall(rf"[\w.-]+{re.escape(suffix)}", " ".join(rows[start:end])):
             assert (ROOT / folder / name).exists(), f"docs/architecture.md names {folder}/{name}, which does not exist"
+
+
+# The KV manager: its facade and the snapshot path behind it, and recovery rebuilding placement at a start.
+KV_MANAGER = {
+    "kvpool.daemon.kv.manager",
+    "kvpool.daemon.kv.checkpoints",
+    "kvpool.daemon.kv.room",
+    "kvpool.daemon.kv.compression",
+    "kvpool.daemon.kv.disk_writes",
+    "kvpool.daemon.kv.recovery",
+    "kvpool.daemon.kv.opening",
+    "kvpool.daemon.kv.prefix.cache",  # (a shared prefix's own place: its snapshot, its sequence)
+}
+PLACE_FIELDS = {"slot", "n_kv", "snapshot", "prefix", "prefix_len", "shares_hot", "boundary", "saved_bytes"}
+
+
+def test_only_the_kv_manager_moves_a_session() -> None:
+    """A session's place changes in kv/place.py only, through moves only the KV manager makes: no other module
+    reaches a session's ``place``, imports the moves, or assigns a placement field of anything but itself."""
+    known = modules()
+    offenders = []
+    for name, path in known.items():
+        if name == "kvpool.daemon.kv.place":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "place" and name != "kvpool.daemon.kv.sessions":
+                offenders.append(f"{name}:{node.lineno} reaches .place")
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign)
+                else []
+            )
+            for target in targets:
+                for t in ast.walk(target):
+                    if (
+                        name not in KV_MANAGER
+                        and isinstance(t, ast.Attribute)
+                        and t.attr in PLACE_FIELDS
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                    ):
+                        offenders.append(f"{name}:{t.lineno} assigns .{t.attr}")
+        if "kvpool.daemon.kv.place" in imports_of(path, name, known) and name not in KV_MANAGER | {
+            "kvpool.daemon.kv.sessions"
+        }:
+            offenders.append(f"{name} imports the moves (kv/place.py)")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_a_sessions_place_is_read_only_outside_the_kv_manager() -> None:
+    from kvpool.daemon.kv.sessions import Session
+
+    s = Session(id="s", token="t", task="default", entry=0, context_limit=64)
+    for name in PLACE_FIELDS:
+        try:
+            setattr(s, name, 1)
+        except AttributeError:
+            continue
+        raise AssertionError(f"Session.{name} can be assigned")

@@ -63,9 +63,9 @@ def engine_on_fake_model(tmp: Path, *, hot_slots: int = 2, context_size: int = 6
     """An engine over the fake model's tiers: first come first served (its plans do not depend on a clock) and no
     calibration (nothing to measure)."""
     config = {"scheduling": "fcfs", "calibrate": False}
-    with tiers_on_fake_model(tmp, hot_slots=hot_slots, context_size=context_size, config_text=config) as tiers:
+    with tiers_on_fake_model(tmp, hot_slots=hot_slots, context_size=context_size, config_text=config) as kv:
         replies = Replies()
-        yield Engine(tiers.model, tiers.config, tiers, replies.send, "test"), replies  # type: ignore[arg-type]
+        yield Engine(kv.model, kv.config, kv, replies.send, "test"), replies  # type: ignore[arg-type]
 
 
 def generate(request_id: int, s: Session, prompt: int, stop: list[str] | None = None) -> p.Generate:
@@ -101,8 +101,8 @@ def fake(engine: Engine) -> FakeModel:
 
 def test_a_full_kv_hibernates_an_idle_session_and_the_step_is_retried(tmp_path: Path) -> None:
     with engine_on_fake_model(tmp_path, context_size=64) as (engine, replies):
-        idle, talker = open_session(engine.tiers), open_session(engine.tiers)
-        compute(engine.tiers, idle, 40)  # hot and idle: 40 of the 64 cells
+        idle, talker = open_session(engine.kv), open_session(engine.kv)
+        compute(engine.kv, idle, 40)  # hot and idle: 40 of the 64 cells
         start(engine, generate(1, talker, prompt=30))  # 30 more do not fit
         engine.step()
         assert engine.counters.kv_full_events == 1 and fake(engine).decodes == 1
@@ -111,12 +111,12 @@ def test_a_full_kv_hibernates_an_idle_session_and_the_step_is_retried(tmp_path: 
         final = replies.last(1)
         assert isinstance(final, p.Final) and final.finish_reason == FinishReason.LENGTH
         assert final.usage.completion_tokens == 2 and talker.n_kv == 31  # the retried step fed all 30
-        assert engine.counters.kv_full_events == 1 and idle.id in engine.tiers.sessions.by_id
+        assert engine.counters.kv_full_events == 1 and idle.id in engine.kv.sessions.by_id
 
 
 def test_a_full_kv_with_nobody_idle_ends_the_generation_holding_the_most_context(tmp_path: Path) -> None:
     with engine_on_fake_model(tmp_path, context_size=48) as (engine, replies):
-        longer, shorter = open_session(engine.tiers), open_session(engine.tiers)
+        longer, shorter = open_session(engine.kv), open_session(engine.kv)
         start(engine, generate(1, longer, prompt=30))
         start(engine, generate(2, shorter, prompt=25, stop=["xx"]))  # the fake's tokens read "x" each
         engine.step()  # 55 tokens (one batch) for 48 cells, and no idle session to give way
@@ -127,13 +127,13 @@ def test_a_full_kv_with_nobody_idle_ends_the_generation_holding_the_most_context
         step_until_done(engine, replies, 2)  # the other one goes on alone
         final = replies.last(2)
         assert isinstance(final, p.Final) and final.finish_reason == FinishReason.STOP
-        assert final.usage.completion_tokens == 2 and {longer.id, shorter.id} <= set(engine.tiers.sessions.by_id)
+        assert final.usage.completion_tokens == 2 and {longer.id, shorter.id} <= set(engine.kv.sessions.by_id)
 
 
 @pytest.mark.parametrize("rc", [-1, 2])
 def test_a_failed_decode_closes_the_sessions_of_that_step_with_internal(tmp_path: Path, rc: int) -> None:
     with engine_on_fake_model(tmp_path) as (engine, replies):
-        a, b, bystander = (open_session(engine.tiers) for _ in range(3))
+        a, b, bystander = (open_session(engine.kv) for _ in range(3))
         start(engine, generate(1, a, prompt=5))
         start(engine, generate(2, b, prompt=5))
         fake(engine).fail_next_decodes(rc)
@@ -142,14 +142,14 @@ def test_a_failed_decode_closes_the_sessions_of_that_step_with_internal(tmp_path
             error = replies.last(request_id)
             assert isinstance(error, p.Error) and error.code == ErrorCode.INTERNAL
             assert f"code {rc}" in error.message and "closed" in error.message
-        sessions = engine.tiers.sessions.by_id
+        sessions = engine.kv.sessions.by_id
         assert a.id not in sessions and b.id not in sessions and bystander.id in sessions  # its KV is unknown
-        assert engine.tiers.pool.usage().entries_used == 1 and engine.counters.errors["INTERNAL"] == 2
+        assert engine.kv.pool.usage().entries_used == 1 and engine.counters.errors["INTERNAL"] == 2
 
 
 def test_a_step_that_raises_ends_every_generation_with_internal_and_the_engine_goes_on(tmp_path: Path) -> None:
     with engine_on_fake_model(tmp_path) as (engine, replies):
-        a, b = open_session(engine.tiers), open_session(engine.tiers)
+        a, b = open_session(engine.kv), open_session(engine.kv)
         fake(engine).fail_next_decodes(RuntimeError("a bug in a step"))
         engine.submit(CLIENT, generate(1, a, prompt=5))  # both in the engine's first step
         engine.submit(CLIENT, generate(2, b, prompt=5))
@@ -167,4 +167,4 @@ def test_a_step_that_raises_ends_every_generation_with_internal_and_the_engine_g
             engine.stopping.set()
             thread.join(WAIT_S)
         assert not thread.is_alive()
-        assert {a.id, b.id} <= set(engine.tiers.sessions.by_id) and fake(engine).decodes >= 3
+        assert {a.id, b.id} <= set(engine.kv.sessions.by_id) and fake(engine).decodes >= 3

@@ -18,7 +18,7 @@ from kvpool.daemon.kv.codec.state_format import MAGIC, StateFormatError, parse, 
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.codec.transcode import Target, decode_rows, transcode
 from kvpool.daemon.kv.pool.checksum import checksum
-from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
+from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
 from kvpool.daemon.llama.kv_settings import KvSettings, KvSettingsError, resolve_kv_settings
 from kvpool.daemon.llama.memory_plan import model_shape
 from kvpool.daemon.llama.model import Model

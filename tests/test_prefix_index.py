@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvpool.daemon.engine.step_plan import plan_fcfs
+from kvpool.daemon.kv import place
 from kvpool.daemon.kv.policy import prefix_eviction_order
 from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
-from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.index import Prefix, PrefixIndex, block_keys, shareable_length
 from kvpool.daemon.kv.sessions import Session
 
@@ -86,24 +86,24 @@ def snapshot(prefix_entry: int, prefix_len: int) -> Snapshot:
 def test_a_snapshot_names_its_prefix_only_if_the_tokens_agree() -> None:
     p = prefix(list(range(20)), entry=3)
     s = session([*range(20), 7, 7])
-    prefix_links.attach(s, p, 20, hot=False)
-    assert prefix_links.consistent(s, snapshot(3, 20))
-    assert not prefix_links.consistent(s, snapshot(4, 20))  # another entry
-    assert not prefix_links.consistent(s, snapshot(3, 21))  # longer than the prefix
+    place.attach(s, p, 20, hot=False)
+    assert place.consistent(s, snapshot(3, 20))
+    assert not place.consistent(s, snapshot(4, 20))  # another entry
+    assert not place.consistent(s, snapshot(3, 21))  # longer than the prefix
     p.tokens[5] = 99  # the entry was reused by a prefix with other tokens
-    assert not prefix_links.consistent(s, snapshot(3, 20))
+    assert not place.consistent(s, snapshot(3, 20))
 
 
 def test_counts_follow_a_session_through_its_moves() -> None:
     first, longer = prefix(list(range(16)), entry=1), prefix(list(range(40)), entry=2)
     s = session(list(range(48)))
-    prefix_links.attach(s, first, 16, hot=True)
-    prefix_links.move_to(s, longer, 40)  # it made a longer prefix from its own cells: it moves there
+    place.attach(s, first, 16, hot=True)
+    place.move_to(s, longer, 40)  # it made a longer prefix from its own cells: it moves there
     assert (first.users, first.hot_users, longer.users, longer.hot_users) == (0, 0, 1, 1)
-    s.snapshot = snapshot(2, 40)  # a suffix-only snapshot on the longer prefix
-    prefix_links.leave_hot(s)  # hibernated: still a user (its snapshot needs the prefix), no longer hot
+    place.commit(s, snapshot(2, 40))  # a suffix-only snapshot on the longer prefix
+    place.leave_hot(s)  # hibernated: still a user (its snapshot needs the prefix), no longer hot
     assert (longer.users, longer.hot_users, s.prefix) == (1, 0, longer)
-    prefix_links.rejoin_hot(s)
-    s.snapshot = snapshot(-1, 0)  # a whole snapshot: it needs the prefix only while it shares the cells
-    prefix_links.leave_hot(s)
+    place.rejoin_hot(s)
+    place.commit(s, snapshot(-1, 0))  # a whole snapshot: it needs the prefix only while it shares the cells
+    place.leave_hot(s)
     assert (longer.users, longer.hot_users, s.prefix) == (0, 0, None)

@@ -70,3 +70,17 @@ def test_a_request_is_lost_to_a_restart_only_if_the_old_daemon_heard_it() -> Non
     assert not watch.lost(sent=2.7)  # sent after: the new daemon got it
     watch.heard(p.Pong(instance="new"), now=4.0)
     assert watch.restarted_at == 3.0  # the same daemon again: no new restart
+
+
+def test_every_sampler_setting_is_a_generate_field_with_the_samplers_default() -> None:
+    """The daemon copies a request's sampler fields by name (engine/requests.py): a setting missing from Generate,
+    or with another default, would be silently dropped or changed."""
+    import dataclasses
+
+    from kvpool.daemon.llama.model.sampling import SamplingParams
+
+    generate = {f.name: f.default for f in msgspec.structs.fields(p.Generate)}
+    for f in dataclasses.fields(SamplingParams):
+        assert f.name in generate, f"SamplingParams.{f.name} has no Generate field"
+        if f.name not in ("logit_bias", "grammar"):  # (a dict on the wire; a grammar from grammar or json_schema)
+            assert generate[f.name] == f.default, f"{f.name}: Generate's default differs from the sampler's"

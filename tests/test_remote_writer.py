@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.daemon.kv.place import SessionPlace
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.kv.spill_dir import SpillDir
 from kvpool.daemon.remote import record as rec
 from kvpool.daemon.remote import tier
 from kvpool.daemon.remote.record import Keys
@@ -56,7 +57,9 @@ def checkpoint_job(pool: Pool, session: str, fill: int) -> Job:
     index = pool.claim(session, "t" * 32, "voice")
     assert index is not None
     write_snapshot(pool, index, bytes([fill]) * 40_000, TOKENS)
-    s = Session(session, "t" * 32, "voice", index, context_limit=1024, snapshot=pool.committed(index))
+    s = Session(
+        session, "t" * 32, "voice", index, context_limit=1024, place=SessionPlace(snapshot=pool.committed(index))
+    )
     return tier.checkpoint_job(s, pool, FINGERPRINT, LAYOUT)
 
 

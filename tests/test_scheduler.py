@@ -18,16 +18,17 @@ from kvpool import protocol as p
 from kvpool.daemon.engine import cost_model
 from kvpool.daemon.engine.cost_model import CostModel, StepShape, calibrate
 from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.moves import next_work
 from kvpool.daemon.engine.scheduler import Budget, Scheduler
 from kvpool.daemon.engine.step_plan import MIN_CHUNK, plan_budgeted, plan_fcfs, steps_for
 from kvpool.daemon.engine.stream_text import StreamText
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 from .fake_model import FakeModel, FakeSampler
-from .kv_in_process import open_session, tiers_on_fake_model
+from .kv_in_process import compute, open_session, tiers_on_fake_model
 
 
 @dataclass(eq=False)
@@ -238,15 +239,24 @@ TASKS = {
 }
 
 
-def scheduler_on(tiers: Tiers) -> tuple[Scheduler, list[tuple[Generation, RequestRefused]]]:
-    refused: list[tuple[Generation, RequestRefused]] = []
-    return Scheduler(tiers.config, tiers, 64, lambda g, why: refused.append((g, why))), refused
+def scheduler_on(kv: KvManager) -> tuple[Scheduler, list[tuple[Generation, RequestRefused]]]:
+    return Scheduler(kv.config, kv.sessions, 64), []
+
+
+def next_step(scheduler: Scheduler, kv: KvManager, refused: list[tuple[Generation, RequestRefused]]) -> list:
+    """What the engine does before a step: the scheduler's moves applied, and the step's work."""
+
+    def refuse(g: Generation, why: RequestRefused) -> None:
+        scheduler.remove(g)
+        refused.append((g, why))
+
+    return next_work(scheduler, kv, refuse)
 
 
 def test_admission_refuses_a_first_token_that_cannot_make_its_budget(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as tiers:
-        scheduler, _ = scheduler_on(tiers)  # the uncalibrated prior: 10 ms a step and 2 ms a token
-        voice, background = open_session(tiers, "voice"), open_session(tiers, "background")
+    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as kv:
+        scheduler, _ = scheduler_on(kv)  # the uncalibrated prior: 10 ms a step and 2 ms a token
+        voice, background = open_session(kv, "voice"), open_session(kv, "background")
         now = time.monotonic()
         budget = scheduler.admit(voice, None, prompt_tokens=20, received_at=now)
         assert budget.ttft_s == pytest.approx(0.3) and not budget.best_effort
@@ -259,9 +269,9 @@ def test_admission_refuses_a_first_token_that_cannot_make_its_budget(tmp_path: P
 
 
 def test_admission_caps_a_tasks_queue(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as tiers:
-        scheduler, _ = scheduler_on(tiers)
-        voices = [open_session(tiers, "voice") for _ in range(3)]
+    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as kv:
+        scheduler, _ = scheduler_on(kv)
+        voices = [open_session(kv, "voice") for _ in range(3)]
         for s in voices[:2]:
             scheduler.add(generation(s, scheduler.admit(s, None, 4, time.monotonic())))
         assert all(s.busy for s in voices[:2]) and scheduler.in_flight("voice") == 2
@@ -271,27 +281,41 @@ def test_admission_caps_a_tasks_queue(tmp_path: Path) -> None:
 
 
 def test_a_deadline_bound_request_swaps_out_best_effort_work_that_holds_the_only_slot(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as tiers:
-        scheduler, refused = scheduler_on(tiers)
-        background, voice = open_session(tiers, "background"), open_session(tiers, "voice")
+    with tiers_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as kv:
+        scheduler, refused = scheduler_on(kv)
+        background, voice = open_session(kv, "background"), open_session(kv, "voice")
         slow = generation(background, scheduler.admit(background, None, 8, time.monotonic()), prompt=8)
         scheduler.add(slow)
-        assert [w.item for w in scheduler.schedule()] == [slow] and background.tier == "hot"
-        compute_fed(slow, 8, tiers.model)  # type: ignore[arg-type]
+        assert [w.item for w in next_step(scheduler, kv, refused)] == [slow] and background.tier == "hot"
+        compute_fed(slow, 8, kv)
         urgent = generation(voice, scheduler.admit(voice, None, 4, time.monotonic()))
         scheduler.add(urgent)
-        plan = scheduler.schedule()
+        plan = next_step(scheduler, kv, refused)
         assert [w.item for w in plan] == [urgent] and voice.tier == "hot" and background.tier == "pool"
         assert scheduler.waiting == [slow] and scheduler.task_stats["background"].preemptions == 1
         assert not refused
         scheduler.remove(urgent)  # the voice turn ends; the best-effort one resumes where it stopped
         voice.busy = False
-        assert [w.item for w in scheduler.schedule()] == [slow] and background.n_kv == 8 and slow.pending_tokens == 1
+        assert [w.item for w in next_step(scheduler, kv, refused)] == [slow]
+        assert background.n_kv == 8 and slow.pending_tokens == 1
 
 
-def compute_fed(g: Generation, n: int, model: FakeModel) -> None:
+def compute_fed(g: Generation, n: int, kv: KvManager) -> None:
     """What a step does for ``g``: ``n`` pending tokens into the KV, then (its prompt done) one sampled token."""
-    s = g.session
-    assert s.slot is not None and model.fill(s.slot, s.n_kv, n)
-    s.n_kv += n
+    s, model = g.session, kv.model
+    assert isinstance(model, FakeModel) and s.slot is not None and model.fill(s.slot, s.n_kv, n)
+    kv.fed(s, n)
     s.tokens.append(42)
+
+
+def test_an_idle_session_gives_its_slot_through_a_hibernate_move(tmp_path: Path) -> None:
+    with tiers_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as kv:
+        scheduler, refused = scheduler_on(kv)
+        idle, talker = open_session(kv), open_session(kv)
+        compute(kv, idle, 6)  # hot, not generating: the only slot
+        g = generation(talker, scheduler.admit(talker, None, 4, time.monotonic()))
+        scheduler.add(g)
+        assert [w.item for w in next_step(scheduler, kv, refused)] == [g] and not refused
+        assert idle.tier == "pool" and idle.snapshot is not None and idle.snapshot.n_kv == 6
+        assert talker.tier == "hot" and scheduler.running == [g] and scheduler.waiting == []
+        assert talker.restore_seconds > 0  # the hibernation it waited for counts as its restore

@@ -13,7 +13,7 @@ import psutil
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.scheduler import Scheduler
-from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.serve.liveness import Liveness
 from kvpool.protocol import ErrorCode
 from kvpool.protocol.status import Counters
@@ -24,11 +24,11 @@ Cut = Callable[[Generation, ErrorCode, str, float], None]
 
 class Housekeeping:
     def __init__(
-        self, config: Config, scheduler: Scheduler, tiers: Tiers, counters: Counters, cut: Cut, liveness: Liveness
+        self, config: Config, scheduler: Scheduler, kv: KvManager, counters: Counters, cut: Cut, liveness: Liveness
     ):
         """``liveness``: what the I/O thread knows of each client; ``cut``: Engine.cut, which ends a generation
         the daemon has to stop with an error."""
-        self.config, self.scheduler, self.tiers, self.counters, self.cut = config, scheduler, tiers, counters, cut
+        self.config, self.scheduler, self.kv, self.counters, self.cut = config, scheduler, kv, counters, cut
         self.liveness = liveness
         self._next_client_check = 0.0
         self._next_memory_check = 0.0
@@ -94,6 +94,6 @@ class Housekeeping:
         if timeout <= 0 or now < self._next_expiry_check:
             return
         self._next_expiry_check = now + 1.0  # a scan per second is plenty for timeouts counted in seconds
-        for s in self.tiers.sessions.idle_longer_than(timeout, now):
+        for s in self.kv.sessions.idle_longer_than(timeout, now):
             log.info("session %s (%s tier) expired after %.0f s idle", s.id, s.tier, timeout)
-            self.tiers.drop(s)
+            self.kv.drop(s)

@@ -21,12 +21,13 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.engine.calibration import calibrate_on_slot
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.housekeeping import Housekeeping
+from kvpool.daemon.engine.moves import next_work
 from kvpool.daemon.engine.requests import RequestHandlers
 from kvpool.daemon.engine.runner import Runner, StepOutcome
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.step_plan import Work
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.model import Model, Sampled
 from kvpool.daemon.ops.status_report import status_of
 from kvpool.daemon.preload.preloader import Preloader
@@ -53,7 +54,7 @@ class Engine:
         self,
         model: Model,
         config: Config,
-        tiers: Tiers,
+        kv: KvManager,
         send: Send,
         daemon_version: str,
         frame_errors: Counter[str] | None = None,
@@ -67,11 +68,11 @@ class Engine:
         self.model = model
         self.workers = workers  # the rpc workers the model is split across (None: all local)
         self.config = config
-        self.tiers = tiers
+        self.kv = kv
         self.send = send
         self.daemon_version = daemon_version
         self.counters = Counters()
-        self.scheduler = Scheduler(config, tiers, model.step_tokens, self._refused_admission)
+        self.scheduler = Scheduler(config, kv.sessions, model.step_tokens)
         self.runner = Runner(model)
         self.last_step_seconds = 0.0
         self.heartbeat = time.monotonic()
@@ -83,14 +84,14 @@ class Engine:
         self.started = time.monotonic()
         self._inbox_lock = threading.Lock()
         self._inbox_closed = False
-        self.preloader = preloader if preloader is not None else Preloader(tiers, "off", 0.0)
+        self.preloader = preloader if preloader is not None else Preloader(kv, "off", 0.0)
         self.remote: CrossNode = (
-            RemoteRequests(remote, tiers, self.preloader, self.submit) if remote is not None else NoRemote()
+            RemoteRequests(remote, kv, self.preloader, self.submit) if remote is not None else NoRemote()
         )
         self.handlers = RequestHandlers(
             model,
             config,
-            tiers,
+            kv,
             self.scheduler,
             self.finish,
             self.status,
@@ -101,7 +102,7 @@ class Engine:
         self.housekeeping = Housekeeping(
             config,
             self.scheduler,
-            tiers,
+            kv,
             self.counters,
             self.cut,
             liveness or Liveness(0),  # kept by the I/O thread
@@ -139,13 +140,12 @@ class Engine:
             self.workers.check(idle=self.scheduler.idle)
         self.preloader.predict()
         self.remote.between_steps()
-        plan = self.scheduler.schedule()
+        plan = next_work(self.scheduler, self.kv, self._refused_admission)
         if not plan:
             if not self.scheduler.idle:  # its generations wait for their clients (or a slot): do not spin
                 self._take_requests(PAUSED_WAIT_S)
             return
-        if self.model.deterministic:
-            self.tiers.ensure_room(sum(w.n_tokens for w in plan), pad=True)
+        self.kv.room_for_step(sum(w.n_tokens for w in plan))
         started = time.monotonic()
         outcome = self.runner.run(plan)
         self._postprocess(plan, outcome, started)
@@ -167,7 +167,7 @@ class Engine:
         # The KV now holds every fed token: record that for the whole step before anything can fail.
         for work in plan:
             work.item.note_step(started)
-            work.item.session.n_kv += work.n_tokens
+            self.kv.fed(work.item.session, work.n_tokens)
             if work.item.completion_tokens == 0:  # fed before its first sampled token: prompt (or system prompt)
                 self.counters.prompt_tokens += work.n_tokens
         for work in plan:
@@ -186,16 +186,15 @@ class Engine:
         """Its system prompt is in the KV now: share it from here on. Sharing is an optimisation: a failure
         costs the sharing, not the session."""
         try:
-            self.tiers.make_prefix(session)
+            self.kv.make_prefix(session)
         except Exception:
             log.exception("could not make a shared prefix from session %s", session.id)
 
     def _calibrate(self) -> None:
         """Start the cost model from this machine's speed (budgets need it; fcfs does not)."""
-        if self.config.calibrate and self.config.scheduling != "fcfs" and self.tiers.free_slots:
-            calibrate_on_slot(self.model, self.tiers.free_slots[-1], self.scheduler.cost)
-            if self.model.deterministic:
-                self.tiers.compact()  # the calibration's cells went to the graveyard
+        if self.config.calibrate and self.config.scheduling != "fcfs" and self.kv.free_slots:
+            calibrate_on_slot(self.model, self.kv.free_slots[-1], self.scheduler.cost)
+            self.kv.reclaim()  # the calibration's cells
 
     def _take_requests(self, wait: float) -> None:
         try:
@@ -250,7 +249,7 @@ class Engine:
         """A waiting generation the scheduler could not give a hot slot: it ends with the reason."""
         self._abandon(g, refused.code, refused.message)
         if refused.code == ErrorCode.SESSION_CORRUPT:
-            self.tiers.drop(g.session)
+            self.kv.drop(g.session)
 
     # ------------------------------------------------------------------ tokens
 
@@ -305,7 +304,7 @@ class Engine:
             self.send(g.client, p.Chunk(id=g.request.id, text=rest, tokens=[]))
         self._release(g)
         g.session.last_used = now
-        self.tiers.pool.touch(g.session.entry)  # a restarted daemon times the session out from here, not from its start
+        self.kv.pool.touch(g.session.entry)  # a restarted daemon times the session out from here, not from its start
         stats = self.scheduler.task_stats[g.session.task]
         stats.late_tokens += g.late_tokens
         if g.completion_tokens > 1 and g.first_token_at is not None and g.last_token_at is not None:
@@ -313,13 +312,13 @@ class Engine:
         if checkpoint and self.config.checkpoint == "after_generate" and g.session.slot is not None:
             before = g.session.snapshot
             try:
-                self.tiers.checkpoint(g.session)
+                self.kv.checkpoint(g.session)
             except (RequestRefused, OSError) as exc:  # the session stays resident and usable, just not durable
                 log.warning("checkpoint of session %s failed: %s", g.session.id, exc)
                 if g.session.snapshot is before:  # (a failure after the commit, e.g. removing the old file, is not)
                     # Its older snapshot lacks this turn: a daemon restarted from it would answer the next turn as
                     # if this one never happened. Give it up, so that a crash before the next checkpoint evicts.
-                    self.tiers.give_up_snapshot(g.session)
+                    self.kv.give_up_snapshot(g.session)
 
     def _record_first_token(self, g: Generation, now: float) -> None:
         stats = self.scheduler.task_stats[g.session.task]
@@ -345,9 +344,8 @@ class Engine:
         room and retry next step; if none is idle, the generation with the most context is cut (KV_FULL)."""
         self.counters.kv_full_events += 1
         try:
-            if self.tiers.free_cells(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
-                if self.model.deterministic:
-                    self.tiers.compact()  # what was freed went to the graveyard: take it back now
+            if self.kv.free_cells(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
+                self.kv.reclaim()
                 return
         except RequestRefused as refused:
             log.warning("could not hibernate idle sessions to free KV cells: %s", refused.message)
@@ -376,7 +374,7 @@ class Engine:
                 ErrorCode.INTERNAL,
                 f"llama.cpp failed to decode (code {rc}); this session was closed, open a new one.",
             )
-            self.tiers.drop(g.session)
+            self.kv.drop(g.session)
 
     def _fail_all(self) -> None:
         for g in self.scheduler.generations():
@@ -399,10 +397,10 @@ class Engine:
         for g in list(self.scheduler.waiting):
             self._abandon(g, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts.")
         # A clean stop loses nothing: every resident session is checkpointed, whatever the policy.
-        for s in list(self.tiers.resident.values()):
+        for s in list(self.kv.resident.values()):
             if not s.checkpoint_fresh:
                 try:
-                    self.tiers.checkpoint(s)
+                    self.kv.checkpoint(s)
                 except (RequestRefused, OSError) as exc:
                     log.error("could not checkpoint session %s at stop: %s", s.id, exc)
         with self._inbox_lock:  # from here on the I/O thread answers new requests itself
@@ -419,7 +417,7 @@ class Engine:
     def summary(self) -> str:
         """One line for systemd's STATUS= (read from the watchdog thread: plain counts only)."""
         return (
-            f"{len(self.tiers.sessions.by_id)} sessions ({len(self.tiers.resident)} hot), "
+            f"{len(self.kv.sessions.by_id)} sessions ({len(self.kv.resident)} hot), "
             f"{len(self.scheduler.running)} generating, {len(self.scheduler.waiting)} waiting, "
             f"{self.counters.generated_tokens} tokens generated"
         )
@@ -433,7 +431,7 @@ class Engine:
             heartbeat=self.heartbeat,
             config=self.config,
             model=self.model,
-            tiers=self.tiers,
+            kv=self.kv,
             scheduler=self.scheduler,
             counters=self.counters,
             frame_errors=self.frame_errors,

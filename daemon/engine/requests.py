@@ -17,11 +17,18 @@ from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.stream_text import StreamText
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.opening import create_session
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.llama.constraints import ConstraintError, parse_schema
-from kvpool.daemon.llama.model import Grammar, GrammarError, Model, SamplingParams, json_schema_grammar
+from kvpool.daemon.llama.model import (
+    SAMPLER_FIELDS,
+    Grammar,
+    GrammarError,
+    Model,
+    SamplingParams,
+    json_schema_grammar,
+)
 from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote.interface import CrossNode, Handler
@@ -40,7 +47,7 @@ class RequestHandlers:
         self,
         model: Model,
         config: Config,
-        tiers: Tiers,
+        kv: KvManager,
         scheduler: Scheduler,
         finish: Finish,
         status: Callable[[], DaemonStatus],
@@ -49,10 +56,10 @@ class RequestHandlers:
         preloader: Preloader,
     ):
         """``remote``: the cross-node tier (NoRemote without one); ``preloader``: told of hints and turns."""
-        self.model, self.config, self.tiers, self.scheduler = model, config, tiers, scheduler
+        self.model, self.config, self.kv, self.scheduler = model, config, kv, scheduler
         self.remote, self.preloader = remote, preloader
-        self.sessions = tiers.sessions
-        self.pool = tiers.pool
+        self.sessions = kv.sessions
+        self.pool = kv.pool
         self.finish, self._status, self.daemon_version = finish, status, daemon_version
         self._multiplexers: dict[bytes, None] = {}  # connections that said they multiplex users, oldest first
         self.by_type: dict[type, Handler] = {
@@ -115,7 +122,7 @@ class RequestHandlers:
                 age_s=round(now - s.created, 3),
                 shared_tokens=s.prefix_len if s.prefix is not None else 0,
                 saved=(s.snapshot.n_tokens if s.snapshot else 0) == len(s.tokens),
-                kv_type=self.tiers.codec.name(s.snapshot.kv_type) if s.snapshot and s.snapshot.n_kv else "",
+                kv_type=self.kv.codec.name(s.snapshot.kv_type) if s.snapshot and s.snapshot.n_kv else "",
                 remote=self.remote.where(s),
             )
             for s in self.sessions.by_id.values()
@@ -140,7 +147,7 @@ class RequestHandlers:
             boundary=len(system),
         )
         if system:
-            self.tiers.record_tokens(s)
+            self.kv.record_tokens(s)
         log.info("session %s opened for task %s", s.id, s.task)
         return session_opened(r.id, s)
 
@@ -205,7 +212,7 @@ class RequestHandlers:
         g = self.scheduler.generation_of(s)
         if g is not None:  # no checkpoint: the session is about to go
             self.finish(g, FinishReason.CANCELLED, time.monotonic(), checkpoint=False)
-        self.tiers.drop(s)
+        self.kv.drop(s)
         self.remote.closed(s)
         return p.Closed(id=r.id, session=s.id)
 
@@ -266,7 +273,7 @@ class RequestHandlers:
             )
         to_compute = len(new) + s.pending_tokens
         if s.n_kv == 0 and s.prefix is None:  # the part a shared prefix holds will not be computed
-            match = self.tiers.prefixes.match(s.tokens + new, most=len(s.tokens) + len(new) - 1)
+            match = self.kv.prefixes.match(s.tokens + new, most=len(s.tokens) + len(new) - 1)
             to_compute -= match[1] if match else 0
         params = self._sampling(r)
         replay = self._replay(r, s.tokens + new)
@@ -297,21 +304,9 @@ class RequestHandlers:
 
     def _sampling(self, r: p.Generate) -> SamplingParams:
         self._checked_tokens([*r.logit_bias, *r.grammar_trigger_tokens])
-        return SamplingParams(
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            min_p=r.min_p,
-            typical_p=r.typical_p,
-            repeat_penalty=r.repeat_penalty,
-            repeat_last_n=r.repeat_last_n,
-            presence_penalty=r.presence_penalty,
-            frequency_penalty=r.frequency_penalty,
-            logit_bias=tuple(sorted(r.logit_bias.items())),
-            seed=r.seed,
-            logprobs=r.logprobs,
-            grammar=self._grammar(r),
-        )
+        # The request's sampler fields carry SamplingParams' names (tests/test_protocol.py checks they match).
+        same = {name: getattr(r, name) for name in SAMPLER_FIELDS if name not in ("logit_bias", "grammar")}
+        return SamplingParams(**same, logit_bias=tuple(sorted(r.logit_bias.items())), grammar=self._grammar(r))
 
     def _grammar(self, r: p.Generate) -> Grammar | None:
         """The request's grammar: its GBNF, or the one its JSON schema converts to (BAD_REQUEST with the reason

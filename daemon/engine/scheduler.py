@@ -1,13 +1,12 @@
-"""The scheduler: it owns the generations' queues and decides who runs, who waits and what each step feeds.
+"""The scheduler: it owns the generations' queues, their admission and their statistics.
 
 - ``waiting``: accepted generations whose session has no hot slot yet; ``running``: generations in a hot slot,
   fed by steps until they finish.
 - Admission (``admit``), when a request arrives: the task's queue limit, then its latency budgets. Under
   "budgets" a deadline-bound request whose first token cannot make its budget is refused at once, with the
   estimate, instead of being served late.
-- ``schedule()``, once a step: give waiting generations hot slots (restoring their KV), most urgent first, and
-  swap a running best-effort generation out for a deadline-bound one when every slot is busy; then plan the
-  step's chunks (engine/step_plan.py).
+- Once a step, ``view()`` is what engine/schedule.py decides from (who gets a hot slot, who is swapped out, what
+  the step feeds); the queues then follow the moves as engine/moves.py applies them (``start``, ``preempted``).
 Runs on the engine thread.
 """
 
@@ -16,15 +15,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.daemon.config import Config, TaskProfile
 from kvpool.daemon.engine.cost_model import CostModel, within
 from kvpool.daemon.engine.generation import Generation
-from kvpool.daemon.engine.step_plan import Work, plan_budgeted, plan_fcfs, steps_for, urgency
-from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.engine.schedule import SchedulerView
+from kvpool.daemon.engine.step_plan import steps_for
+from kvpool.daemon.kv import policy
+from kvpool.daemon.kv.manager import KvManager
+from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.ops.latency_stats import TaskStats
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
@@ -48,19 +48,10 @@ class Budget:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: Config,
-        tiers: Tiers,
-        batch_capacity: int,
-        on_refused: Callable[[Generation, RequestRefused], None],
-    ):
-        """``on_refused(g, why)``: a waiting generation could not get a hot slot (e.g. its snapshot is damaged);
-        the engine ends it with that error."""
+    def __init__(self, config: Config, sessions: SessionTable, batch_capacity: int):
         self.config = config
-        self.tiers = tiers
+        self.sessions = sessions
         self.capacity = batch_capacity
-        self.on_refused = on_refused
         self.cost = CostModel()
         self.waiting: list[Generation] = []
         self.running: list[Generation] = []
@@ -151,7 +142,7 @@ class Scheduler:
         must not wait behind a long prompt chunk)."""
         caps = [g.tpot_s for g in self.running if g.tpot_s and g.first_token_at is not None and not g.best_effort]
         for task, profile in self.config.tasks.items():
-            if profile.ttft_ms and not profile.best_effort and self.tiers.sessions.count(task):
+            if profile.ttft_ms and not profile.best_effort and self.sessions.count(task):
                 caps.append(profile.ttft_ms / 1000.0 * HEADROOM)
         return min(caps) if caps else None
 
@@ -169,69 +160,35 @@ class Scheduler:
         _, seconds = steps_for(ahead + prompt_tokens, decoders, position, self.capacity, self.cost, cap)
         return time.monotonic() - received_at + seconds
 
-    # ------------------------------------------------------------------ each step
+    # ------------------------------------------------------------------ each step (engine/schedule.py decides)
 
-    def schedule(self) -> list[Work[Generation]]:
-        """Admit waiting generations into hot slots, then plan what this step feeds (empty: nothing to run)."""
-        self._admit_waiting()
-        ready = [g for g in self.running if not g.paused]
-        if not ready:
-            return []
-        if self.config.scheduling == "fcfs":
-            return plan_fcfs(ready, self.capacity)
-        return plan_budgeted(ready, self.capacity, self.cost, self.step_time_cap())
+    def view(self, kv: KvManager, no_room: frozenset[int], closed: bool) -> SchedulerView[Generation, Session]:
+        """What schedule() reads, now."""
+        return SchedulerView(
+            waiting=tuple(self.waiting),
+            running=tuple(self.running),
+            free_slots=len(kv.free_slots),
+            idle_resident=tuple(policy.idle_resident(kv.resident.values())),
+            fcfs=self.config.scheduling == "fcfs",
+            capacity=self.capacity,
+            cost=self.cost,
+            time_cap=self.step_time_cap(),
+            prefix_sharing=kv.prefixes.enabled,
+            no_room=no_room,
+            closed=closed,
+        )
 
-    def _admit_waiting(self) -> None:
-        """Give waiting generations a hot slot (restoring their KV), most urgent first; a deadline-bound one
-        may swap out a running best-effort generation when every slot is generating."""
-        if self.config.scheduling != "fcfs":
-            self.waiting.sort(key=urgency)
-        # A generation whose session is still hot needs no slot: it runs at once. It must not queue behind one
-        # that needs a slot, because the slot it would wait for may be its own (a deadlock with one slot).
-        for g in [g for g in self.waiting if g.session.slot is not None]:
-            self.waiting.remove(g)
-            self._start(g)
-        while self.waiting:
-            g = self.waiting[0]
-            try:
-                resident = self.tiers.make_resident(g.session)
-                if not resident and self._preempt_for(g):
-                    resident = self.tiers.make_resident(g.session)
-                if not resident:
-                    return  # every slot is generating; try again next step
-            except RequestRefused as refused:
-                self.waiting.pop(0)
-                self.on_refused(g, refused)
-                continue
-            self.waiting.pop(0)
-            self._start(g)
-
-    def _start(self, g: Generation) -> None:
+    def start(self, g: Generation) -> None:
+        """``g``'s session is hot: it runs from this step on."""
+        self.waiting.remove(g)
         if g.new_tokens:  # first admission (a preempted generation comes back with nothing new)
             g.session.tokens.extend(g.new_tokens)
             g.new_tokens = []
         g.started = True
-        s = g.session
-        if s.n_kv == 0 and s.slot is not None and s.prefix is None and self.tiers.prefixes.enabled:
-            self.tiers.share_prefix(s)  # its first prompt: compute only what no shared prefix already holds
         self.running.append(g)
 
-    def _preempt_for(self, g: Generation) -> bool:
-        """Swap a running best-effort generation out to the pool (not recomputed: it resumes from the same
-        KV and sampler state, so its output does not change) to free a slot for deadline-bound ``g``."""
-        if self.config.scheduling == "fcfs" or g.best_effort:
-            return False
-        victims = [r for r in self.running if r.best_effort]
-        if not victims:
-            return False
-        victim = max(victims, key=lambda r: r.arrival)  # the newest best-effort work yields first
-        try:
-            self.tiers.hibernate(victim.session, preempt=True)
-        except RequestRefused as refused:  # no room to swap it out: g waits for a slot like anyone else
-            log.warning("could not preempt session %s: %s", victim.session.id, refused.message)
-            return False
+    def preempted(self, victim: Generation) -> None:
+        """``victim`` was swapped out of its slot: it queues again, to resume where it stopped."""
         self.running.remove(victim)
         self.waiting.append(victim)
         self.task_stats[victim.session.task].preemptions += 1
-        log.info("preempted best-effort session %s for deadline-bound session %s", victim.session.id, g.session.id)
-        return True

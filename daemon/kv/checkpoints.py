@@ -9,10 +9,12 @@ import ctypes
 import logging
 import time
 
+from kvpool.daemon.kv import place
 from kvpool.daemon.kv.codec.kv_types import KvType
 from kvpool.daemon.kv.codec.state_format import StateBytes
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
+from kvpool.daemon.kv.disk_writes import DiskWrites
 from kvpool.daemon.kv.pool.layout import (
     HOT_TYPES,
     NO_PREFIX,
@@ -23,12 +25,10 @@ from kvpool.daemon.kv.pool.layout import (
     with_tokens,
 )
 from kvpool.daemon.kv.pool.pool import Pool
-from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache
 from kvpool.daemon.kv.room import PoolRoom
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.spill import SpillDir
-from kvpool.daemon.kv.spilling import Spiller
+from kvpool.daemon.kv.spill_dir import SpillDir
 from kvpool.daemon.llama.model import Model
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
@@ -46,18 +46,18 @@ class SnapshotWriter:
         counts: TierCounters,
         codec: TierCodec,
         room: PoolRoom,
-        spiller: Spiller,
+        disk_writes: DiskWrites,
         whole: bool = False,
     ):
         """``whole``: checkpoints hold every cell, shared prefix included, so another node can restore them."""
         self.model, self.pool, self.spill, self.prefixes = model, pool, spill, prefixes
-        self.counts, self.codec, self.room, self.spiller = counts, codec, room, spiller
+        self.counts, self.codec, self.room, self.disk_writes = counts, codec, room, disk_writes
         self.whole_snapshots = whole
 
     def checkpoint(self, s: Session) -> None:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
         assert s.slot is not None
-        first = 0 if self.whole_snapshots else prefix_links.suffix_start(s)
+        first = 0 if self.whole_snapshots else place.suffix_start(s)
         with self.model.cells_from(s.slot, first) as source:
             state_bytes = self.model.state_size(source)
             if self.codec.compress_on_write and self.codec.pool_type is not None:
@@ -80,8 +80,8 @@ class SnapshotWriter:
             self.pool.allocator.free(extent)
             raise RequestRefused(ErrorCode.INTERNAL, f"llama.cpp saved {written} of {state_bytes} state bytes.")
         previous = s.snapshot
-        s.snapshot = self.pool.commit_written(
-            s.entry, extent, state_bytes, s.tokens, s.n_kv, *prefix_links.snapshot_ref(s, first)
+        place.commit(
+            s, self.pool.commit_written(s.entry, extent, state_bytes, s.tokens, s.n_kv, *place.snapshot_ref(s, first))
         )
         self._note_saved(s, first, state_bytes)
         if previous is not None and previous.tier == TIER_DISK:
@@ -106,17 +106,20 @@ class SnapshotWriter:
         started = time.perf_counter()
         state, kv_type = self._saved_state(source, raw_bytes, to)
         extent = self.room.allocate(payload_bytes(len(state), len(s.tokens)), pinned=s)
-        prefix_ref = prefix_links.snapshot_ref(s, first)
+        prefix_ref = place.snapshot_ref(s, first)
         if extent is None:
             payload = with_tokens(state, s.tokens)
-            self.spiller.write_disk(
+            self.disk_writes.write_disk(
                 s, memoryview(payload), len(state), len(s.tokens), s.n_kv, None, prefix_ref, kv_type, raw_bytes
             )
         else:
             self.pool.view(extent.offset, len(state))[:] = state
             previous = s.snapshot
-            s.snapshot = self.pool.commit_written(
-                s.entry, extent, len(state), s.tokens, s.n_kv, *prefix_ref, kv_type, raw_bytes
+            place.commit(
+                s,
+                self.pool.commit_written(
+                    s.entry, extent, len(state), s.tokens, s.n_kv, *prefix_ref, kv_type, raw_bytes
+                ),
             )
             if previous is not None and previous.tier == TIER_DISK:
                 self.spill.remove(s.id, previous.version)
@@ -129,8 +132,7 @@ class SnapshotWriter:
     def _note_saved(self, s: Session, first: int, state_bytes: int) -> None:
         """Bytes the new snapshot did not store again because it builds on a prefix (for status)."""
         assert s.slot is not None
-        s.saved_bytes = self.model.state_size(s.slot) - state_bytes if first else 0
-        prefix_links.settle(s)
+        place.note_saved(s, self.model.state_size(s.slot) - state_bytes if first else 0)
 
     def record_tokens(self, s: Session) -> None:
         """Commit a snapshot of a session's tokens alone (no KV yet: a session opened with a system prompt), so
@@ -142,7 +144,7 @@ class SnapshotWriter:
             log.warning("no free pool room for session %s's system prompt: it is kept in memory only", s.id)
             self.pool.mark_unsaved(s.entry)  # a crash before its first checkpoint evicts it, never empties it
             return
-        s.snapshot = self.pool.commit_written(s.entry, extent, 0, s.tokens, 0)
+        place.commit(s, self.pool.commit_written(s.entry, extent, 0, s.tokens, 0))
 
     def install(
         self,
@@ -160,14 +162,16 @@ class SnapshotWriter:
         n_tokens = (len(payload) - state_bytes) // TOKEN_BYTES
         extent = self.room.allocate(len(payload), pinned=s)
         if extent is None:
-            self.spiller.write_disk(s, payload, state_bytes, n_tokens, n_kv, digest, (NO_PREFIX, 0), kv_type, raw_bytes)
+            self.disk_writes.write_disk(
+                s, payload, state_bytes, n_tokens, n_kv, digest, (NO_PREFIX, 0), kv_type, raw_bytes
+            )
             return
         view = self.pool.view(extent.offset, len(payload))
         try:
             view[:] = payload
         finally:
             view.release()
-        s.snapshot = self.pool.commit(
+        committed = self.pool.commit(
             s.entry,
             TIER_POOL,
             extent,
@@ -181,13 +185,14 @@ class SnapshotWriter:
             kv_type,
             raw_bytes,
         )
+        place.commit(s, committed)
 
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""
         state, kv_type = self._saved_state(source, state_bytes, self.codec.spill_type)
         payload = with_tokens(state, s.tokens)
-        prefix_ref = prefix_links.snapshot_ref(s, first)
-        self.spiller.write_disk(
+        prefix_ref = place.snapshot_ref(s, first)
+        self.disk_writes.write_disk(
             s, memoryview(payload), len(state), len(s.tokens), s.n_kv, None, prefix_ref, kv_type, state_bytes
         )
         self._note_saved(s, first, state_bytes)

@@ -4,7 +4,7 @@ never finds half of either. Engine thread only."""
 
 from __future__ import annotations
 
-from kvpool.daemon.kv import policy
+from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.codec.kv_types import KvType
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
@@ -45,7 +45,7 @@ class PoolCompressor:
         if extent is None:
             return False
         self.pool.view(extent.offset, len(stored))[:] = stored
-        victim.snapshot = self._recommit(victim, snap, extent, stored, to)
+        place.commit(victim, self._recommit(victim, snap, extent, stored, to))
         self.counts.compressions += 1
         return True
 

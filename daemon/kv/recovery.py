@@ -9,49 +9,50 @@ from __future__ import annotations
 import logging
 import time
 
+from kvpool.daemon.kv import place
+from kvpool.daemon.kv.manager import KvManager
+from kvpool.daemon.kv.place import SessionPlace
 from kvpool.daemon.kv.pool.layout import LIVE, NO_PREFIX, SESSION, TIER_POOL
 from kvpool.daemon.kv.pool.segment import PoolError
-from kvpool.daemon.kv.prefix import links as prefix_links
-from kvpool.daemon.kv.spill import SnapshotCorrupt
-from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.kv.spill_dir import SnapshotCorrupt
 
 log = logging.getLogger("kvpool.tiers")
 
 
-def recover(tiers: Tiers) -> int:
+def recover(kv: KvManager) -> int:
     """Rebuild the session table from the pool (after a restart); returns how many sessions came back."""
     now_wall, now = time.time(), time.monotonic()
     live_files: set[str] = set()
-    tiers.pool.settle()
-    entries = tiers.pool.entries()
-    if not tiers.prefixes.enabled and any(
+    kv.pool.settle()
+    entries = kv.pool.entries()
+    if not kv.prefixes.enabled and any(
         e.kind == SESSION and e.state == LIVE and e.snapshot is not None and e.snapshot.prefix_entry != NO_PREFIX
         for e in entries
     ):
         raise PoolError(
-            f"Pool segment {tiers.pool.name} holds sessions whose snapshots build on shared prefixes, but "
+            f"Pool segment {kv.pool.name} holds sessions whose snapshots build on shared prefixes, but "
             "prefix_slots = 0 turns sharing off; start with prefix_slots >= 1, or with --reset-pool to discard them."
         )
-    prefixes = tiers.prefixes.recover(entries)
+    prefixes = kv.prefixes.recover(entries)
     for e in entries:
         if e.kind != SESSION:
             continue
         if e.state != LIVE:
-            tiers.sessions.evicted[e.session] = e.token
+            kv.sessions.evicted[e.session] = e.token
             continue
         snap = e.snapshot
         tokens: list[int] = []
-        placeholder = [0] * min(snap.n_tokens if snap else 0, tiers.model.context_size)
+        placeholder = [0] * min(snap.n_tokens if snap else 0, kv.model.context_size)
         if snap is not None and snap.tier == TIER_POOL:
-            tokens = tiers.pool.tokens(snap) if tiers.pool.intact(e.index, snap) else placeholder
+            tokens = kv.pool.tokens(snap) if kv.pool.intact(e.index, snap) else placeholder
         elif snap is not None:
-            live_files.add(tiers.spill.name(e.session, snap.version))
+            live_files.add(kv.spill.name(e.session, snap.version))
             try:
-                tokens = tiers.spill.read_tokens(e.session, snap.version)
+                tokens = kv.spill.read_tokens(e.session, snap.version)
             except SnapshotCorrupt:
                 tokens = placeholder
         age = max(0.0, now_wall - e.last_used)
-        s = tiers.sessions.create(
+        s = kv.sessions.create(
             e.session,
             e.token,
             e.task,
@@ -59,18 +60,20 @@ def recover(tiers: Tiers) -> int:
             created=now - (now_wall - e.created),
             last_used=now - age,
             tokens=tokens,
-            n_kv=snap.n_kv if snap else 0,
-            snapshot=snap,
-            # only a system prompt so far: it may still become a shared prefix
-            boundary=len(tokens) if snap is not None and snap.state_bytes == 0 else 0,
+            place=SessionPlace(
+                n_kv=snap.n_kv if snap else 0,
+                snapshot=snap,
+                # only a system prompt so far: it may still become a shared prefix
+                boundary=len(tokens) if snap is not None and snap.state_bytes == 0 else 0,
+            ),
         )
         prefix = prefixes.get(snap.prefix_entry) if snap is not None else None
         if prefix is not None and snap is not None:
-            prefix_links.attach(s, prefix, snap.prefix_len, hot=False)
-            if not prefix_links.consistent(s, snap):  # then its restore reports SESSION_CORRUPT
-                prefix_links.detach(s)
-    tiers.prefixes.forget_unused_after_recovery()
-    stale = tiers.spill.keep_only(live_files)
+            place.attach(s, prefix, snap.prefix_len, hot=False)
+            if not place.consistent(s, snap):  # then its restore reports SESSION_CORRUPT
+                place.detach(s)
+    kv.prefixes.forget_unused_after_recovery()
+    stale = kv.spill.keep_only(live_files)
     if stale:
         log.info("removed %d spill files left by an interrupted write", stale)
-    return len(tiers.sessions.by_id)
+    return len(kv.sessions.by_id)

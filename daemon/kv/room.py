@@ -8,17 +8,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from kvpool.daemon.kv import policy
+from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.compression import PoolCompressor
+from kvpool.daemon.kv.disk_writes import DiskWrites
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.layout import TIER_DISK, TIER_POOL
 from kvpool.daemon.kv.pool.pool import Pool
-from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache
 from kvpool.daemon.kv.sessions import Session, SessionTable
-from kvpool.daemon.kv.spill import SpillDir
-from kvpool.daemon.kv.spilling import Spiller
+from kvpool.daemon.kv.spill_dir import SpillDir
 from kvpool.daemon.refusals import RequestRefused
 
 
@@ -31,11 +30,11 @@ class PoolRoom:
         prefixes: PrefixCache,
         codec: TierCodec,
         compressor: PoolCompressor,
-        spiller: Spiller,
+        disk_writes: DiskWrites,
         evict: Callable[[Session], None],
     ):
         self.pool, self.spill, self.sessions, self.prefixes, self.codec = pool, spill, sessions, prefixes, codec
-        self.compressor, self.spiller, self.evict = compressor, spiller, evict
+        self.compressor, self.disk_writes, self.evict = compressor, disk_writes, evict
 
     def allocate(self, nbytes: int, pinned: Session) -> Extent | None:
         """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no
@@ -73,7 +72,7 @@ class PoolRoom:
         """Take a snapshot out of the pool: to disk if it can go there; otherwise a resident session loses only
         its checkpoint (its KV is still hot), and an idle one is evicted."""
         try:
-            self.spiller.spill_out(victim)
+            self.disk_writes.spill_out(victim)
             return
         except RequestRefused:
             if victim.slot is None and victim.busy:
@@ -89,8 +88,7 @@ class PoolRoom:
         an older context that would answer as if the last turns never happened."""
         previous = s.snapshot
         self.pool.discard(s.entry)
-        s.snapshot = None
-        prefix_links.settle(s)
+        place.lose_snapshot(s)
         if previous is not None and previous.tier == TIER_DISK:
             # A spill directory that fails (read-only, I/O errors) may be why the checkpoint failed at all: the
             # file stays then, and the next start removes it (no entry names it any more).

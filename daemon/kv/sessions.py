@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.daemon.config import Config
+from kvpool.daemon.kv.place import SessionPlace
 from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
@@ -32,23 +33,47 @@ class Session:
     # The whole conversation. While resident, the KV holds tokens[:n_kv]; the rest (the last sampled token,
     # a new prompt) is fed by the next steps.
     tokens: list[int] = field(default_factory=list)
-    n_kv: int = 0
-    slot: int | None = None  # the llama.cpp sequence holding the KV while the session is hot
-    snapshot: Snapshot | None = None  # the last committed snapshot (warm or cold tier)
+    # Where its KV is: moved by the KV manager only (kv/place.py), read here.
+    place: SessionPlace = field(default_factory=SessionPlace)
     # A generation runs on it (set by the engine's scheduler): the tiers never hibernate, spill or evict it then.
     busy: bool = False
-    # Prefix sharing: the prefix its hot cells or its snapshot build on, how many positions come from it, and
-    # whether its hot cells for them are the prefix's own (shared) cells.
-    prefix: Prefix | None = None
-    prefix_len: int = 0
-    shares_hot: bool = False
-    # The end of its system prompt: once its KV reaches it, those cells become a shared prefix (0: none). Its
-    # prompt is fed in chunks that stop there, shared or not, so sharing does not change the steps' shapes.
-    boundary: int = 0
-    saved_bytes: int = 0  # what its last snapshot did not store again because it builds on a prefix
     # Time spent making it hot (a slot, hibernating an idle session if none was free, and its KV restored), in
     # all: a turn reports the part between its arrival and its first token (Timings.restore_ms).
     restore_seconds: float = 0.0
+
+    @property
+    def slot(self) -> int | None:
+        return self.place.slot
+
+    @property
+    def n_kv(self) -> int:
+        return self.place.n_kv
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self.place.snapshot
+
+    @property
+    def prefix(self) -> Prefix | None:
+        return self.place.prefix
+
+    @property
+    def prefix_len(self) -> int:
+        return self.place.prefix_len
+
+    @property
+    def shares_hot(self) -> bool:
+        return self.place.shares_hot
+
+    @property
+    def boundary(self) -> int:
+        """The end of its system prompt: its prompt is fed in chunks that stop there, shared or not, so that
+        sharing does not change the steps' shapes."""
+        return self.place.boundary
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.place.saved_bytes
 
     @property
     def feedable_tokens(self) -> int:
@@ -127,7 +152,7 @@ class SessionTable:
 
     def create(self, session_id: str, token: str, task: str, entry: int, **state: Any) -> Session:
         """A new session in the table, holding pool entry ``entry`` (already claimed); ``state``: what it starts
-        with (tokens, n_kv, snapshot, boundary, created, last_used)."""
+        with (tokens, place, created, last_used)."""
         session = Session(
             id=session_id, token=token, task=task, entry=entry, context_limit=self.context_limit(task), **state
         )

@@ -12,7 +12,7 @@ import psutil
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.scheduler import Scheduler
-from kvpool.daemon.kv.tiers import Tiers
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import (
     Counters,
@@ -33,7 +33,7 @@ def status_of(
     heartbeat: float,
     config: Config,
     model: Model,
-    tiers: Tiers,
+    kv: KvManager,
     scheduler: Scheduler,
     counters: Counters,
     frame_errors: Counter[str],
@@ -52,17 +52,17 @@ def status_of(
             over_high_water=scheduler.over_memory,
         ),
         model=model.info(),
-        slots=SlotStatus(total=model.hot_slots, used=len(tiers.resident)),
+        slots=SlotStatus(total=model.hot_slots, used=len(kv.resident)),
         kv=KvStatus(
             cells_total=model.context_size,
-            cells_used=tiers.cells_used(),  # shared prefix cells count once, however many sessions share them
+            cells_used=kv.cells_used(),  # shared prefix cells count once, however many sessions share them
         ),
         sessions=SessionCounts(
-            open=len(tiers.sessions.by_id),
+            open=len(kv.sessions.by_id),
             max=config.max_sessions,
             generating=len(scheduler.running),
             waiting=len(scheduler.waiting),
-            evicted=len(tiers.sessions.evicted),
+            evicted=len(kv.sessions.evicted),
         ),
         batch_size=model.batch.capacity,
         checkpoint=config.checkpoint,
@@ -80,10 +80,10 @@ def status_of(
             cost_model=scheduler.cost.status(),
         ),
         tasks={task: scheduler.task_stats[task].status(scheduler.queue_depth(task)) for task in config.tasks},
-        pool=tiers.pool_status(),
-        spill=tiers.spill_status(),
-        sessions_by_tier=tiers.sessions_by_tier(),
-        moves=tiers.counts.status(),
-        prefixes=tiers.prefix_status(),
+        pool=kv.pool_status(),
+        spill=kv.spill_status(),
+        sessions_by_tier=kv.sessions_by_tier(),
+        moves=kv.counts.status(),
+        prefixes=kv.prefix_status(),
         rpc_workers=rpc_workers or [],
     )

@@ -16,8 +16,8 @@ import time
 
 import msgspec
 
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.preload.predictor import TurnHistory
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol.status import PreloadStatus
@@ -27,8 +27,8 @@ PREDICT_EVERY_S = 0.05
 
 
 class Preloader:
-    def __init__(self, tiers: Tiers, mode: str, horizon_s: float):
-        self.tiers, self.mode, self.horizon_s = tiers, mode, horizon_s
+    def __init__(self, kv: KvManager, mode: str, horizon_s: float):
+        self.kv, self.mode, self.horizon_s = kv, mode, horizon_s
         self.counts = PreloadStatus(mode=mode)
         self.history = TurnHistory()
         # Sessions lifted ahead of a turn that has not come yet -> (that session, the tier the preload put it in).
@@ -69,7 +69,7 @@ class Preloader:
 
     def _forget_gone(self) -> None:
         """Sessions that left the daemon: a preload of one was wasted, and its turns are history."""
-        by_id = self.tiers.sessions.by_id
+        by_id = self.kv.sessions.by_id
         for session, (s, _) in list(self._preloaded.items()):
             if by_id.get(session) is not s:
                 del self._preloaded[session]
@@ -87,7 +87,7 @@ class Preloader:
             return
         due = self.history.due(now, self.horizon_s)
         for session in due:
-            s = self.tiers.sessions.by_id.get(session)
+            s = self.kv.sessions.by_id.get(session)
             if s is not None and s.id not in self._preloaded and self._lift(s, keep=set(due)):
                 self.counts.predicted += 1
 
@@ -97,7 +97,7 @@ class Preloader:
         soon = keep | set(self.history.due(time.monotonic(), self.horizon_s)) | set(self._preloaded)
         givers = [
             r
-            for r in self.tiers.resident.values()
+            for r in self.kv.resident.values()
             if not r.busy and r.checkpoint_fresh and r.id not in soon and not r.shares_hot
         ]
         return min(givers, key=lambda r: r.last_used, default=None)
@@ -107,17 +107,17 @@ class Preloader:
         if s.slot is not None or s.busy or s.snapshot is None:
             return False
         giver = None
-        if not self.tiers.free_slots:
+        if not self.kv.free_slots:
             giver = self._room_giver((keep or set()) | {s.id})
             if giver is None:
                 return False
         freed = giver.n_kv if giver is not None else 0
-        if self.tiers.cells_used() - freed + s.snapshot.n_kv > self.tiers.model.context_size:
+        if self.kv.cells_used() - freed + s.snapshot.n_kv > self.kv.model.context_size:
             return False
         if giver is not None:
-            self.tiers.hibernate(giver)  # its checkpoint is fresh: no copy, its cells and slot are freed
+            self.kv.hibernate(giver)  # its checkpoint is fresh: no copy, its cells and slot are freed
         try:
-            lifted = self.tiers.make_resident(s)
+            lifted = self.kv.make_resident(s)
         except RequestRefused as refused:  # a damaged snapshot shows at the turn, with its own error
             log.warning("could not preload session %s: %s", s.id, refused.message)
             return False

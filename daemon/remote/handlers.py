@@ -15,9 +15,9 @@ import numpy as np
 
 from kvpool import protocol as p
 from kvpool.daemon.engine.replies import session_opened
+from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.opening import create_session
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.tiers import Tiers
 from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote.interface import Handler
@@ -53,10 +53,10 @@ class MigrationDone(msgspec.Struct, tag="migration_done"):
 
 
 class RemoteRequests:
-    def __init__(self, remote: RemoteTier, tiers: Tiers, preloader: Preloader, submit: Submit):
+    def __init__(self, remote: RemoteTier, kv: KvManager, preloader: Preloader, submit: Submit):
         """``submit``: the engine's inbox, where fetches and migrations that ended come back as messages."""
-        self.remote, self.tiers, self.preloader, self.submit = remote, tiers, preloader, submit
-        self.sessions = tiers.sessions
+        self.remote, self.kv, self.preloader, self.submit = remote, kv, preloader, submit
+        self.sessions = kv.sessions
         self.internal: dict[type, Handler] = {RemoteArrived: self.arrived, MigrationDone: self.migrated}
 
     # ------------------------------------------------------------------ sessions in
@@ -110,7 +110,7 @@ class RemoteRequests:
             )
         tokens = np.frombuffer(fetched.payload, dtype="<i4", offset=record.state_bytes).tolist()
         s = create_session(
-            self.tiers.pool,
+            self.kv.pool,
             self.sessions,
             session_id,
             token,
@@ -120,13 +120,13 @@ class RemoteRequests:
             boundary=len(tokens) if record.state_bytes == 0 else 0,  # only a system prompt so far
         )
         try:
-            self.tiers.writer.install(
+            self.kv.install(
                 s, fetched.payload, record.state_bytes, record.n_kv, record.checksum, record.kv_type, record.raw_bytes
             )
         except BaseException:
-            self.tiers.drop(s)
+            self.kv.drop(s)
             raise
-        self.tiers.pool.touch(s.entry)
+        self.kv.pool.touch(s.entry)
         self.remote.adopt(s, fetched)
         return s
 
@@ -158,7 +158,7 @@ class RemoteRequests:
                 ErrorCode.BAD_REQUEST, f"Session {s.id} holds nothing to hand over yet; send its first turn here."
             )
         if s.slot is not None and not s.checkpoint_fresh:
-            self.tiers.checkpoint(s)  # (queues its write too)
+            self.kv.checkpoint(s)  # (queues its write too)
         request_id, session = r.id, s.id
 
         def done(ok: bool, why: str) -> None:
@@ -177,7 +177,7 @@ class RemoteRequests:
             )
         tokens = len(s.tokens) if s is not None else 0
         if s is not None:
-            self.tiers.drop(s)  # its lease is already given up; drop's release finds nothing to release
+            self.kv.drop(s)  # its lease is already given up; drop's release finds nothing to release
         self.remote.counts.migrations += 1
         log.info("session %s migrated away through the remote tier", m.session)
         return p.Migrated(id=m.id, session=m.session, context_tokens=tokens)
@@ -186,7 +186,7 @@ class RemoteRequests:
 
     def between_steps(self) -> None:
         for s in self.remote.reports(self.sessions.by_id):
-            self.tiers.drop(s)
+            self.kv.drop(s)
 
     def status(self) -> RemoteStatus | None:
         return self.remote.status()

@@ -19,7 +19,7 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_POOL, payload_bytes
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.kv.spill_dir import SpillDir
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote import record as rec
 from kvpool.daemon.remote.lease import Lease, LeaseHeld

@@ -30,7 +30,7 @@ import msgspec
 
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.pool import Pool
-from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
+from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
 from kvpool.daemon.remote import record as rec
 from kvpool.daemon.remote.lease import Lease, LeaseHeld
 from kvpool.daemon.remote.store import RemoteStore, RemoteUnavailable

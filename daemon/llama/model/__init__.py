@@ -7,9 +7,10 @@ from kvpool.daemon.llama.model.backend import register_workers, supports_rpc, sy
 from kvpool.daemon.llama.model.grammar import Grammar, GrammarError, json_schema_grammar
 from kvpool.daemon.llama.model.loading import ModelLoadError, Placement
 from kvpool.daemon.llama.model.model import Model
-from kvpool.daemon.llama.model.sampling import Sampled, Sampler, SamplingParams
+from kvpool.daemon.llama.model.sampling import SAMPLER_FIELDS, Sampled, Sampler, SamplingParams
 
 __all__ = [
+    "SAMPLER_FIELDS",
     "Grammar",
     "GrammarError",
     "Model",

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvpool.daemon.config import sequence_count
 from kvpool.daemon.kv.codec.kv_types import F16
+from kvpool.daemon.llama.deterministic_mode import NOT_DETERMINISTIC, Determinism
 from kvpool.daemon.llama.kv_settings import KvSettings
 from kvpool.daemon.llama.memory_plan import sliding_window_cells
 from kvpool.daemon.llama.model.backend import init_backend
@@ -46,14 +47,14 @@ class Model:
         outputs: int = 0,
         placement: Placement | None = None,
         lone_threads: int = 0,
-        deterministic: bool = False,
+        determinism: Determinism = NOT_DETERMINISTIC,
     ):
         """``kv``: the hot KV's types and flash attention (default f16, on). ``outputs``: rows of logits one
         decode may return (default one per sequence, all a step samples; a quality benchmark wants more).
-        ``lone_threads``: threads for a one-token batch (default ``threads``). ``deterministic``: a sequence's
-        logits depend on nothing but its own tokens (docs/determinism.md): no batch of one token or one output (a
-        pad row makes two), and cells kept in position order (sequences.py); the caller also turns repacking and
-        llama.cpp's tiled matmul off and keeps batches within DETERMINISTIC_STEP_TOKENS."""
+        ``lone_threads``: threads for a one-token batch (default ``threads``). ``determinism``: on, a sequence's
+        logits depend on nothing but its own tokens (llama/deterministic_mode.py): no batch of one token or one
+        output (a pad row makes two), and cells kept in position order (sequences.py); the assembly also turns
+        repacking and llama.cpp's tiled matmul off and the engine keeps batches within DETERMINISTIC_STEP_TOKENS."""
         init_backend()
         self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
@@ -71,14 +72,15 @@ class Model:
         # snapshot is cut out through (only when sharing is on: every sequence id widens the sliding-window cache).
         self.prefix_seqs = list(range(hot_slots, hot_slots + prefix_slots))
         scratch_seq = hot_slots + prefix_slots if prefix_slots else -1
-        self.deterministic = deterministic
-        cparams.n_seq_max = sequence_count(hot_slots, prefix_slots, deterministic)
+        self.determinism = determinism
+        self.deterministic = determinism.on
+        cparams.n_seq_max = sequence_count(hot_slots, prefix_slots, determinism.extra_sequences)
         # Deterministic decoding never frees a cell between compactions: a sequence's cells are handed to the
         # graveyard instead (they stay occupied, masked for everyone), so no later token can land before a
         # sequence's older cells, whose order flash attention's reduction follows. The pad row's sequence holds
         # one cell during a decode (see decode).
-        graveyard = cparams.n_seq_max - 1 if deterministic else -1
-        self.pad_seq = cparams.n_seq_max - 2 if deterministic else -1
+        graveyard = cparams.n_seq_max - 1 if determinism.on else -1
+        self.pad_seq = cparams.n_seq_max - 2 if determinism.on else -1
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
         cparams.n_outputs_max = outputs or cparams.n_seq_max  # llama.cpp reserves its graph for these outputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import llama_cpp as lc
@@ -48,6 +48,9 @@ class SamplingParams:
         return self.repeat_last_n > 0 and (
             self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
+
+
+SAMPLER_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 @dataclass(frozen=True, slots=True)

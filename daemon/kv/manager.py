@@ -1,11 +1,19 @@
-"""Moving sessions between the three KV tiers: hot slots, the shared-memory pool, the spill directory.
+"""The KV manager: the one owner of a session's place across the three tiers (hot slots, the shared-memory pool,
+the spill directory). It alone moves sessions (through kv/place.py); everything else reads a session's place.
 
-- A session needs a hot slot only while it generates. When none is free, the least recently used idle
-  resident session is hibernated: its state is checkpointed into the pool (unless the last checkpoint is
-  still fresh) and its slot and KV cells are freed. Restoring reads the snapshot straight from the pool.
-- Checkpoints go to a fresh pool extent; when no extent fits, the least recently used snapshot that is not
-  pinned moves to the spill directory; when that is full too, the oldest idle spilled session is dropped
-  (its owner gets SESSION_EVICTED). Only when nothing can move is the request refused with POOL_FULL.
+A session's life, as this class sees it:
+- open: opening.create_session puts it in the table and the pool's; ``record_tokens`` commits a system prompt.
+- turn: ``make_resident`` gives it a slot with its KV restored (``share_first_prompt`` lets a first prompt start
+  from a shared prefix); each step's computed tokens are ``fed``; ``make_prefix`` turns a system prompt's cells
+  into a shared prefix; ``checkpoint`` commits the turn into the pool (the mirror copies it to other nodes).
+- hibernate: ``hibernate`` frees its slot and cells (checkpointing first unless the snapshot is fresh): when a
+  slot is needed, when cells are (``free_cells``), when the preloader makes room, or to swap best-effort work out.
+- restore: ``make_resident`` again, from the pool straight, or from disk; a damaged snapshot is SESSION_CORRUPT.
+- spill and evict: a checkpoint that needs pool room moves older snapshots to disk (checkpoints.py, room.py,
+  compression.py, disk_writes.py); when the disk is full too, the least recently used idle session is ``evict``ed.
+- roam: ``install`` commits a checkpoint fetched from another node (daemon/remote/); ``drop`` lets it go.
+- close (or expire, or a damaged state): ``drop`` forgets it in every tier.
+The cell layout is kept here too: in deterministic decoding ``room_for_step`` and ``reclaim`` compact the KV.
 Runs on the engine thread only.
 """
 
@@ -20,21 +28,20 @@ from typing import Protocol
 import msgspec
 
 from kvpool.daemon.config import Config
-from kvpool.daemon.kv import policy
+from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.checkpoints import SnapshotWriter
 from kvpool.daemon.kv.codec.state_format import StateFormatError
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.compression import PoolCompressor
 from kvpool.daemon.kv.counters import TierCounters
+from kvpool.daemon.kv.disk_writes import DiskWrites
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
 from kvpool.daemon.kv.pool.pool import Pool
-from kvpool.daemon.kv.prefix import links as prefix_links
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
 from kvpool.daemon.kv.prefix.index import shareable_length
 from kvpool.daemon.kv.room import PoolRoom
 from kvpool.daemon.kv.sessions import Session, SessionCorrupt, SessionTable
-from kvpool.daemon.kv.spill import SnapshotCorrupt, SpillDir
-from kvpool.daemon.kv.spilling import Spiller
+from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
 from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 
@@ -53,7 +60,7 @@ class Mirror(Protocol):
         ...
 
 
-class Tiers:
+class KvManager:
     def __init__(
         self,
         model: Model,
@@ -72,11 +79,11 @@ class Tiers:
         self.counts = TierCounters()
         self.codec = TierCodec(model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type)
         compressor = PoolCompressor(pool, sessions, self.codec, self.counts)
-        spiller = Spiller(pool, spill, sessions, self.codec, self.counts, self.evict)
-        self.room = PoolRoom(pool, spill, sessions, self.prefixes, self.codec, compressor, spiller, self.evict)
+        disk_writes = DiskWrites(pool, spill, sessions, self.codec, self.counts, self.evict)
+        self.room = PoolRoom(pool, spill, sessions, self.prefixes, self.codec, compressor, disk_writes, self.evict)
         # With a mirror, checkpoints hold every cell, shared prefix included, so that another node can restore them.
         self.writer = SnapshotWriter(
-            model, pool, spill, self.prefixes, self.counts, self.codec, self.room, spiller, whole=mirror is not None
+            model, pool, spill, self.prefixes, self.counts, self.codec, self.room, disk_writes, whole=mirror is not None
         )
 
     # ------------------------------------------------------------------ hot tier
@@ -113,14 +120,25 @@ class Tiers:
             if slot not in self.free_slots:
                 self.free_slots.append(slot)
             raise
-        s.slot = slot
+        place.take_slot(s, slot)
         self.resident[slot] = s
         return True
 
+    # The cell layout. In deterministic decoding (llama/deterministic_mode.py) freed cells go to a graveyard and new
+    # ones are appended after the last: the KV is laid out again (compacted) when what comes next would not fit,
+    # and after cells were freed on purpose. Otherwise llama.cpp reuses freed cells and these do nothing.
+
+    def room_for_step(self, tokens: int) -> None:
+        """Before a decode of ``tokens`` (and the pad row a deterministic step may take, see Model.decode)."""
+        self.ensure_room(tokens, pad=True)
+
+    def reclaim(self) -> None:
+        """Cells were freed outside a restore (a calibration's, idle sessions hibernated for room): reuse them."""
+        if self.model.deterministic:
+            self.compact()
+
     def ensure_room(self, cells: int, pad: bool = False) -> None:
-        """Deterministic decoding appends cells and never frees one between compactions: compact when the next
-        ``cells`` would not fit after the last appended cell (with ``pad``, a decode's: one more for the pad row
-        a step may take for the time of its decode, see Model.decode)."""
+        """Compact when the next ``cells`` would not fit after the last appended cell (deterministic decoding)."""
         if self.model.deterministic and self.model.cells_free() < cells + pad:
             self.compact()
 
@@ -159,8 +177,7 @@ class Tiers:
         self.model.forget_sequence(s.slot)
         del self.resident[s.slot]
         self.free_slots.append(s.slot)
-        s.slot = None
-        prefix_links.leave_hot(s)
+        place.leave_slot(s)
         self.counts.hibernations += 1
 
     def free_cells(self, exclude: list[Session], count: int = 1) -> bool:
@@ -184,7 +201,7 @@ class Tiers:
             if snap is not None:
                 self._check_tokens_only(s)
             self.model.forget_sequence(slot)
-            s.n_kv = 0
+            place.hold_cells(s, 0)
             return True
         self.ensure_room(snap.n_kv)  # (its own cells, and a prefix's when that comes back too)
         if snap.prefix_entry == NO_PREFIX:
@@ -194,7 +211,7 @@ class Tiers:
             # (sliding-window models share whole prefixes only: a shorter reference cannot have come from here)
             if (
                 prefix is None
-                or not prefix_links.consistent(s, snap)
+                or not place.consistent(s, snap)
                 or (self.model.n_swa and snap.prefix_len != len(prefix.tokens))
             ):
                 raise SessionCorrupt(s, "the shared prefix its snapshot builds on is gone")
@@ -207,12 +224,12 @@ class Tiers:
             ok = self._load_own_cells(s, slot)
             if ok:
                 self.prefixes.share_into(prefix, slot, snap.prefix_len)
-                prefix_links.rejoin_hot(s)
+                place.rejoin_hot(s)
         if ok and self.model.highest_position(slot) != snap.n_kv - 1:  # a record that does not fit its bytes
             self.model.forget_sequence(slot)
             raise SessionCorrupt(s, "its restored KV does not end where its snapshot record says")
         if ok:
-            s.n_kv = snap.n_kv
+            place.hold_cells(s, snap.n_kv)
         return ok
 
     def _check_tokens_only(self, s: Session) -> None:
@@ -283,6 +300,11 @@ class Tiers:
 
     # ------------------------------------------------------------------ shared prefixes
 
+    def share_first_prompt(self, s: Session) -> None:
+        """A resident session that computes its first prompt now takes a shared prefix it begins with."""
+        if s.n_kv == 0 and s.slot is not None and s.prefix is None and self.prefixes.enabled:
+            self.share_prefix(s)
+
     def share_prefix(self, s: Session) -> None:
         """A resident session about to compute its first prompt: take the longest shared prefix it begins with
         (its cells, not a copy) and compute only the rest."""
@@ -302,18 +324,22 @@ class Tiers:
             return
         self.prefixes.share_into(prefix, s.slot, length)
         self.prefixes.note_hit(prefix, length)
-        prefix_links.attach(s, prefix, length, hot=True)
-        s.n_kv = length
+        place.attach(s, prefix, length, hot=True)
+        place.hold_cells(s, length)
         if s.boundary <= length:
-            s.boundary = 0
+            place.take_boundary(s)
 
     def make_prefix(self, s: Session) -> None:
         """The session's KV reached the end of its system prompt: those cells become a shared prefix."""
-        end, s.boundary = s.boundary, 0
+        end = place.take_boundary(s)
         assert s.slot is not None and s.n_kv >= end
         prefix = self.prefixes.make(s.slot, s.tokens[:end], s.task)
         if prefix is not None:
-            prefix_links.move_to(s, prefix, end)
+            place.move_to(s, prefix, end)
+
+    def fed(self, s: Session, n_tokens: int) -> None:
+        """A step computed ``n_tokens`` more of the resident session's tokens into its cells."""
+        place.fed(s, n_tokens)
 
     # ------------------------------------------------------------------ snapshots (checkpoints.py, room.py)
 
@@ -326,6 +352,12 @@ class Tiers:
         self.writer.record_tokens(s)
         if self.mirror is not None and s.snapshot is not None:
             self.mirror.saved(s)
+
+    def install(
+        self, s: Session, payload: memoryview, state_bytes: int, n_kv: int, digest: int, kv_type: int, raw_bytes: int
+    ) -> None:
+        """Commit a checkpoint fetched from another node as ``s``'s snapshot (see SnapshotWriter.install)."""
+        self.writer.install(s, payload, state_bytes, n_kv, digest, kv_type, raw_bytes)
 
     def give_up_snapshot(self, s: Session) -> None:
         self.room.give_up(s)
@@ -340,13 +372,13 @@ class Tiers:
 
     def drop(self, s: Session, evicted: bool = False) -> None:
         """Forget a session in every tier (closed, expired, corrupt or evicted)."""
+        prefix = s.prefix
         if s.slot is not None:
             self.model.forget_sequence(s.slot)
             del self.resident[s.slot]
             self.free_slots.append(s.slot)
-            s.slot = None
-        prefix = s.prefix
-        prefix_links.detach(s)
+            place.leave_slot(s)
+        place.detach(s)
         if prefix is not None:
             self.prefixes.forget_if_damaged(prefix)
         # The table first, then the spill file: a crash in between leaves an orphan file (removed at the next

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool.daemon.kv import policy
+from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.compression import compressed_pool_state
 from kvpool.daemon.kv.counters import TierCounters
@@ -14,12 +14,12 @@ from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.layout import HOT_TYPES, NO_PREFIX, TIER_DISK, TIER_POOL, payload_bytes, with_tokens
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.sessions import Session, SessionTable
-from kvpool.daemon.kv.spill import SpillDir
+from kvpool.daemon.kv.spill_dir import SpillDir
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 
-class Spiller:
+class DiskWrites:
     def __init__(
         self,
         pool: Pool,
@@ -99,9 +99,10 @@ class Spiller:
                 f"Writing a snapshot to the spill directory {self.spill.path} failed ({exc.strerror}); free space "
                 "there or raise cache_pool_size.",
             ) from None
-        s.snapshot = self.pool.commit(
+        committed = self.pool.commit(
             s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload), *prefix_ref, kv_type, raw_bytes
         )
+        place.commit(s, committed)
         if previous is not None and previous.tier == TIER_DISK:
             self.spill.remove(s.id, previous.version)
 

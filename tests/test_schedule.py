@@ -1,0 +1,174 @@
+"""schedule(): who gets a hot slot, who is swapped out and what a step feeds, decided from a read-only view.
+Plain objects stand for sessions and generations: no llama.cpp, no shared memory, no daemon."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from kvpool.daemon.engine.cost_model import CostModel
+from kvpool.daemon.engine.schedule import (
+    Hibernate,
+    Preempt,
+    Restore,
+    SchedulerView,
+    SharePrefix,
+    Start,
+    schedule,
+)
+from kvpool.daemon.engine.step_plan import plan_budgeted
+
+
+@dataclass(eq=False)
+class Place:
+    slot: int | None = None
+    n_kv: int = 0
+    snapshot: object | None = None
+    prefix: object | None = None
+    last_used: float = 0.0
+
+
+@dataclass(eq=False)
+class Gen:
+    name: str
+    arrival: float
+    session: Place = field(default_factory=Place)
+    deadline: float = math.inf
+    best_effort: bool = False
+    priority: int = 0
+    pending_tokens: int = 4
+    paused: bool = False
+
+    @property
+    def feedable_tokens(self) -> int:
+        return self.pending_tokens
+
+    @property
+    def position(self) -> int:
+        return self.session.n_kv
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def hot(slot: int, n_kv: int = 10) -> Place:
+    return Place(slot=slot, n_kv=n_kv)
+
+
+def restored(n_kv: int) -> Place:
+    """A hibernated session: its snapshot holds ``n_kv`` cells."""
+    return Place(snapshot=SimpleNamespace(n_kv=n_kv), n_kv=n_kv)
+
+
+def view(
+    waiting: list[Gen],
+    running: list[Gen] = [],  # noqa: B006 (never mutated)
+    free_slots: int = 0,
+    idle: list[Place] = [],  # noqa: B006
+    **kwargs: object,
+) -> SchedulerView:
+    settings: dict = {"fcfs": False, "capacity": 64, "cost": CostModel(), "time_cap": None, "prefix_sharing": False}
+    settings.update(kwargs)
+    return SchedulerView(tuple(waiting), tuple(running), free_slots, tuple(idle), **settings)
+
+
+def moves(v: SchedulerView) -> list[tuple[str, ...]]:
+    out = []
+    for m in schedule(v).moves:
+        if isinstance(m, Hibernate):
+            out.append(("hibernate", f"idle@{m.session.slot}", m.g.name))
+        elif isinstance(m, Preempt):
+            out.append(("preempt", m.victim.name, m.g.name))
+        else:
+            kind = {Start: "start", Restore: "restore", SharePrefix: "share"}[type(m)]
+            out.append((kind, m.g.name))
+    return out
+
+
+def test_a_session_still_hot_starts_before_any_that_needs_a_slot() -> None:
+    urgent = Gen("urgent", arrival=2.0, deadline=1.0)
+    again = Gen("again", arrival=1.0, session=hot(0))
+    # Its slot is the only one: queued behind "urgent", it would wait for its own slot.
+    assert moves(view([urgent, again])) == [("start", "again")]
+    # Best-effort, it starts all the same, and is the work a deadline-bound request may swap out.
+    again.best_effort = True
+    assert moves(view([urgent, again])) == [("start", "again"), ("preempt", "again", "urgent"), ("restore", "urgent")]
+
+
+def test_free_slots_go_most_urgent_first() -> None:
+    old = Gen("old", arrival=1.0)
+    due = Gen("due", arrival=3.0, deadline=5.0)
+    background = Gen("background", arrival=0.5, best_effort=True)
+    assert moves(view([old, background, due], free_slots=1)) == [("restore", "due")]
+    assert moves(view([old, background, due], free_slots=2)) == [("restore", "due"), ("restore", "old")]
+
+
+def test_first_come_first_served_keeps_arrival_order() -> None:
+    old, due = Gen("old", arrival=1.0), Gen("due", arrival=3.0, deadline=5.0)
+    assert moves(view([old, due], free_slots=1, fcfs=True)) == [("restore", "old")]
+
+
+def test_the_least_recently_used_idle_session_gives_its_slot() -> None:
+    a, b = Gen("a", arrival=1.0), Gen("b", arrival=2.0)
+    lru, recent = Place(slot=3, last_used=1.0), Place(slot=4, last_used=9.0)
+    assert moves(view([a, b], idle=[lru, recent])) == [
+        ("hibernate", "idle@3", "a"),
+        ("restore", "a"),
+        ("hibernate", "idle@4", "b"),
+        ("restore", "b"),
+    ]
+
+
+def test_a_deadline_bound_request_swaps_out_the_newest_best_effort_work() -> None:
+    older = Gen("older", arrival=1.0, session=hot(0), best_effort=True, pending_tokens=1)
+    newer = Gen("newer", arrival=2.0, session=hot(1), best_effort=True, pending_tokens=1)
+    voice = Gen("voice", arrival=3.0, deadline=4.0)
+    assert moves(view([voice], running=[older, newer])) == [("preempt", "newer", "voice"), ("restore", "voice")]
+
+
+def test_best_effort_work_never_swaps_anyone_out_and_fcfs_never_preempts() -> None:
+    running = Gen("running", arrival=1.0, session=hot(0), best_effort=True, pending_tokens=1)
+    late = Gen("late", arrival=3.0, best_effort=True)
+    decision = schedule(view([late], running=[running]))
+    assert decision.moves == () and [w.item for w in decision.work] == [running]  # "late" waits for the next step
+    voice = Gen("voice", arrival=3.0, deadline=4.0)
+    assert moves(view([voice], running=[running], fcfs=True)) == []
+
+
+def test_a_restore_without_room_may_swap_work_out_once_then_admission_closes() -> None:
+    running = Gen("running", arrival=1.0, session=hot(0), best_effort=True, pending_tokens=1)
+    voice, other = Gen("voice", arrival=3.0, deadline=4.0), Gen("other", arrival=4.0, deadline=9.0)
+    v = view([voice, other], running=[running], free_slots=2, no_room=frozenset({id(voice)}))
+    assert moves(v) == [("preempt", "running", "voice"), ("restore", "voice"), ("restore", "other")]
+    # With nothing to swap out, it waits and so does everyone behind it.
+    assert moves(view([voice, other], free_slots=2, no_room=frozenset({id(voice)}))) == []
+    again = Gen("again", arrival=5.0, session=hot(1))
+    assert moves(view([voice, again], free_slots=2, closed=True)) == [("start", "again")]
+
+
+def test_only_a_first_prompt_looks_for_a_shared_prefix() -> None:
+    new = Gen("new", arrival=1.0)  # never computed: no snapshot
+    back = Gen("back", arrival=2.0, session=restored(30))
+    empty_hot = Gen("empty_hot", arrival=3.0, session=hot(0, n_kv=0))
+    assert moves(view([new, back, empty_hot], free_slots=2, prefix_sharing=True)) == [
+        ("start", "empty_hot"),
+        ("share", "empty_hot"),
+        ("restore", "new"),
+        ("share", "new"),
+        ("restore", "back"),
+    ]
+    assert ("share", "new") not in moves(view([new], free_slots=1, prefix_sharing=False))
+
+
+def test_with_nothing_to_move_the_work_is_the_step_plan_of_the_ready_generations() -> None:
+    decoding = Gen("decoding", arrival=1.0, session=hot(0), pending_tokens=1, deadline=2.0)
+    prompt = Gen("prompt", arrival=2.0, session=hot(1), pending_tokens=300)
+    paused = Gen("paused", arrival=0.5, session=hot(2), pending_tokens=1, paused=True)
+    cost = CostModel()
+    v = view([], running=[decoding, prompt, paused], capacity=128, cost=cost, time_cap=0.05)
+    decision = schedule(v)
+    assert decision.moves == ()
+    assert list(decision.work) == plan_budgeted([decoding, prompt], 128, cost, 0.05)
+    assert [w.item for w in decision.work] == [decoding, prompt] and decision.work[1].n_tokens < 128
+    assert schedule(v) == decision and v.running == (decoding, prompt, paused)  # a pure function of its view
