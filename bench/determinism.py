@@ -48,8 +48,15 @@ LONG = "long context: A alone vs beside 1 row"
 def run_setting(model_path: str, repack: bool, steps: int, lone_threads: int) -> dict[str, tuple[int, float, bool]]:
     from kvpool.daemon.llama.model import Model
 
-    m = Model(Path(model_path), context_size=4096, hot_slots=CHUNK + 1, batch_size=512, threads=2, repack=repack,
-              lone_threads=lone_threads)  # fmt: skip
+    class LoneThreadsModel(Model):
+        """llama.cpp runs a one-token batch on n_threads, any other on n_threads_batch: this sets the first."""
+
+        def tune_context(self, params) -> None:  # type: ignore[no-untyped-def]
+            if lone_threads:
+                params.n_threads = lone_threads
+
+    m = LoneThreadsModel(Path(model_path), context_size=4096, hot_slots=CHUNK + 1, batch_size=512, threads=2,
+                         repack=repack)  # fmt: skip
     a_tokens = m.tokenize(PROMPT, add_bos=True)
     filler = m.tokenize(FILLER, add_bos=True)
 

@@ -33,6 +33,17 @@ from kvpool.daemon.llama.memory_plan import model_shape  # noqa: E402
 from kvpool.daemon.llama.model import Model  # noqa: E402
 
 
+class ScoringModel(Model):
+    """Every position of a turn gives its logits (the daemon's model gives one row per sequence)."""
+
+    def tune_context(self, params) -> None:  # type: ignore[no-untyped-def]
+        params.n_outputs_max = self.batch_capacity
+
+    def __init__(self, path: Path, **settings) -> None:  # type: ignore[no-untyped-def]
+        self.batch_capacity = settings["batch_size"]
+        super().__init__(path, **settings)
+
+
 @dataclass
 class Setup:
     name: str
@@ -136,14 +147,8 @@ def main() -> None:
     total = args.turn + args.positions + 1
     for s in SETUPS:
         kv, _ = resolve_kv_settings(s.type_k, s.type_v, s.flash_attn, shape.head_k, shape.head_v)
-        s.model = Model(
-            path,
-            context_size=total + 256,
-            hot_slots=1,
-            batch_size=args.turn,
-            threads=args.threads,
-            kv=kv,
-            outputs=args.turn,
+        s.model = ScoringModel(
+            path, context_size=total + 256, hot_slots=1, batch_size=args.turn, threads=args.threads, kv=kv
         )
         s.codec = TierCodec(kv, s.pool, "always", "same")
     ref = SETUPS[0]

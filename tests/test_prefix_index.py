@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool.daemon.engine.step_plan import plan_fcfs
+from kvpool.daemon.engine.step_work import fcfs_work
 from kvpool.daemon.kv import place
 from kvpool.daemon.kv.policy import prefix_eviction_order
 from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
@@ -72,7 +72,7 @@ def test_only_unused_prefixes_are_evicted_least_recently_used_first() -> None:
 def test_a_prompt_chunk_stops_at_the_end_of_the_system_prompt() -> None:
     # 500 pending tokens, 120 of them up to the prefix boundary: the chunk ends there and samples nothing
     item = Item(pending_tokens=500, arrival=0.0, feedable=120)
-    assert [(w.n_tokens, w.completes) for w in plan_fcfs([item], 512)] == [(120, False)]
+    assert [(w.n_tokens, w.completes) for w in fcfs_work([item], 512)] == [(120, False)]
 
 
 def session(tokens: list[int]) -> Session:

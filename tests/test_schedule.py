@@ -17,7 +17,7 @@ from kvpool.daemon.engine.schedule import (
     Start,
     schedule,
 )
-from kvpool.daemon.engine.step_plan import plan_budgeted
+from kvpool.daemon.engine.step_work import budgeted_work
 
 
 @dataclass(eq=False)
@@ -169,6 +169,6 @@ def test_with_nothing_to_move_the_work_is_the_step_plan_of_the_ready_generations
     v = view([], running=[decoding, prompt, paused], capacity=128, cost=cost, time_cap=0.05)
     decision = schedule(v)
     assert decision.moves == ()
-    assert list(decision.work) == plan_budgeted([decoding, prompt], 128, cost, 0.05)
+    assert list(decision.work) == budgeted_work([decoding, prompt], 128, cost, 0.05)
     assert [w.item for w in decision.work] == [decoding, prompt] and decision.work[1].n_tokens < 128
     assert schedule(v) == decision and v.running == (decoding, prompt, paused)  # a pure function of its view

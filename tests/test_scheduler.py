@@ -20,7 +20,7 @@ from kvpool.daemon.engine.cost_model import CostModel, StepShape, calibrate
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.moves import next_work
 from kvpool.daemon.engine.scheduler import Budget, Scheduler
-from kvpool.daemon.engine.step_plan import MIN_CHUNK, plan_budgeted, plan_fcfs, steps_for
+from kvpool.daemon.engine.step_work import MIN_CHUNK, budgeted_work, fcfs_work, steps_for
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
@@ -65,7 +65,7 @@ def summary(plan: list) -> list[tuple[Item, int, bool]]:
 def test_fcfs_feeds_decodes_then_prompts_oldest_first() -> None:
     late_prompt, early_prompt = Item(300, 2.0), Item(400, 1.0)
     decoding = [Item(1, 5.0), Item(1, 6.0)]
-    plan = plan_fcfs([late_prompt, *decoding, early_prompt], token_budget=256)
+    plan = fcfs_work([late_prompt, *decoding, early_prompt], token_budget=256)
     assert summary(plan) == [(decoding[0], 1, True), (decoding[1], 1, True), (early_prompt, 254, False)]
 
 
@@ -75,7 +75,7 @@ def test_fcfs_feeds_decodes_then_prompts_oldest_first() -> None:
 def test_prompts_go_by_earliest_deadline_not_arrival() -> None:
     vision = Item(1500, arrival=1.0, deadline=11.0)
     voice = Item(30, arrival=2.0, deadline=2.3)
-    plan = plan_budgeted([vision, voice], 512, fixed_cost(), time_cap=None)
+    plan = budgeted_work([vision, voice], 512, fixed_cost(), time_cap=None)
     assert summary(plan)[0] == (voice, 30, True)  # the later arrival with the earlier deadline goes first
     assert summary(plan)[1] == (vision, 482, False)
 
@@ -83,10 +83,10 @@ def test_prompts_go_by_earliest_deadline_not_arrival() -> None:
 def test_ties_go_to_priority_then_age_and_best_effort_goes_last() -> None:
     a, b = Item(10, 1.0, deadline=5.0, priority=0), Item(10, 2.0, deadline=5.0, priority=3)
     background = Item(10, 0.0, best_effort=True)
-    plan = plan_budgeted([background, a, b], 512, fixed_cost(), time_cap=None)
+    plan = budgeted_work([background, a, b], 512, fixed_cost(), time_cap=None)
     assert [w.item for w in plan] == [b, a]  # the best-effort prompt waits for a step of its own
     decoding_background = Item(1, 0.0, best_effort=True)
-    plan = plan_budgeted([decoding_background, a, b], 512, fixed_cost(), time_cap=None)
+    plan = budgeted_work([decoding_background, a, b], 512, fixed_cost(), time_cap=None)
     assert [w.item for w in plan] == [decoding_background, b, a]  # decode tokens are cheap: they ride
 
 
@@ -94,9 +94,9 @@ def test_chunks_are_sized_to_the_time_cap() -> None:
     # 10 ms fixed + 1 ms per token, cap 50.5 ms: two decode tokens leave room for a 38-token chunk.
     decoders = [Item(1, 1.0, deadline=1.1), Item(1, 1.0, deadline=1.2)]
     prompt = Item(1000, 0.5, deadline=9.0)
-    plan = plan_budgeted([prompt, *decoders], 512, fixed_cost(), time_cap=0.0505)
+    plan = budgeted_work([prompt, *decoders], 512, fixed_cost(), time_cap=0.0505)
     assert summary(plan) == [(decoders[0], 1, True), (decoders[1], 1, True), (prompt, 38, False)]
-    without_cap = plan_budgeted([prompt, *decoders], 512, fixed_cost(), time_cap=None)
+    without_cap = budgeted_work([prompt, *decoders], 512, fixed_cost(), time_cap=None)
     assert summary(without_cap)[2] == (prompt, 510, False)
 
 
@@ -106,27 +106,27 @@ def test_deadline_bound_decodes_always_ride_but_best_effort_yields() -> None:
     bound = [Item(1, 1.0, deadline=1.0 + i) for i in range(3)]
     background = Item(1, 0.0, best_effort=True)
     prompt = Item(100, 0.0, best_effort=True)
-    plan = plan_budgeted([background, prompt, *bound], 512, fixed_cost(), time_cap=0.0125)
+    plan = budgeted_work([background, prompt, *bound], 512, fixed_cost(), time_cap=0.0125)
     assert [w.item for w in plan] == bound
 
 
 def test_best_effort_prompts_stay_out_of_a_step_that_starts_a_deadline_bound_answer() -> None:
     voice = Item(20, 2.0, deadline=2.3)
     vision = Item(1000, 1.0, best_effort=True)
-    plan = plan_budgeted([vision, voice], 512, fixed_cost(), time_cap=0.1505)
+    plan = budgeted_work([vision, voice], 512, fixed_cost(), time_cap=0.1505)
     assert summary(plan) == [(voice, 20, True)]
-    assert summary(plan_budgeted([vision], 512, fixed_cost(), time_cap=0.1505)) == [(vision, 140, False)]
+    assert summary(budgeted_work([vision], 512, fixed_cost(), time_cap=0.1505)) == [(vision, 140, False)]
 
 
 def test_best_effort_work_alone_still_moves_when_nothing_fits_the_cap() -> None:
     background = Item(1, 0.0, best_effort=True)  # a decode token predicted above the cap
-    plan = plan_budgeted([background], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)
+    plan = budgeted_work([background], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)
     assert summary(plan) == [(background, 1, True)]
 
 
 def test_the_most_urgent_prompt_always_moves() -> None:
     prompt = Item(100, 0.0, deadline=3.0)
-    plan = plan_budgeted([prompt], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)  # nothing fits the cap
+    plan = budgeted_work([prompt], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)  # nothing fits the cap
     assert summary(plan) == [(prompt, MIN_CHUNK, False)]
 
 
@@ -137,7 +137,7 @@ def test_the_most_urgent_prompt_always_moves() -> None:
 )
 def test_plan_respects_budget_and_pending(items: list, budget: int, cap: float | None) -> None:
     running = [Item(n, t, deadline=d, best_effort=be) for n, t, d, be in items]
-    plan = plan_budgeted(running, budget, fixed_cost(), cap)
+    plan = budgeted_work(running, budget, fixed_cost(), cap)
     assert sum(w.n_tokens for w in plan) <= budget
     assert len({id(w.item) for w in plan}) == len(plan)
     for w in plan:
@@ -171,7 +171,7 @@ def test_the_plan_on_a_cap_does_not_depend_on_a_fused_multiply_add(monkeypatch: 
     plans, estimates = [], []
     for way in (dot_with_fma, dot_without_fma):
         monkeypatch.setattr(cost_model, "dot", way)
-        plan = plan_budgeted([Item(1000, 1.0, best_effort=True)], 512, fixed_cost(), time_cap=0.150)
+        plan = budgeted_work([Item(1000, 1.0, best_effort=True)], 512, fixed_cost(), time_cap=0.150)
         plans.append([(w.n_tokens, w.completes) for w in plan])
         estimates.append(steps_for(280, decoders=0, position=0, token_budget=512, cost=fixed_cost(), time_cap=0.150))
     assert plans[0] == plans[1] == [(140, False)]

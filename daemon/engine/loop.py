@@ -25,7 +25,7 @@ from kvpool.daemon.engine.moves import next_work
 from kvpool.daemon.engine.requests import RequestHandlers
 from kvpool.daemon.engine.runner import Runner, StepOutcome
 from kvpool.daemon.engine.scheduler import Scheduler
-from kvpool.daemon.engine.step_plan import Work
+from kvpool.daemon.engine.step_work import Work
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Model, Sampled
@@ -140,24 +140,24 @@ class Engine:
             self.workers.check(idle=self.scheduler.idle)
         self.preloader.predict()
         self.remote.between_steps()
-        plan = next_work(self.scheduler, self.kv, self._refused_admission)
-        if not plan:
+        step_work = next_work(self.scheduler, self.kv, self._refused_admission)
+        if not step_work:
             if not self.scheduler.idle:  # its generations wait for their clients (or a slot): do not spin
                 self._take_requests(PAUSED_WAIT_S)
             return
-        self.kv.room_for_step(sum(w.n_tokens for w in plan))
+        self.kv.room_for_step(sum(w.n_tokens for w in step_work))
         started = time.monotonic()
-        outcome = self.runner.run(plan)
-        self._postprocess(plan, outcome, started)
+        outcome = self.runner.run(step_work)
+        self._postprocess(step_work, outcome, started)
 
-    def _postprocess(self, plan: list[Work[Generation]], outcome: StepOutcome, started: float) -> None:
+    def _postprocess(self, step_work: list[Work[Generation]], outcome: StepOutcome, started: float) -> None:
         """Account for what the step fed, then stream each sampled token and end what must end."""
         now = time.monotonic()
         if outcome.rc == 1:
-            self._kv_full(plan, now)
+            self._kv_full(step_work, now)
             return
         if outcome.rc != 0:
-            self._decode_failed(plan, outcome.rc)
+            self._decode_failed(step_work, outcome.rc)
             return
         self.scheduler.cost.update(outcome.shape, outcome.seconds)
         self.counters.decode_calls += 1
@@ -165,16 +165,16 @@ class Engine:
             self.workers.note_step()
         self.counters.batch_tokens += outcome.batch_tokens
         # The KV now holds every fed token: record that for the whole step before anything can fail.
-        for work in plan:
+        for work in step_work:
             work.item.note_step(started)
             self.kv.fed(work.item.session, work.n_tokens)
             if work.item.completion_tokens == 0:  # fed before its first sampled token: prompt (or system prompt)
                 self.counters.prompt_tokens += work.n_tokens
-        for work in plan:
+        for work in step_work:
             session = work.item.session
             if session.boundary and session.n_kv >= session.boundary:
                 self._make_prefix(session)
-        for work, sampled in zip(plan, outcome.tokens, strict=True):
+        for work, sampled in zip(step_work, outcome.tokens, strict=True):
             if sampled is not None:
                 self._accept(work.item, sampled, now)
             elif work.completes and not work.item.samples:  # a prefill: its prompt is in the KV, nothing more
@@ -339,17 +339,17 @@ class Engine:
         detail = p.cut_detail(g.completion_tokens, len(g.session.tokens)) if g.started else None
         self.reply_error(g.client, g.request.id, code, message, detail)
 
-    def _kv_full(self, plan: list[Work[Generation]], now: float) -> None:
+    def _kv_full(self, step_work: list[Work[Generation]], now: float) -> None:
         """llama_decode found no free cells in the unified KV (state unchanged): hibernate idle sessions to make
         room and retry next step; if none is idle, the generation with the most context is cut (KV_FULL)."""
         self.counters.kv_full_events += 1
         try:
-            if self.kv.free_cells(exclude=[w.item.session for w in plan], count=max(1, len(plan))):
+            if self.kv.free_cells(exclude=[w.item.session for w in step_work], count=max(1, len(step_work))):
                 self.kv.reclaim()
                 return
         except RequestRefused as refused:
             log.warning("could not hibernate idle sessions to free KV cells: %s", refused.message)
-        victim = max((w.item for w in plan), key=lambda g: len(g.session.tokens))
+        victim = max((w.item for w in step_work), key=lambda g: len(g.session.tokens))
         log.warning(
             "unified KV is full (%d cells): stopping the generation of session %s",
             self.model.context_size,
@@ -364,10 +364,10 @@ class Engine:
             now,
         )
 
-    def _decode_failed(self, plan: list[Work[Generation]], rc: int) -> None:
+    def _decode_failed(self, step_work: list[Work[Generation]], rc: int) -> None:
         """A fatal decode error: the KV of these sessions is in an unknown state, so they are closed."""
-        log.error("llama_decode failed with %d; closing the %d sessions of that step", rc, len(plan))
-        for work in plan:
+        log.error("llama_decode failed with %d; closing the %d sessions of that step", rc, len(step_work))
+        for work in step_work:
             g = work.item
             self._abandon(
                 g,

@@ -11,7 +11,7 @@ from enum import Enum
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.schedule import Hibernate, Move, Preempt, Restore, SharePrefix, Start, schedule
 from kvpool.daemon.engine.scheduler import Scheduler
-from kvpool.daemon.engine.step_plan import Work
+from kvpool.daemon.engine.step_work import Work
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.refusals import RequestRefused

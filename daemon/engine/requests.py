@@ -18,7 +18,7 @@ from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.manager import KvManager
-from kvpool.daemon.kv.opening import create_session
+from kvpool.daemon.kv.new_session import create_session
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.constraints import ConstraintError, parse_schema
 from kvpool.daemon.llama.model import (

@@ -3,7 +3,7 @@
 ``schedule(view)`` returns the moves that give waiting generations hot slots, most urgent first (start one whose
 session is still hot; take a free slot; hibernate the least recently used idle session for one; swap a running
 best-effort generation out for a deadline-bound one when every slot is generating; share a prefix with a first
-prompt), and, once nothing is left to move, the step's work (engine/step_plan.py). The engine applies the moves
+prompt), and, once nothing is left to move, the step's work (engine/step_work.py). The engine applies the moves
 (engine/moves.py: the KV manager moves the sessions, the scheduler its queues) and asks again: what a restore
 finds (a snapshot's length, a prefix it rejoins, cells that generating sessions hold) is known only after it.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from kvpool.daemon.engine.cost_model import CostModel
-from kvpool.daemon.engine.step_plan import Schedulable, Work, plan_budgeted, plan_fcfs, urgency
+from kvpool.daemon.engine.step_work import Schedulable, Work, budgeted_work, fcfs_work, urgency
 from kvpool.daemon.kv.pool.layout import Snapshot
 
 
@@ -124,8 +124,8 @@ def schedule(view: SchedulerView[G, S]) -> StepDecision[G, S]:
     if not ready:
         return StepDecision()
     if view.fcfs:
-        return StepDecision(work=tuple(plan_fcfs(ready, view.capacity)))
-    return StepDecision(work=tuple(plan_budgeted(ready, view.capacity, view.cost, view.time_cap)))
+        return StepDecision(work=tuple(fcfs_work(ready, view.capacity)))
+    return StepDecision(work=tuple(budgeted_work(ready, view.capacity, view.cost, view.time_cap)))
 
 
 def _admissions(view: SchedulerView[G, S]) -> list[Move[G, S]]:

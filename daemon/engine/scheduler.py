@@ -21,7 +21,7 @@ from kvpool.daemon.config import Config, TaskProfile
 from kvpool.daemon.engine.cost_model import CostModel, within
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.schedule import SchedulerView
-from kvpool.daemon.engine.step_plan import steps_for
+from kvpool.daemon.engine.step_work import steps_for
 from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session, SessionTable

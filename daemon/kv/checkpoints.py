@@ -1,19 +1,19 @@
-"""Writing checkpoints: a resident session's state into a fresh pool extent (whole, or only its cells past a
-shared prefix; compressed as it is written with pool_kv_policy "always"), straight to disk when the pool cannot
-hold it, a session's tokens alone (a system prompt before its first turn), and a checkpoint that came from the
-remote tier. Room is made by room.py. Engine thread only."""
+"""The snapshot path, behind one facade: writing checkpoints (a resident session's state into a fresh pool
+extent, whole or only its cells past a shared prefix, compressed as it is written with pool_kv_policy "always";
+straight to disk when the pool cannot hold it), a session's tokens alone (a system prompt before its first turn),
+a checkpoint that came from the remote tier, and giving a snapshot up. Room is made behind it: room.py
+(compressing, compression.py; spilling, disk_writes.py; evicting through the KV manager). Engine thread only."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 
 from kvpool.daemon.kv import place
 from kvpool.daemon.kv.codec.kv_types import KvType
 from kvpool.daemon.kv.codec.state_format import StateBytes
-from kvpool.daemon.kv.codec.tier_codec import TierCodec
-from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.disk_writes import DiskWrites
 from kvpool.daemon.kv.pool.layout import (
     HOT_TYPES,
@@ -24,11 +24,10 @@ from kvpool.daemon.kv.pool.layout import (
     payload_bytes,
     with_tokens,
 )
-from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.prefix.cache import PrefixCache
 from kvpool.daemon.kv.room import PoolRoom
 from kvpool.daemon.kv.sessions import Session
-from kvpool.daemon.kv.spill_dir import SpillDir
+from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.llama.model import Model
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
@@ -36,22 +35,16 @@ from kvpool.protocol import ErrorCode
 log = logging.getLogger("kvpool.tiers")
 
 
-class SnapshotWriter:
+class Checkpoints:
     def __init__(
-        self,
-        model: Model,
-        pool: Pool,
-        spill: SpillDir,
-        prefixes: PrefixCache,
-        counts: TierCounters,
-        codec: TierCodec,
-        room: PoolRoom,
-        disk_writes: DiskWrites,
-        whole: bool = False,
+        self, model: Model, stores: Stores, prefixes: PrefixCache, evict: Callable[[Session], None], whole: bool
     ):
-        """``whole``: checkpoints hold every cell, shared prefix included, so another node can restore them."""
-        self.model, self.pool, self.spill, self.prefixes = model, pool, spill, prefixes
-        self.counts, self.codec, self.room, self.disk_writes = counts, codec, room, disk_writes
+        """``evict(s)``: drop an idle session for room; ``whole``: checkpoints hold every cell, shared prefix
+        included, so another node can restore them."""
+        self.model, self.pool, self.spill, self.prefixes = model, stores.pool, stores.spill, prefixes
+        self.counts, self.codec = stores.counts, stores.codec
+        self.disk_writes = DiskWrites(stores, evict)
+        self.room = PoolRoom(stores, prefixes, self.disk_writes)
         self.whole_snapshots = whole
 
     def checkpoint(self, s: Session) -> None:
@@ -186,6 +179,10 @@ class SnapshotWriter:
             raw_bytes,
         )
         place.commit(s, committed)
+
+    def give_up(self, s: Session) -> None:
+        """Drop a resident session's saved state (see PoolRoom.give_up)."""
+        self.room.give_up(s)
 
     def _checkpoint_to_disk(self, s: Session, source: int, state_bytes: int, first: int) -> None:
         """The pool cannot hold this snapshot at all (larger than every extent it could free): go to disk."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.codec.kv_types import KvType
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
-from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.allocator import Extent
 from kvpool.daemon.kv.pool.layout import Snapshot, payload_bytes
 from kvpool.daemon.kv.pool.pool import Pool
-from kvpool.daemon.kv.sessions import Session, SessionTable
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.kv.stores import Stores
 
 
 def compressed_pool_state(pool: Pool, codec: TierCodec, snap: Snapshot, to: KvType) -> bytearray | None:
@@ -24,8 +24,8 @@ def compressed_pool_state(pool: Pool, codec: TierCodec, snap: Snapshot, to: KvTy
 
 
 class PoolCompressor:
-    def __init__(self, pool: Pool, sessions: SessionTable, codec: TierCodec, counts: TierCounters):
-        self.pool, self.sessions, self.codec, self.counts = pool, sessions, codec, counts
+    def __init__(self, stores: Stores):
+        self.pool, self.sessions, self.codec, self.counts = stores.pool, stores.sessions, stores.codec, stores.counts
 
     def compress_one(self, pinned: Session) -> bool:
         """Compress the least recently used pool snapshot still at the hot types into a smaller extent (pool

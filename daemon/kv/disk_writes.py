@@ -7,30 +7,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool.daemon.kv import place, policy
-from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.compression import compressed_pool_state
-from kvpool.daemon.kv.counters import TierCounters
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.layout import HOT_TYPES, NO_PREFIX, TIER_DISK, TIER_POOL, payload_bytes, with_tokens
-from kvpool.daemon.kv.pool.pool import Pool
-from kvpool.daemon.kv.sessions import Session, SessionTable
-from kvpool.daemon.kv.spill_dir import SpillDir
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 
 class DiskWrites:
-    def __init__(
-        self,
-        pool: Pool,
-        spill: SpillDir,
-        sessions: SessionTable,
-        codec: TierCodec,
-        counts: TierCounters,
-        evict: Callable[[Session], None],
-    ):
-        self.pool, self.spill, self.sessions, self.codec = pool, spill, sessions, codec
-        self.counts, self.evict = counts, evict
+    def __init__(self, stores: Stores, evict: Callable[[Session], None]):
+        """``evict(s)``: drop an idle session for room (its owner gets SESSION_EVICTED)."""
+        self.pool, self.spill, self.sessions = stores.pool, stores.spill, stores.sessions
+        self.codec, self.counts, self.evict = stores.codec, stores.counts, evict
 
     def spill_out(self, s: Session) -> None:
         """Move a session's pool snapshot to the spill directory (the pool extent is freed by the commit)."""

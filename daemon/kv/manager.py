@@ -2,7 +2,7 @@
 the spill directory). It alone moves sessions (through kv/place.py); everything else reads a session's place.
 
 A session's life, as this class sees it:
-- open: opening.create_session puts it in the table and the pool's; ``record_tokens`` commits a system prompt.
+- open: new_session.create_session puts it in the table and the pool's; ``record_tokens`` commits a system prompt.
 - turn: ``make_resident`` gives it a slot with its KV restored (``share_first_prompt`` lets a first prompt start
   from a shared prefix); each step's computed tokens are ``fed``; ``make_prefix`` turns a system prompt's cells
   into a shared prefix; ``checkpoint`` commits the turn into the pool (the mirror copies it to other nodes).
@@ -29,19 +29,17 @@ import msgspec
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv import place, policy
-from kvpool.daemon.kv.checkpoints import SnapshotWriter
+from kvpool.daemon.kv.checkpoints import Checkpoints
 from kvpool.daemon.kv.codec.state_format import StateFormatError
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
-from kvpool.daemon.kv.compression import PoolCompressor
 from kvpool.daemon.kv.counters import TierCounters
-from kvpool.daemon.kv.disk_writes import DiskWrites
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
 from kvpool.daemon.kv.prefix.index import shareable_length
-from kvpool.daemon.kv.room import PoolRoom
 from kvpool.daemon.kv.sessions import Session, SessionCorrupt, SessionTable
 from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
+from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 
@@ -78,13 +76,9 @@ class KvManager:
         self.prefixes = PrefixCache(model, pool, config)
         self.counts = TierCounters()
         self.codec = TierCodec(model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type)
-        compressor = PoolCompressor(pool, sessions, self.codec, self.counts)
-        disk_writes = DiskWrites(pool, spill, sessions, self.codec, self.counts, self.evict)
-        self.room = PoolRoom(pool, spill, sessions, self.prefixes, self.codec, compressor, disk_writes, self.evict)
+        stores = Stores(pool, spill, sessions, self.codec, self.counts)
         # With a mirror, checkpoints hold every cell, shared prefix included, so that another node can restore them.
-        self.writer = SnapshotWriter(
-            model, pool, spill, self.prefixes, self.counts, self.codec, self.room, disk_writes, whole=mirror is not None
-        )
+        self.checkpoints = Checkpoints(model, stores, self.prefixes, self.evict, whole=mirror is not None)
 
     # ------------------------------------------------------------------ hot tier
 
@@ -344,23 +338,23 @@ class KvManager:
     # ------------------------------------------------------------------ snapshots (checkpoints.py, room.py)
 
     def checkpoint(self, s: Session) -> None:
-        self.writer.checkpoint(s)
+        self.checkpoints.checkpoint(s)
         if self.mirror is not None:
             self.mirror.saved(s)
 
     def record_tokens(self, s: Session) -> None:
-        self.writer.record_tokens(s)
+        self.checkpoints.record_tokens(s)
         if self.mirror is not None and s.snapshot is not None:
             self.mirror.saved(s)
 
     def install(
         self, s: Session, payload: memoryview, state_bytes: int, n_kv: int, digest: int, kv_type: int, raw_bytes: int
     ) -> None:
-        """Commit a checkpoint fetched from another node as ``s``'s snapshot (see SnapshotWriter.install)."""
-        self.writer.install(s, payload, state_bytes, n_kv, digest, kv_type, raw_bytes)
+        """Commit a checkpoint fetched from another node as ``s``'s snapshot (see Checkpoints.install)."""
+        self.checkpoints.install(s, payload, state_bytes, n_kv, digest, kv_type, raw_bytes)
 
     def give_up_snapshot(self, s: Session) -> None:
-        self.room.give_up(s)
+        self.checkpoints.give_up(s)
 
     def evict(self, s: Session) -> None:
         """Drop a session for room: its owner gets SESSION_EVICTED from now on."""

@@ -6,35 +6,23 @@ evicted. Engine thread only."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 from kvpool.daemon.kv import place, policy
-from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.compression import PoolCompressor
 from kvpool.daemon.kv.disk_writes import DiskWrites
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.layout import TIER_DISK, TIER_POOL
-from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.prefix.cache import PrefixCache
-from kvpool.daemon.kv.sessions import Session, SessionTable
-from kvpool.daemon.kv.spill_dir import SpillDir
+from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.refusals import RequestRefused
 
 
 class PoolRoom:
-    def __init__(
-        self,
-        pool: Pool,
-        spill: SpillDir,
-        sessions: SessionTable,
-        prefixes: PrefixCache,
-        codec: TierCodec,
-        compressor: PoolCompressor,
-        disk_writes: DiskWrites,
-        evict: Callable[[Session], None],
-    ):
-        self.pool, self.spill, self.sessions, self.prefixes, self.codec = pool, spill, sessions, prefixes, codec
-        self.compressor, self.disk_writes, self.evict = compressor, disk_writes, evict
+    def __init__(self, stores: Stores, prefixes: PrefixCache, disk_writes: DiskWrites):
+        self.pool, self.spill, self.sessions, self.codec = stores.pool, stores.spill, stores.sessions, stores.codec
+        self.prefixes, self.disk_writes, self.evict = prefixes, disk_writes, disk_writes.evict
+        self.compressor = PoolCompressor(stores)
 
     def allocate(self, nbytes: int, pinned: Session) -> Extent | None:
         """An extent for ``nbytes``, spilling least recently used snapshots to disk until one fits; None when no

@@ -44,14 +44,10 @@ class Model:
         prefix_slots: int = 0,
         repack: bool = True,
         kv: KvSettings | None = None,
-        outputs: int = 0,
         placement: Placement | None = None,
-        lone_threads: int = 0,
         determinism: Determinism = NOT_DETERMINISTIC,
     ):
-        """``kv``: the hot KV's types and flash attention (default f16, on). ``outputs``: rows of logits one
-        decode may return (default one per sequence, all a step samples; a quality benchmark wants more).
-        ``lone_threads``: threads for a one-token batch (default ``threads``). ``determinism``: on, a sequence's
+        """``kv``: the hot KV's types and flash attention (default f16, on). ``determinism``: on, a sequence's
         logits depend on nothing but its own tokens (llama/deterministic_mode.py): no batch of one token or one
         output (a pad row makes two), and cells kept in position order (sequences.py); the assembly also turns
         repacking and llama.cpp's tiled matmul off and the engine keeps batches within DETERMINISTIC_STEP_TOKENS."""
@@ -83,17 +79,18 @@ class Model:
         self.pad_seq = cparams.n_seq_max - 2 if determinism.on else -1
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
-        cparams.n_outputs_max = outputs or cparams.n_seq_max  # llama.cpp reserves its graph for these outputs
+        cparams.n_outputs_max = cparams.n_seq_max  # llama.cpp reserves its graph for these outputs
         cparams.type_k, cparams.type_v = self.kv.type_k.ggml_id, self.kv.type_v.ggml_id
         cparams.flash_attn_type = (
             lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.kv.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         cparams.swa_full = self.kv.swa_full
         # llama.cpp runs a one-token batch on n_threads and any other on n_threads_batch.
-        cparams.n_threads = lone_threads or threads
+        cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = True  # one pool of cells for all slots: what the KV tiers are built on
         cparams.no_perf = True
+        self.tune_context(cparams)
         self.ctx = lc.llama_init_from_model(self._model, cparams)
         if not self.ctx:
             lc.llama_model_free(self._model)
@@ -118,6 +115,11 @@ class Model:
         self.fingerprint = fingerprint(self.path)
         # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
         self.kv_layout = self.kv.layout
+
+    def tune_context(self, params: lc.llama_context_params) -> None:
+        """llama.cpp's context parameters, just before the context is made: the daemon changes nothing here. A
+        measurement may, in a subclass of its own (bench/kv_quality.py scores every position of a turn,
+        bench/determinism.py runs a one-token batch on other threads)."""
 
     # ------------------------------------------------------------------ text (tokenizer.py)
 

@@ -60,22 +60,22 @@ def urgency(g: Schedulable) -> tuple[bool, float, int, float]:
     return (g.best_effort, g.deadline, -g.priority, g.arrival)
 
 
-def plan_fcfs(running: list[T], token_budget: int) -> list[Work[T]]:
+def fcfs_work(running: list[T], token_budget: int) -> list[Work[T]]:
     decoding = [g for g in running if g.pending_tokens == 1]
     prefilling = sorted((g for g in running if g.pending_tokens > 1), key=lambda g: g.arrival)
-    plan = [Work(g, 1, True) for g in decoding[:token_budget]]
-    budget = token_budget - len(plan)
+    step_work = [Work(g, 1, True) for g in decoding[:token_budget]]
+    budget = token_budget - len(step_work)
     for g in prefilling:
         if budget <= 0:
             break
         n = min(g.feedable_tokens, budget)
-        plan.append(Work(g, n, n == g.pending_tokens))
+        step_work.append(Work(g, n, n == g.pending_tokens))
         budget -= n
-    return plan
+    return step_work
 
 
-def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap: float | None) -> list[Work[T]]:
-    plan: list[Work[T]] = []
+def budgeted_work(running: list[T], token_budget: int, cost: CostModel, time_cap: float | None) -> list[Work[T]]:
+    step_work: list[Work[T]] = []
     chunks: list[tuple[int, int, bool]] = []
 
     def fits(chunk: tuple[int, int, bool]) -> bool:
@@ -85,7 +85,7 @@ def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap
 
     def add(g: T, n: int) -> None:
         chunk = (g.position, n, n == g.pending_tokens)
-        plan.append(Work(g, n, chunk[2]))
+        step_work.append(Work(g, n, chunk[2]))
         chunks.append(chunk)
 
     for g in sorted((g for g in running if g.pending_tokens == 1), key=urgency):
@@ -97,19 +97,19 @@ def plan_budgeted(running: list[T], token_budget: int, cost: CostModel, time_cap
         room = token_budget - sum(c[1] for c in chunks)
         if room <= 0:
             break
-        if g.best_effort and any(not w.item.best_effort and w.item.pending_tokens > 1 for w in plan):
+        if g.best_effort and any(not w.item.best_effort and w.item.pending_tokens > 1 for w in step_work):
             break  # a deadline-bound prompt is in this step: keep the step short so its first token comes soon
         n = _largest_chunk(g, min(g.feedable_tokens, room), fits)
         if n == 0:
-            prompt_moving = any(w.item.pending_tokens > 1 for w in plan)
-            if prompt_moving or (g.best_effort and plan):
+            prompt_moving = any(w.item.pending_tokens > 1 for w in step_work)
+            if prompt_moving or (g.best_effort and step_work):
                 break
             n = min(g.feedable_tokens, room, MIN_CHUNK)  # progress for the most urgent prompt
         add(g, n)
-    if not plan and running:  # nothing fitted the cap: the most urgent work still moves, by the least amount
+    if not step_work and running:  # nothing fitted the cap: the most urgent work still moves, by the least amount
         g = min(running, key=urgency)
         add(g, min(g.feedable_tokens, MIN_CHUNK))
-    return plan
+    return step_work
 
 
 def _largest_chunk(g: Schedulable, most: int, fits: Callable[[tuple[int, int, bool]], bool]) -> int:
