@@ -12,7 +12,7 @@ the conversation sent.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvpool import protocol as p
 
@@ -36,11 +36,7 @@ class Held:
 
     The whitespace between the rendering and the answer, and around the answer, is not compared: templates trim
     an answer's content, and write their own separator before it (a transcript's ``Assistant:`` prompt, answered
-    by a JSON grammar with ``{``, comes back as ``Assistant: {``). The session keeps the answer as generated.
-
-    ``then_chars``/``then_hash``: text right after the answer that the session holds too, computed before the
-    next rendering came (the opening of a tool's result, gateway/next_turn.py); the next rendering must go on
-    with it."""
+    by a JSON grammar with ``{``, comes back as ``Assistant: {``). The session keeps the answer as generated."""
 
     tokens: int
     prompt_chars: int
@@ -48,19 +44,11 @@ class Held:
     answer_chars: int
     answer_hash: str
     eog_token: int = -1
-    then_chars: int = 0
-    then_hash: str = ""
 
     @property
     def text_chars(self) -> int:
         """How much of a rendering this session stands for (to prefer the longest of several)."""
-        return self.prompt_chars + self.answer_chars + self.then_chars
-
-    def followed_by(self, text: str, tokens: int) -> Held:
-        """This session once ``text`` was computed right after the answer (it then holds ``tokens``); the
-        end-of-generation token is accounted for, as it came before ``text``."""
-        assert not self.then_chars, "a session is followed by one text at most"
-        return replace(self, tokens=tokens, eog_token=-1, then_chars=len(text), then_hash=digest(text))
+        return self.prompt_chars + self.answer_chars
 
     def rest(self, rendered: str) -> str | None:
         """The new part of ``rendered`` when it continues what the session holds, else None."""
@@ -72,10 +60,6 @@ class Held:
         end = start + self.answer_chars
         if end >= len(rendered) or digest(rendered[start:end]) != self.answer_hash:
             return None
-        if self.then_chars:
-            then, end = end, end + self.then_chars
-            if end >= len(rendered) or digest(rendered[then:end]) != self.then_hash:
-                return None
         return rendered[end:]
 
     def trim(self, tokens: list[int]) -> list[int]:

@@ -1,6 +1,7 @@
 """The daemon's configuration: a schema (msgspec Structs), a TOML loader and CLI overrides.
 
-Precedence: built-in defaults < TOML file < command-line flags. Unknown keys and bad values are refused
+Precedence: built-in defaults < TOML file < command-line flags. A field with a ``Flag`` has a command-line flag
+of its name (kvpool.client.flags derives it). Unknown keys and bad values are refused
 at start with the key, the value and why, so a typo never silently falls back to a default.
 """
 
@@ -14,6 +15,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from kvpool.client.flags import Choices, Flag
 from kvpool.daemon.kv.codec.kv_types import KV_TYPES, STORE_TYPES
 from kvpool.daemon.rpc.endpoints import ENDPOINT_PATTERN
 
@@ -33,7 +35,9 @@ def one_of(*values: str) -> Any:
     """A string key that takes one of ``values``; its error names them."""
     words = ", ".join(f'"{v}"' for v in values)
     return Annotated[
-        str, Meta(pattern=f"^({'|'.join(map(re.escape, values))})$", description=f"must be one of {words}")
+        str,
+        Meta(pattern=f"^({'|'.join(map(re.escape, values))})$", description=f"must be one of {words}"),
+        Choices(values),
     ]
 
 
@@ -72,9 +76,15 @@ def _default_tasks() -> dict[str, TaskProfile]:
 
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # The GGUF to serve; empty means the embedded default (Gemma 3 270M Q4_K_M from the `model` extra).
-    model: str = ""
+    model: Annotated[str, Flag("GGUF file to serve (default: the embedded Gemma 3 270M Q4_K_M)")] = ""
     # ZeroMQ address; empty means ipc://<runtime dir>/kvpoold.sock (see kvpool.client.address).
-    address: str = ""
+    address: Annotated[
+        str,
+        Flag(
+            "ipc:// address to serve (default: $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID, "
+            "socket kvpoold.sock)"
+        ),
+    ] = ""
     # Mode of the socket's directory when the daemon creates it.
     socket_dir_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o700
     # A group whose members may connect: the socket directory becomes 0750 and the socket 0660 in that group
@@ -91,12 +101,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # A connection that multiplexes many users (the HTTP gateway says so in its hello) may have this many.
     max_inflight_per_multiplexer: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
     # Hot slots: llama.cpp sequences decoded together (n_seq_max); each open session holds one.
-    hot_slots: Annotated[int, Meta(ge=1, le=256)] = 4
+    hot_slots: Annotated[int, Meta(ge=1, le=256), Flag("sequences decoded together (each open session holds one)")] = 4
     # KV cells shared by all hot slots (unified KV); also the most context one session can hold.
-    context_size: Annotated[int, Meta(ge=64, le=1 << 20)] = 4096
+    context_size: Annotated[int, Meta(ge=64, le=1 << 20), Flag("KV cells shared by all hot slots")] = 4096
     # Most tokens one engine step decodes (prefill chunks + one token per generating session).
-    batch_size: Annotated[int, Meta(ge=8, le=1 << 16)] = 512
-    max_sessions: Annotated[int, Meta(ge=1, le=1 << 16)] = 64
+    batch_size: Annotated[int, Meta(ge=8, le=1 << 16), Flag("most tokens one engine step decodes")] = 512
+    max_sessions: Annotated[int, Meta(ge=1, le=1 << 16), Flag("most sessions open at once")] = 64
     # Prefix sharing: llama.cpp sequences kept for shared prefixes (system prompts) in the unified KV, whose
     # cells sessions share through llama_memory_seq_cp; 0 turns sharing off. Prefix snapshots in the pool (so
     # sharing survives restarts) are capped at max_prefixes; the prefix index hashes blocks of this many tokens.
@@ -104,7 +114,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     max_prefixes: Annotated[int, Meta(ge=0, le=1024)] = 8
     prefix_block_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
     # The warm tier: a POSIX shared-memory segment of this many bytes ("512MiB", "2GiB" or a number).
-    cache_pool_size: Annotated[int, Meta(ge=1 << 20)] = 256 << 20
+    cache_pool_size: Annotated[
+        int, Meta(ge=1 << 20), Flag("bytes of the shared-memory pool, e.g. 512MiB or 2GiB", parse=str)
+    ] = 256 << 20
     # Its name in /dev/shm; empty means one derived from the address, so daemons never share by accident.
     pool_name: Annotated[
         str,
@@ -113,20 +125,25 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
             description="must start with '/' followed by up to 200 letters, digits, '_', '.' or '-', "
             "e.g. /kvpool-main (or be empty)",
         ),
+        Flag("name of the pool in /dev/shm (default: derived from the address)"),
     ] = ""
     pool_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o600
     # When sessions are snapshotted: after every completed generation (a crash loses no completed turn), or
     # only when they leave their hot slot (cheaper; a crash loses what was never hibernated).
-    checkpoint: one_of("after_generate", "on_evict") = "after_generate"
+    checkpoint: Annotated[one_of("after_generate", "on_evict"), Flag("when sessions are snapshotted")] = (
+        "after_generate"
+    )
     # "budgets": earliest deadline first, chunked prefill, admission control, preemption of best-effort work.
     # "fcfs": first come first served with whole-batch prefill chunks and no admission control (to compare).
-    scheduling: one_of("budgets", "fcfs") = "budgets"
+    scheduling: Annotated[one_of("budgets", "fcfs"), Flag("latency budgets, or first come first served")] = "budgets"
     # Time a few synthetic steps at start to fit the cost model that budgets and admission use (about 3 s with
     # Gemma 3 270M on 2 cores). false starts from a cautious prior that every step then refines: for tests and
     # for daemons whose tasks have no latency budgets.
     calibrate: bool = True
     # The memory plan (weights + hot KV + compute + pool + runtime) may not exceed this; 0 = no limit.
-    memory_limit: NonNegative = 0
+    memory_limit: Annotated[
+        NonNegative, Flag("refuse to start when the memory plan exceeds this, e.g. 1.5GiB", parse=str)
+    ] = 0
     # Above this resident memory (psutil), new sessions are refused with OVERLOADED; 0 = never.
     memory_high_water: NonNegative = 0
     # "127.0.0.1:PORT" serves /health and /metrics on the loopback; empty = no HTTP listener.
@@ -136,53 +153,70 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
             pattern=r"^((127\.0\.0\.1|localhost|\[::1\]):\d{1,5})?$",
             description="must be a loopback address and port, e.g. 127.0.0.1:9101 (or be empty)",
         ),
+        Flag("serve /health and /metrics on 127.0.0.1:PORT"),
     ] = ""
-    log_format: one_of("text", "json") = "text"
+    log_format: Annotated[one_of("text", "json"), Flag("")] = "text"
     # Also log to this file, rotated at log_max_bytes (3 old files kept); empty = stderr only.
-    log_file: str = ""
+    log_file: Annotated[str, Flag("also log to this file (size-rotated)")] = ""
     log_max_bytes: Annotated[int, Meta(ge=1 << 16)] = 10 << 20
     # The cold tier: snapshots evicted from the pool; empty means $STATE_DIRECTORY/spill (systemd), else
     # $XDG_STATE_HOME/kvpool/spill, else ~/.local/state/kvpool/spill, plus the pool's name.
-    spill_dir: str = ""
-    spill_max_bytes: NonNegative = 1 << 30
+    spill_dir: Annotated[str, Flag("directory for snapshots evicted from the pool")] = ""
+    spill_max_bytes: Annotated[
+        NonNegative, Flag("cap of the spill directory, e.g. 1GiB (0 disables it)", parse=str)
+    ] = 1 << 30
     # The hot KV's types (llama.cpp's --cache-type-k/-v): f16, or a quantized q8_0, q5_1, q5_0, q4_1, q4_0 (or
     # f32, bf16). A quantized V needs flash attention; "auto" turns it on (it is on for f16 too).
-    cache_type_k: one_of(*KV_TYPES) = "f16"
-    cache_type_v: one_of(*KV_TYPES) = "f16"
-    flash_attn: one_of("auto", "on", "off") = "auto"
+    cache_type_k: Annotated[one_of(*KV_TYPES), Flag("the hot KV's K type (default f16)")] = "f16"
+    cache_type_v: Annotated[one_of(*KV_TYPES), Flag("the hot KV's V type (a quantized V turns flash attention on)")] = (
+        "f16"
+    )
+    flash_attn: Annotated[one_of("auto", "on", "off"), Flag("llama.cpp's flash attention (auto: on)")] = "auto"
     # KV compression per tier (docs/kv-compression.md): the type the pool and the spill directory may store
     # snapshots at ("same": the hot types, bytes untouched). pool_kv_policy "when_full" keeps new snapshots at
     # the hot types and compresses the least recently used ones when the pool is full, before spilling any;
     # "always" compresses every snapshot as it is written.
-    pool_kv_type: one_of(*STORE_TYPES) = "same"
+    pool_kv_type: Annotated[one_of(*STORE_TYPES), Flag("the type pool snapshots may be kept at")] = "same"
     pool_kv_policy: one_of("when_full", "always") = "when_full"
-    spill_kv_type: one_of(*STORE_TYPES) = "same"
+    spill_kv_type: Annotated[one_of(*STORE_TYPES), Flag("the type spilled snapshots are stored")] = "same"
     # Seconds a client may send nothing (not even heartbeats) or read nothing while it has a generation running
     # before the daemon stops that generation (CLIENT_UNRESPONSIVE). Until then its replies wait (up to 16 MiB per
     # connection) and its generations pause, holding their hot slots: a task process that is not scheduled for a
     # few seconds loses nothing. A client whose connection closes (its process died) is stopped at once.
-    client_patience: Annotated[float, Meta(ge=1, le=3600)] = 10.0
+    client_patience: Annotated[
+        float,
+        Meta(ge=1, le=3600),
+        Flag("seconds a client may send or read nothing while it generates before its generation is stopped"),
+    ] = 10.0
     # Seconds of inactivity after which a session is closed; 0 keeps sessions until closed.
-    session_timeout: Annotated[float, Meta(ge=0)] = 3600.0
+    session_timeout: Annotated[float, Meta(ge=0), Flag("seconds of inactivity before a session is closed")] = 3600.0
     # llama.cpp's weight repacking for faster CPU kernels (its extra buffer types): "auto" uses it unless this CPU
     # advertises AMX that a probe decode in a child process shows it cannot run; "on" / "off" force it.
-    cpu_repack: one_of("auto", "on", "off") = "auto"
+    cpu_repack: Annotated[
+        one_of("auto", "on", "off"),
+        Flag("llama.cpp's weight repacking (auto: on unless a probe shows this CPU's AMX cannot run it)"),
+    ] = "auto"
     # CPU threads for decoding; 0 means one per core.
-    threads: Annotated[int, Meta(ge=0, le=1024)] = 0
+    threads: Annotated[int, Meta(ge=0, le=1024), Flag("CPU threads for decoding (0: one per core)")] = 0
     # A session's tokens and logits, bit for bit, whatever else runs beside it, wherever its cells sit and however
     # its prompt was chunked (docs/determinism.md): one kernel per matrix whatever a batch's row count (no weight
     # repacking, no tiled K-quant matmul), batches of 2 to 63 tokens and never one output row (a pad row), and a KV
     # that keeps every sequence's cells in position order. Costs throughput (docs/determinism.md).
-    deterministic: bool = False
-    log_level: one_of("debug", "info", "warning", "error") = "info"
+    deterministic: Annotated[
+        bool, Flag("a session's answer depends on its tokens alone, whoever else runs (docs/determinism.md)")
+    ] = False
+    log_level: Annotated[one_of("debug", "info", "warning", "error"), Flag("")] = "info"
     # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"
     # each; empty: the whole model on this machine. Unauthenticated: loopback or a private link (docs/rpc.md).
-    rpc_servers: list[Annotated[str, Meta(pattern=ENDPOINT_PATTERN, description=ENDPOINT_WORDS)]] = msgspec.field(
-        default_factory=list
-    )
+    rpc_servers: Annotated[
+        list[Annotated[str, Meta(pattern=ENDPOINT_PATTERN, description=ENDPOINT_WORDS)]],
+        Flag("kvpool rpc-worker endpoints to split the model across, HOST:PORT[,HOST:PORT...] (docs/rpc.md)"),
+    ] = msgspec.field(default_factory=list)
     # Layers on the workers, counted from the end with the output layer as one (llama.cpp's n_gpu_layers);
     # -1: every layer. The rest (and always the input embeddings) stay on this machine's CPU.
-    rpc_layers: Annotated[int, Meta(ge=-1)] = -1
+    rpc_layers: Annotated[
+        int, Meta(ge=-1), Flag("layers on the rpc workers, counted from the output end (-1: all)")
+    ] = -1
     # How the offloaded layers are shared among the workers' devices, one proportion each (llama.cpp's
     # tensor_split); empty: by the memory each worker reports free.
     tensor_split: list[Annotated[float, Meta(ge=0)]] = msgspec.field(default_factory=list)
@@ -194,7 +228,11 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # The cross-node tier (docs/remote.md): a Redis or Valkey URL, "redis://[:password@]host:6379/0" ("rediss://"
     # for TLS). Every committed checkpoint is also written there, off the engine thread, and any daemon of the same
     # model resumes a session it does not hold from there. Empty: off.
-    remote: Annotated[str, Meta(pattern=r"^((redis|rediss|unix)://.*)?$", description=REMOTE_URL)] = ""
+    remote: Annotated[
+        str,
+        Meta(pattern=r"^((redis|rediss|unix)://.*)?$", description=REMOTE_URL),
+        Flag("the cross-node tier: redis://[:password@]host:6379/0 (docs/remote.md)"),
+    ] = ""
     # Seconds a session's remote copy lives after its last write (0: until it is closed).
     remote_ttl: Annotated[float, Meta(ge=0)] = 7 * 86400.0
     # A node owns a session through a lease it renews every third of this; a dead node's sessions can move after it.
@@ -209,7 +247,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     remote_node: Annotated[str, Meta(max_length=200)] = ""
     # Moving sessions up the tiers ahead of their turn: "off"; "hints" (a client's prefetch); "predict" (hints, and
     # sessions whose own history says they are due within preload_horizon_s). Never evicts anything for a guess.
-    preload: one_of("off", "hints", "predict") = "hints"
+    preload: Annotated[one_of("off", "hints", "predict"), Flag("move sessions up ahead of their turn")] = "hints"
     preload_horizon_s: Annotated[float, Meta(ge=0.1, le=3600)] = 2.0
     tasks: dict[str, TaskProfile] = msgspec.field(default_factory=_default_tasks)
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from kvpool.client import __version__
 from kvpool.client.address import default_address
+from kvpool.client.flags import add_flags, given
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.loop import Engine
-from kvpool.daemon.kv.codec.kv_types import STORE_TYPES
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.pool.segment import PoolError
@@ -43,115 +43,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.daemon")
 
-# CLI flags that override config keys of the same name (dashes for underscores).
-OVERRIDES = (
-    "model",
-    "address",
-    "hot_slots",
-    "context_size",
-    "max_sessions",
-    "session_timeout",
-    "client_patience",
-    "threads",
-    "cpu_repack",
-    "batch_size",
-    "log_level",
-    "cache_pool_size",
-    "pool_name",
-    "checkpoint",
-    "spill_dir",
-    "spill_max_bytes",
-    "scheduling",
-    "memory_limit",
-    "http",
-    "log_format",
-    "log_file",
-    "cache_type_k",
-    "cache_type_v",
-    "flash_attn",
-    "pool_kv_type",
-    "spill_kv_type",
-    "rpc_servers",
-    "rpc_layers",
-    "remote",
-    "preload",
-    "deterministic",
-)
-
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvpoold", description="Serve one llama.cpp model to local task processes.")
     ap.add_argument("--config", help="TOML config file (see configs/default.toml); flags override it")
-    ap.add_argument("--model", help="GGUF file to serve (default: the embedded Gemma 3 270M Q4_K_M)")
-    ap.add_argument(
-        "--address",
-        help="ipc:// address to serve (default: $RUNTIME_DIRECTORY, "
-        "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID, socket kvpoold.sock)",
-    )
-    ap.add_argument("--hot-slots", type=int, help="sequences decoded together (each open session holds one)")
-    ap.add_argument("--context-size", type=int, help="KV cells shared by all hot slots")
-    ap.add_argument("--max-sessions", type=int, help="most sessions open at once")
-    ap.add_argument("--session-timeout", type=float, help="seconds of inactivity before a session is closed")
-    ap.add_argument(
-        "--client-patience",
-        type=float,
-        help="seconds a client may send or read nothing while it generates before its generation is stopped",
-    )
-    ap.add_argument("--threads", type=int, help="CPU threads for decoding (0: one per core)")
-    ap.add_argument(
-        "--cpu-repack",
-        choices=["auto", "on", "off"],
-        help="llama.cpp's weight repacking (auto: on unless a probe shows this CPU's AMX cannot run it)",
-    )
-    ap.add_argument("--batch-size", type=int, help="most tokens one engine step decodes")
-    ap.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    ap.add_argument("--cache-pool-size", help="bytes of the shared-memory pool, e.g. 512MiB or 2GiB")
-    ap.add_argument("--pool-name", help="name of the pool in /dev/shm (default: derived from the address)")
     ap.add_argument(
         "--reset-pool",
         action="store_true",
         help="discard an existing pool that does not match (other model, layout or corrupt)",
     )
-    ap.add_argument("--checkpoint", choices=["after_generate", "on_evict"], help="when sessions are snapshotted")
-    ap.add_argument("--spill-dir", help="directory for snapshots evicted from the pool")
-    ap.add_argument("--scheduling", choices=["budgets", "fcfs"], help="latency budgets, or first come first served")
-    ap.add_argument("--spill-max-bytes", help="cap of the spill directory, e.g. 1GiB (0 disables it)")
-    ap.add_argument("--memory-limit", help="refuse to start when the memory plan exceeds this, e.g. 1.5GiB")
-    ap.add_argument("--http", help="serve /health and /metrics on 127.0.0.1:PORT")
-    ap.add_argument("--log-format", choices=["text", "json"])
-    ap.add_argument("--cache-type-k", help="the hot KV's K type: f16 (default), q8_0, q5_1, q5_0, q4_1, q4_0, ...")
-    ap.add_argument("--cache-type-v", help="the hot KV's V type (a quantized V turns flash attention on)")
-    ap.add_argument("--flash-attn", choices=["auto", "on", "off"], help="llama.cpp's flash attention (auto: on)")
-    ap.add_argument("--pool-kv-type", choices=STORE_TYPES, help="the type pool snapshots may be kept at")
-    ap.add_argument("--spill-kv-type", choices=STORE_TYPES, help="the type spilled snapshots are stored")
-    ap.add_argument("--log-file", help="also log to this file (size-rotated)")
-    ap.add_argument("--remote", help="the cross-node tier: redis://[:password@]host:6379/0 (docs/remote.md)")
-    ap.add_argument("--preload", choices=["off", "hints", "predict"], help="move sessions up ahead of their turn")
-    ap.add_argument(
-        "--deterministic",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a session's answer depends on its tokens alone, whoever else runs (docs/determinism.md)",
-    )
-    ap.add_argument(
-        "--rpc-servers",
-        type=lambda text: [item.strip() for item in text.split(",") if item.strip()],
-        help="kvpool rpc-worker endpoints to split the model across, HOST:PORT[,HOST:PORT...] (docs/rpc.md)",
-    )
-    ap.add_argument("--rpc-layers", type=int, help="layers on the rpc workers, counted from the output end (-1: all)")
+    config_flags = add_flags(ap, Config)
     ap.add_argument(
         "--check-config",
         action="store_true",
         help="validate the configuration, print the memory plan and exit (nothing is loaded)",
     )
     ap.add_argument("--version", action="version", version=f"kvpoold {__version__}")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.config_flags = config_flags  # the settings that have flags: each overrides its config key when given
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        overrides = {k: getattr(args, k) for k in OVERRIDES}
+        overrides = given(args, args.config_flags)
         plan = plan_start(args.config, overrides, check_only=args.check_config)
         if args.check_config:
             print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)

@@ -82,7 +82,7 @@ class Admission:
 
     def try_hold(self) -> bool:
         """Take one in-flight place now if one is free and no request waits, for work done ahead of requests (a
-        prefill, next_turn.py), which must never make a request wait; give it back with give_back()."""
+        prefill, tool_result_prefill.py), which must never make a request wait; give it back with give_back()."""
         if self.depth or self.in_flight + 1 > self.limit:
             return False
         self.in_flight += 1

@@ -13,10 +13,57 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvpool.client.conversation import Held
+from kvpool.client.conversation import Held, digest
 
 log = logging.getLogger("kvpool.gateway")
 MAX_CONVERSATIONS = 4096  # the oldest mapping goes first beyond this (the daemon's sessions expire on their own)
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A session that holds, right after the answer ``held`` stands for, text computed before the next rendering
+    came (the opening of a tool's result, tool_result_prefill.py): it holds ``tokens`` now, and the next rendering
+    must go on with that text (``then_chars`` characters, sha256 ``then_hash``)."""
+
+    held: Held
+    tokens: int
+    then_chars: int
+    then_hash: str
+
+    @classmethod
+    def after(cls, held: Held, text: str, tokens: int) -> Followed:
+        return cls(held, tokens, len(text), digest(text))
+
+    @property
+    def text_chars(self) -> int:
+        return self.held.text_chars + self.then_chars
+
+    def rest(self, rendered: str) -> str | None:
+        """The new part of ``rendered`` when it continues the answer and the text after it, else None."""
+        rest = self.held.rest(rendered)
+        if rest is None or len(rest) <= self.then_chars or digest(rest[: self.then_chars]) != self.then_hash:
+            return None
+        return rest[self.then_chars :]
+
+    def trim(self, tokens: list[int]) -> list[int]:
+        """The answer's end-of-generation token came before the text: nothing of the rest is held twice."""
+        return tokens
+
+    def to_json(self) -> dict[str, object]:
+        return {"held": asdict(self.held), "tokens": self.tokens, "then_chars": self.then_chars, "then": self.then_hash}
+
+    @classmethod
+    def load(cls, record: object) -> Followed | None:
+        if not isinstance(record, dict):
+            return None
+        held = Held.load(record.get("held"))
+        try:
+            return cls(held, int(record["tokens"]), int(record["then_chars"]), str(record["then"])) if held else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+Standing = Held | Followed  # what a conversation's session stands for
 
 
 @dataclass(frozen=True)
@@ -25,15 +72,20 @@ class Mapping:
 
     session: str
     token: str
-    held: Held | None = None
+    held: Standing | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"session": self.session, "token": self.token, "held": asdict(self.held) if self.held else None}
+        raw: dict[str, object] = {"session": self.session, "token": self.token, "held": None}
+        if isinstance(self.held, Followed):
+            raw["followed"] = self.held.to_json()
+        elif self.held is not None:
+            raw["held"] = asdict(self.held)
+        return raw
 
     @classmethod
     def from_json(cls, raw: dict[str, object]) -> Mapping:
-        held = raw.get("held")
-        return cls(str(raw["session"]), str(raw["token"]), Held.load(held))
+        held: Standing | None = Followed.load(raw["followed"]) if "followed" in raw else Held.load(raw.get("held"))
+        return cls(str(raw["session"]), str(raw["token"]), held)
 
 
 class ConversationStore:

@@ -1,5 +1,6 @@
-"""One request's way from its plan to its answer: a place in the queue (admission.py), the generations behind its
-choices (generations.py), then OpenAI's body, or its stream once every choice has its first token."""
+"""One request's way from its Completion (its fields honoured, routes.py) to its answer: a place in the queue
+(admission.py), the generations behind its choices (generations.py), then OpenAI's body, or its stream once every
+choice has its first token."""
 
 from __future__ import annotations
 
@@ -21,16 +22,16 @@ from kvpool.client.errors import KvpoolError
 from .generations import ConversationGenerations, Generations, SharedPrefixGenerations
 from .http_errors import HttpError
 from .middleware import unless_disconnected
-from .next_turn import ToolResultOpening
-from .shaping import ChoiceState, Shape, usage
+from .shaping import ChoiceFormat, ChoiceState, usage
 from .streaming import Stream, chat_events, completion_events
+from .tool_result_prefill import ToolResultOpening
 
 if TYPE_CHECKING:
     from .state import Gateway
 
 
 @dataclass
-class Plan:
+class Completion:
     """What a request asks the daemon for, once its fields were honoured or refused (routes.py)."""
 
     route: str
@@ -38,7 +39,7 @@ class Plan:
     special: bool
     add_bos: bool
     params: dict[str, Any]  # the daemon's generate parameters
-    shape: Shape
+    choice_format: ChoiceFormat
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -48,14 +49,14 @@ class Plan:
     # Where the schemas a request wrote stand in the json_schema sent (daemon path, request field): a refusal of a
     # schema then names the field the client wrote.
     schema_fields: list[tuple[str, str]] = field(default_factory=list)
-    # A request offering tools: what the request with the results of its calls will begin with (next_turn.py).
+    # A request offering tools: what the request with the results of its calls will begin with (tool_result_prefill.py).
     tool_results: ToolResultOpening | None = None
 
 
-async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan) -> Response:
-    """The answer to ``plan``: admitted, generated and shaped; streamed or whole."""
-    conversing = plan.n == 1 and isinstance(plan.prompt, str)
-    if plan.conversation is not None and not conversing:
+async def respond(request: Request, gateway: Gateway, model_id: str, completion: Completion) -> Response:
+    """The answer to ``completion``: admitted, generated and shaped; streamed or whole."""
+    conversing = completion.n == 1 and isinstance(completion.prompt, str)
+    if completion.conversation is not None and not conversing:
         # A conversation continues from one answer to a text: n choices are not kept (the client picks one, which
         # the gateway cannot know), and token ids cannot be matched against what a session holds.
         raise HttpError(
@@ -66,60 +67,66 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
             param="prompt_cache_key",
         )
     client = await gateway.client()
-    chat = plan.shape.chat
+    chat = completion.choice_format.chat
     started = time.monotonic()
     if conversing:
         generations: Generations = ConversationGenerations(
             gateway.turns,
             client,
-            plan.conversation,
-            str(plan.prompt),
-            plan.special,
-            plan.add_bos,
-            plan.params,
+            completion.conversation,
+            str(completion.prompt),
+            completion.special,
+            completion.add_bos,
+            completion.params,
             resume_wait=gateway.config.resume_wait,
             on_continued=lambda code: gateway.metrics.continued.labels(code).inc(),
         )
     else:  # n choices sharing the prompt's KV, or a prompt of token ids: fresh sessions, closed after
         generations = SharedPrefixGenerations(
-            gateway.turns, client, plan.prompt, plan.special, plan.add_bos, plan.params, plan.n
+            gateway.turns,
+            client,
+            completion.prompt,
+            completion.special,
+            completion.add_bos,
+            completion.params,
+            completion.n,
         )
-    states = [ChoiceState(index, plan.shape) for index in range(plan.n)]
+    states = [ChoiceState(index, completion.choice_format) for index in range(completion.n)]
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if plan.stream and chat else ""),
+        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if completion.stream and chat else ""),
         "created": int(time.time()),
         "model": model_id,
     }
-    if plan.service_tier is not None:
+    if completion.service_tier is not None:
         head["service_tier"] = "default"
     metrics = gateway.metrics
 
     def answer_usage() -> dict[str, Any]:
-        completion = sum(s.final.usage.completion_tokens for s in states if s.final is not None)
-        return usage(generations.prompt_tokens, completion, generations.cached_tokens)
+        generated = sum(s.final.usage.completion_tokens for s in states if s.final is not None)
+        return usage(generations.prompt_tokens, generated, generations.cached_tokens)
 
     def first_text() -> None:
-        metrics.first_token.labels(plan.route).observe(time.monotonic() - started)
+        metrics.first_token.labels(completion.route).observe(time.monotonic() - started)
 
     def expect_results() -> None:
         """An answer that called tools: its conversation's next request carries their results."""
         state = states[0]
-        if plan.tool_results is None or state.finish_reason() != "tool_calls":
+        if completion.tool_results is None or state.finish_reason() != "tool_calls":
             return
-        opening, raw, names = plan.tool_results, state.raw, [name for name, _ in state.calls()]
+        opening, raw, names = completion.tool_results, state.raw, [name for name, _ in state.calls()]
         generations.follow_with(lambda held: opening.after(held, raw, names))
 
     held = contextlib.AsyncExitStack()
 
     async def begin() -> None:
         """Wait for a place in the queue, then send, and wait for every choice's first token."""
-        await held.enter_async_context(gateway.admission.slot(plan.fairness, plan.n))
+        await held.enter_async_context(gateway.admission.slot(completion.fairness, completion.n))
         held.push_async_callback(generations.close)
         try:
             await generations.start()
         except KvpoolError as exc:
-            raise refusal(exc, plan) from None
+            raise refusal(exc, completion) from None
         metrics.prompt_tokens.inc(generations.prompt_tokens)
         metrics.cached_tokens.inc(generations.cached_tokens)
 
@@ -137,14 +144,14 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
                             first = False
                         states[index].add(item)
             except KvpoolError as exc:
-                raise refusal(exc, plan) from None
+                raise refusal(exc, completion) from None
             expect_results()
         for state in states:
             state.remember(gateway.memory)
         choices = [s.chat_choice() if chat else s.completion_choice() for s in states]
         return JSONResponse(head | {"choices": choices, "usage": answer_usage()})
 
-    if not plan.stream:
+    if not completion.stream:
         return await unless_disconnected(request, whole())
 
     try:
@@ -157,7 +164,7 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
     async def body() -> AsyncIterator[bytes]:
         try:
             events = chat_events if chat else completion_events
-            usage = answer_usage if plan.include_usage else None
+            usage = answer_usage if completion.include_usage else None
             async for event in events(Stream(generations, states, head, usage, first_text)):
                 yield event
             for state in states:
@@ -168,7 +175,7 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
             # the conversation's record must still be brought up to date, and the place in the queue given back.
             with anyio.CancelScope(shield=True):
                 await held.aclose()
-            metrics.latency.labels(plan.route).observe(time.monotonic() - started)
+            metrics.latency.labels(completion.route).observe(time.monotonic() - started)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -176,18 +183,18 @@ async def respond(request: Request, gateway: Gateway, model_id: str, plan: Plan)
 _PATH = re.compile(r"^(\$[^:\s]*)")
 
 
-def refusal(exc: KvpoolError, plan: Plan) -> HttpError:
+def refusal(exc: KvpoolError, completion: Completion) -> HttpError:
     """The daemon's refusal as an HTTP error; a refused schema names the request field it came from."""
     error = HttpError.from_kvpool(exc.code, exc.message)
-    if exc.code == "BAD_REQUEST" and plan.schema_fields:
+    if exc.code == "BAD_REQUEST" and completion.schema_fields:
         at = _PATH.match(exc.message)
         daemon_path = at.group(1) if at else ""
-        for prefix, field_name in sorted(plan.schema_fields, key=lambda place: -len(place[0])):
+        for prefix, field_name in sorted(completion.schema_fields, key=lambda place: -len(place[0])):
             if daemon_path == prefix or daemon_path.startswith((prefix + ".", prefix + "[")):
                 error.param = field_name
                 error.message = field_name + daemon_path[len(prefix) :] + exc.message[len(daemon_path) :]
                 break
         else:
             if "schema" in exc.message.lower() or "grammar" in exc.message.lower():
-                error.param = plan.schema_fields[0][1].split(".")[0].split("[")[0]  # tools, or response_format
+                error.param = completion.schema_fields[0][1].split(".")[0].split("[")[0]  # tools, or response_format
     return error

@@ -66,7 +66,7 @@ class Generations:
         raise NotImplementedError
 
     def follow_with(self, opening: Callable[[Held], str | None]) -> None:
-        """What the next request will begin with after this answer (next_turn.py): a conversation prefills it."""
+        """What the next request will begin with after this answer: a conversation prefills it (tool_result_prefill)."""
 
     def events(self) -> AsyncIterator[Event]:
         raise NotImplementedError

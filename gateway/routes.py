@@ -1,5 +1,5 @@
 """The gateway's routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, the status page and its
-JSON, the health check and /metrics. A completions route turns its request into a Plan (each field honoured or
+JSON, the health check and /metrics. A completions route turns its request into a Completion (each field honoured or
 refused, fields.py), and dispatch.py answers it."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from starlette.routing import Route
 from kvpool.client.chat_template import TemplateError
 
 from . import fields
-from .dispatch import Plan, respond
+from .dispatch import Completion, respond
 from .http_errors import HttpError
 from .messages import answer_separator, template_messages
 from .middleware import decode, read_body, route
-from .next_turn import ToolResultOpening
 from .schema import ChatCompletionRequest, CompletionRequest
-from .shaping import Shape
+from .shaping import ChoiceFormat
+from .tool_result_prefill import ToolResultOpening
 from .tools import Toolbox
 
 if TYPE_CHECKING:
@@ -87,13 +87,13 @@ def build_routes(gateway: Gateway) -> list[Route]:
             text += answer_separator(model.template, messages, text)
         if body.logprobs:
             params["logprobs"] = body.top_logprobs or 0
-        plan = Plan(
+        completion = Completion(
             route=CHAT,
             prompt=text,
             special=True,
             add_bos=model.template.needs_bos(text),
             params=params,
-            shape=Shape(chat=True, logprobs=params.get("logprobs"), tools=toolbox is not None),
+            choice_format=ChoiceFormat(chat=True, logprobs=params.get("logprobs"), tools=toolbox is not None),
             n=body.n or 1,
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -107,7 +107,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
                 else None
             ),
         )
-        return await respond(request, gateway, model.id, plan)
+        return await respond(request, gateway, model.id, completion)
 
     @wrapped(COMPLETIONS)
     async def completions(request: Request) -> Response:
@@ -124,14 +124,14 @@ def build_routes(gateway: Gateway) -> list[Route]:
         echo = ""
         if body.echo:
             echo = prompt if isinstance(prompt, str) else await (await gateway.client()).detokenize(prompt)
-        plan = Plan(
+        completion = Completion(
             route=COMPLETIONS,
             prompt=prompt,
             special=False,
             # A raw completion gets the model's BOS the way kvpool's own sessions do; token ids are sent as given.
             add_bos=bool(model.status.bos_token),
             params=params,
-            shape=Shape(chat=False, logprobs=body.logprobs, echo=echo),
+            choice_format=ChoiceFormat(chat=False, logprobs=body.logprobs, echo=echo),
             n=body.n or 1,
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -139,7 +139,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
             fairness=fairness_key(request, body.user),
             schema_fields=[("$", "response_format.json_schema.schema")] if schema is not None else [],
         )
-        return await respond(request, gateway, model.id, plan)
+        return await respond(request, gateway, model.id, completion)
 
     @wrapped(config.health_path)
     async def health(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""The gateway's settings, from its flags (and KVPOOL_GATEWAY_* variables)."""
+"""The gateway's settings, from its flags (and KVPOOL_GATEWAY_* variables): each field with a ``Flag`` has one
+(kvpool.client.flags derives it)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from kvpool.client.curve import CurveKeyError, CurveKeys, curve_from_files
+from kvpool.client.flags import Flag
 
 
 class GatewayConfigError(Exception):
@@ -16,28 +19,66 @@ class GatewayConfigError(Exception):
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    daemon: str | None = None  # kvpoold's address (None: $KVPOOL_ADDRESS, else its default)
-    api_key: str = ""
-    health_path: str = "/health"
-    log_file: str = ""
-    state_file: Path | None = None  # the conversation map (None: kept in memory only)
-    max_body_bytes: int = 4 << 20
-    timeout: float = 300.0  # per answer from the daemon
+    host: Annotated[str, Flag("address to listen on", env="KVPOOL_GATEWAY_HOST")] = "127.0.0.1"
+    port: Annotated[int, Flag("port to listen on", env="KVPOOL_GATEWAY_PORT")] = 8080
+    daemon: Annotated[str | None, Flag("kvpoold's address (default: $KVPOOL_ADDRESS, else its default)")] = None
+    api_key: Annotated[str, Flag("required as Authorization: Bearer", env="KVPOOL_GATEWAY_API_KEY")] = ""
+    health_path: Annotated[str, Flag("path of the health check", name="--health-check")] = "/health"
+    log_file: Annotated[str, Flag("also log to this file")] = ""
+    # The conversation map (None: kept in memory only; the command line's default is default_state_file()).
+    state_file: Annotated[Path | None, Flag("where conversations are mapped to sessions", parse=Path)] = None
+    max_body_bytes: Annotated[int, Flag("the largest request body")] = 4 << 20
+    timeout: Annotated[float, Flag("seconds to wait for each answer from kvpoold")] = 300.0
     # How long an answer the daemon cut short (it restarted, or this gateway was unresponsive past its
     # client_patience) waits for the daemon to take its session back and continue it (continuation.py); 0: never.
-    resume_wait: float = 30.0
-    reuse: bool = True  # False (--no-reuse): every request on a fresh session, closed when it ends
-    # After a tool call, prefill the opening of its result into the conversation's session (next_turn.py).
-    prefill_tool_results: bool = True
-    chat_template: str = "auto"  # auto (the GGUF's, else a transcript), a shipped name, or a Jinja file
-    curve_server_key: str = ""  # a tcp:// daemon's public key file
-    curve_client_key: str = ""  # the gateway's secret key file, listed in the daemon's curve_clients_dir
-    max_inflight: int = 0  # generations dispatched to the daemon at once (0: what the daemon allows, see app.py)
-    queue_size: int = 512  # requests that may wait in the gateway's queue beyond those (429 beyond)
-    queue_per_key: int = 0  # of those, how many one client (user, else address) may have (0: no limit)
-    aliases: tuple[str, ...] = ()  # more names /v1/models lists for the one model (any name is served)
+    resume_wait: Annotated[
+        float,
+        Flag("seconds an answer cut short (a daemon restart) waits to be continued; 0: the caller gets the error"),
+    ] = 30.0
+    # False: every request on a fresh session, closed when it ends.
+    reuse: Annotated[bool, Flag("keep a conversation's session between its turns (--no-reuse: nothing kept)")] = True
+    prefill_tool_results: Annotated[
+        bool,
+        Flag(
+            "compute the opening of a tool call's result while the tool runs (docs/gateway.md)",
+            name="--tool-result-prefill",
+        ),
+    ] = True
+    chat_template: Annotated[
+        str,
+        Flag(
+            "auto (the GGUF's own; a transcript for a GGUF without one), gemma3, chatml, transcript, or a .jinja file"
+        ),
+    ] = "auto"
+    curve_server_key: Annotated[
+        str,
+        Flag(
+            "a tcp:// daemon's public key file (with --curve-client-key)", env="KVPOOL_CURVE_SERVER_KEY", metavar="FILE"
+        ),
+    ] = ""
+    curve_client_key: Annotated[
+        str,
+        Flag(
+            "this gateway's secret key file, listed in the daemon's curve_clients_dir",
+            env="KVPOOL_CURVE_CLIENT_KEY",
+            metavar="FILE",
+        ),
+    ] = ""
+    max_inflight: Annotated[
+        int,
+        Flag(
+            "generations dispatched to kvpoold at once (default: what it allows this gateway, at most half its "
+            "max_sessions); more requests wait in the gateway's queue"
+        ),
+    ] = 0
+    queue_size: Annotated[int, Flag("requests that may wait (429 with Retry-After beyond)")] = 512
+    queue_per_key: Annotated[
+        int, Flag("requests one client (its `user`, else its address) may have waiting (0: no limit)")
+    ] = 0
+    aliases: Annotated[
+        tuple[str, ...],
+        Flag("another name /v1/models lists for the model (repeatable)", name="--alias", metavar="NAME", repeat=True),
+    ] = ()
 
     def check(self) -> None:
         if not self.health_path.startswith("/") or self.health_path.startswith("/v1/"):

@@ -17,7 +17,7 @@ FINISH = {"stop": "stop", "length": "length"}
 
 
 @dataclass(frozen=True)
-class Shape:
+class ChoiceFormat:
     """How a request's choices are shaped."""
 
     chat: bool
@@ -55,7 +55,7 @@ class ChoiceState:
     """One choice's answer so far."""
 
     index: int
-    shape: Shape
+    choice_format: ChoiceFormat
     text: list[str] = field(default_factory=list)  # the generated text, as the daemon streamed it
     logprobs: list[p.TokenLogprob] = field(default_factory=list)
     final: p.Final | None = None
@@ -66,7 +66,7 @@ class ChoiceState:
     _offset: int = 0  # completions: characters of text before the next token's (text_offset)
 
     def __post_init__(self) -> None:
-        if self.shape.tools:
+        if self.choice_format.tools:
             self.envelope = EnvelopeParser()
 
     def add(self, chunk: p.Chunk) -> None:
@@ -120,14 +120,14 @@ class ChoiceState:
         return {
             "index": self.index,
             "message": self.message(),
-            "logprobs": logprobs if self.shape.logprobs is not None else None,
+            "logprobs": logprobs if self.choice_format.logprobs is not None else None,
             "finish_reason": self.finish_reason(),
         }
 
     def completion_choice(self) -> dict[str, Any]:
         return {
             "index": self.index,
-            "text": self.shape.echo + self.raw,
+            "text": self.choice_format.echo + self.raw,
             "logprobs": self.completion_logprobs(self.logprobs),
             "finish_reason": self.finish_reason(),
         }
@@ -135,7 +135,7 @@ class ChoiceState:
     def completion_logprobs(self, entries: list[p.TokenLogprob]) -> dict[str, Any] | None:
         """OpenAI's legacy form: tokens, their log-probabilities, the top ones as {text: logprob}, and each
         token's character offset in the text."""
-        if self.shape.logprobs is None:
+        if self.choice_format.logprobs is None:
             return None
         offsets = []
         for entry in entries:
@@ -160,7 +160,7 @@ class ChoiceState:
         if not deltas and entries:
             deltas = [{}]
         choices = [{"index": self.index, "delta": delta, "finish_reason": None} for delta in deltas]
-        if choices and self.shape.logprobs is not None:
+        if choices and self.choice_format.logprobs is not None:
             for choice in choices:
                 choice["logprobs"] = None
             choices[0]["logprobs"] = {"content": [chat_logprob(e) for e in entries], "refusal": None}

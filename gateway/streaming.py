@@ -56,9 +56,9 @@ async def chat_events(stream: Stream) -> AsyncIterator[bytes]:
 async def completion_events(stream: Stream) -> AsyncIterator[bytes]:
     """The completion stream's events (the prompt first, with `echo`)."""
     states, head = stream.states, stream.head
-    if states[0].shape.echo:
+    if states[0].choice_format.echo:
         for state in states:
-            echoed = {"index": state.index, "text": state.shape.echo, "logprobs": None, "finish_reason": None}
+            echoed = {"index": state.index, "text": state.choice_format.echo, "logprobs": None, "finish_reason": None}
             yield sse(head | {"choices": [echoed]})
 
     def deltas(state: ChoiceState, chunk: p.Chunk) -> list[dict[str, Any]]:

@@ -15,9 +15,8 @@
   for a new session.
 - A request the daemon refuses before it applied anything (over budget, overloaded) leaves its conversation as
   it was, so it can be sent again.
-- A turn may name what the next request will begin with (a tool call's result, next_turn.py): once the turn is
-  over, that opening is prefilled into the session while the conversation's lock is still held, so the next
-  request waits for it and computes only the rest; the HTTP answer does not wait for it.
+- A turn may name what the next request will begin with (a tool call's result): once the turn is over,
+  tool_result_prefill.py computes that opening into the session, the conversation's lock handed over to it.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession
-from kvpool.client.conversation import REFUSALS, Held, after_answer
+from kvpool.client.conversation import Held, after_answer
 from kvpool.client.errors import (
     KvpoolError,
     NotOwner,
@@ -42,9 +41,9 @@ from kvpool.client.errors import (
 )
 
 from .admission import Admission
-from .conversations import ConversationStore, Mapping
+from .conversations import ConversationStore, Mapping, Standing
 from .metrics import GatewayMetrics
-from .next_turn import stable_start
+from .tool_result_prefill import ToolResultPrefill
 
 log = logging.getLogger("kvpool.gateway")
 GONE = (UnknownSession, SessionEvicted, SessionCorrupt, NotOwner)  # the mapping names a session that is no more
@@ -58,7 +57,7 @@ class Turn:
     held: int  # tokens the session held before (sent as after=): the prompt tokens not computed
     rendered: str  # the conversation as rendered, up to the answer
     special: bool = True  # how its text is tokenized (special tokens parsed)
-    before: Held | None = None  # what the session stood for before this turn (restored if it is refused)
+    before: Standing | None = None  # what the session stood for before this turn (restored if it is refused)
     generated: list[int] = field(default_factory=list)
     final: p.Final | None = None
     refused: bool = False  # the daemon refused it before applying anything
@@ -91,7 +90,7 @@ class Turns:
         self._busy: set[str] = set()  # anonymous sessions in a turn now
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiting: Counter[str] = Counter()  # requests holding or waiting for each conversation's lock
-        self._prefills: set[asyncio.Task[None]] = set()  # running (kept referenced until done)
+        self.prefill = ToolResultPrefill(store, admission, metrics, self._close_session)
 
     @contextlib.asynccontextmanager
     async def turn(
@@ -117,7 +116,7 @@ class Turns:
                 yield turn
             finally:
                 await self._remember(client, self.store, key, turn)
-                if self._prefill_next(client, key, turn, release):
+                if self.prefill.start(client, key, turn, release):
                     release = None  # the prefill holds the lock now, and gives it back when done
         finally:
             if release is not None:
@@ -147,66 +146,9 @@ class Turns:
 
         return release
 
-    def _prefill_next(self, client: AsyncClient, key: str, turn: Turn, release: Release) -> bool:
-        """Start prefilling what the next request will begin with, holding the conversation's lock until it is
-        done; False when there is nothing to prefill (the caller keeps the lock)."""
-        mapping = self.store.get(key)
-        if turn.next_opening is None or mapping is None or mapping.held is None or mapping.held.then_chars:
-            return False
-        opening = turn.next_opening(mapping.held)
-        if not opening or not self.admission.try_hold():  # (busy: requests go first)
-            return False
-
-        async def prefill() -> None:
-            try:
-                await self._prefill(client, key, turn, mapping, opening)
-            except Exception:  # a prefill is an optimisation: a failure costs it, never the conversation
-                log.exception("could not prefill the next turn of conversation %s", key)
-                self.store.forget(key)  # (its session may hold part of it: the next request starts afresh)
-                await self._close_session(turn.session)
-            finally:
-                self.admission.give_back()
-                release()
-
-        task = asyncio.get_running_loop().create_task(prefill())
-        self._prefills.add(task)
-        task.add_done_callback(self._prefills.discard)
-        return True
-
-    async def _prefill(self, client: AsyncClient, key: str, turn: Turn, mapping: Mapping, opening: str) -> None:
-        held = mapping.held
-        assert held is not None
-        try:
-            start = await stable_start(client, opening, turn.special)
-        except KvpoolError:  # nothing was applied: the conversation goes on without it
-            return
-        if start is None:
-            return
-        text, tokens = start
-        tokens = held.trim(tokens)
-        if not tokens:
-            return
-        stream = turn.session.generate(tokens, after=held.tokens, max_tokens=0)
-        try:
-            async for _ in stream:
-                pass
-        except KvpoolError as exc:
-            if exc.cut or exc.code not in REFUSALS:  # it may have applied part of it: the next request starts afresh
-                self.store.forget(key)
-                await self._close_session(turn.session)
-            return
-        final = stream.final
-        if final is None or final.usage.context_tokens != held.tokens + len(tokens):
-            self.store.forget(key)
-            await self._close_session(turn.session)
-            return
-        self.store.put(key, Mapping(mapping.session, mapping.token, held.followed_by(text, final.usage.context_tokens)))
-        self.metrics.prefilled_tokens.inc(len(tokens))
-
     async def close(self) -> None:
         """Wait for the prefills still running (a stopping gateway keeps the conversations it was prefilling)."""
-        if self._prefills:
-            await asyncio.gather(*self._prefills, return_exceptions=True)
+        await self.prefill.close()
 
     async def _named(
         self, client: AsyncClient, key: str, rendered: str, task: str, special: bool, add_bos: bool

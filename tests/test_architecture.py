@@ -128,7 +128,7 @@ KV_MANAGER = {
     "kvpool.daemon.kv.compression",
     "kvpool.daemon.kv.disk_writes",
     "kvpool.daemon.kv.recovery",
-    "kvpool.daemon.kv.opening",
+    "kvpool.daemon.kv.new_session",
     "kvpool.daemon.kv.prefix.cache",  # (a shared prefix's own place: its snapshot, its sequence)
 }
 PLACE_FIELDS = {"slot", "n_kv", "snapshot", "prefix", "prefix_len", "shares_hot", "boundary", "saved_bytes"}

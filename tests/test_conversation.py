@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from kvpool import protocol as p
 from kvpool.client.conversation import Held, after_answer
+from kvpool.gateway.conversations import Followed, Mapping
 
 
 def final(reason: p.FinishReason = p.FinishReason.STOP, *, eog: bool = False, context: int = 50) -> p.Final:
@@ -58,19 +59,22 @@ def test_text_computed_after_the_answer_must_be_what_the_next_rendering_goes_on_
     held = after_answer("User: hi\nAssistant:", '{"call": 1}', [5, 2], final(eog=True, context=50))
     assert held is not None and held.eog_token == 2
     opening = '\nUser: {"result": "'
-    ahead = held.followed_by(opening, 56)
-    assert ahead.tokens == 56 and ahead.eog_token == -1  # the end of generation came before the opening
+    ahead = Followed.after(held, opening, 56)
+    assert ahead.tokens == 56 and ahead.trim([2, 9]) == [2, 9]  # the end of generation came before the opening
     assert ahead.text_chars == held.text_chars + len(opening)
     assert ahead.rest('User: hi\nAssistant: {"call": 1}\nUser: {"result": "ok"}\nAssistant:') == 'ok"}\nAssistant:'
     assert ahead.rest('User: hi\nAssistant: {"call": 1}\nUser: never mind\nAssistant:') is None
     assert ahead.rest('User: hi\nAssistant: {"call": 1}\nUser: {"result": "') is None  # nothing after it
-    assert Held.load(asdict(ahead)) == ahead
+    mapping = Mapping("s", "t", ahead)
+    assert Mapping.from_json(mapping.to_json()) == mapping
+    assert Mapping.from_json(Mapping("s", "t", held).to_json()) == Mapping("s", "t", held)
+    assert Mapping.from_json({"session": "s", "token": "t", "followed": {"tokens": 3}}).held is None  # damaged
 
 
 def test_the_opening_of_a_tools_result_is_read_off_the_template() -> None:
     from kvpool.client.chat_template import ChatTemplate, shipped
     from kvpool.gateway.messages import tool_result_text
-    from kvpool.gateway.next_turn import ToolResultOpening
+    from kvpool.gateway.tool_result_prefill import ToolResultOpening
 
     for name in ("transcript", "chatml", "gemma3"):
         template = ChatTemplate(shipped(name), "<bos>", "<eos>")

@@ -12,7 +12,7 @@ from kvpool.client.errors import ClientUnresponsive, KvpoolError, ShuttingDown
 from kvpool.client.results import raise_if_error
 from kvpool.gateway.generations import _next
 from kvpool.gateway.http_errors import HttpError
-from kvpool.gateway.shaping import ChoiceState, Shape
+from kvpool.gateway.shaping import ChoiceFormat, ChoiceState
 
 
 def final(reason: p.FinishReason, completion: int = 5, context: int = 40) -> p.Final:
@@ -67,7 +67,7 @@ def test_the_gateway_reports_an_answer_cancelled_by_someone_else_as_an_error() -
 
 @pytest.mark.parametrize("reason", [p.FinishReason.CANCELLED, p.FinishReason.SHUTDOWN, None])
 def test_a_choice_that_did_not_end_normally_has_no_finish_reason(reason: p.FinishReason | None) -> None:
-    state = ChoiceState(0, Shape(chat=True))
+    state = ChoiceState(0, ChoiceFormat(chat=True))
     state.final = final(reason) if reason is not None else None
     with pytest.raises(RuntimeError):
         state.finish_reason()

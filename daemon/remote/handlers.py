@@ -16,7 +16,7 @@ import numpy as np
 from kvpool import protocol as p
 from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.kv.manager import KvManager
-from kvpool.daemon.kv.opening import create_session
+from kvpool.daemon.kv.new_session import create_session
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.refusals import RequestRefused
