@@ -71,6 +71,11 @@ class Held:
         """A saved Held, or None when the record is not one (then the next turn starts a new session)."""
         if not isinstance(record, dict):
             return None
+        record = dict(record)
+        # Records written before the gateway kept a prefilled text apart (gateway/conversations.py's Followed)
+        # have these fields: empty, they are the same Held; else the conversation starts afresh.
+        if record.pop("then_chars", 0) or record.pop("then_hash", ""):
+            return None
         try:
             return cls(**record)
         except TypeError:

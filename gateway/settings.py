@@ -13,6 +13,11 @@ from kvpool.client.curve import CurveKeyError, CurveKeys, curve_from_files
 from kvpool.client.flags import Flag
 
 
+def path_or_default(text: str) -> Path | None:
+    """A file flag's value: empty (a unit's unset variable) means its default, as leaving it out does."""
+    return Path(text) if text else None
+
+
 class GatewayConfigError(Exception):
     """A setting the gateway refuses to start with; the message says why and what to do."""
 
@@ -26,7 +31,7 @@ class GatewayConfig:
     health_path: Annotated[str, Flag("path of the health check", name="--health-check")] = "/health"
     log_file: Annotated[str, Flag("also log to this file")] = ""
     # The conversation map (None: kept in memory only; the command line's default is default_state_file()).
-    state_file: Annotated[Path | None, Flag("where conversations are mapped to sessions", parse=Path)] = None
+    state_file: Annotated[Path | None, Flag("where conversations are mapped to sessions", parse=path_or_default)] = None
     max_body_bytes: Annotated[int, Flag("the largest request body")] = 4 << 20
     timeout: Annotated[float, Flag("seconds to wait for each answer from kvpoold")] = 300.0
     # How long an answer the daemon cut short (it restarted, or this gateway was unresponsive past its

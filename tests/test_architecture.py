@@ -146,13 +146,19 @@ def test_only_the_kv_manager_moves_a_session() -> None:
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr == "place" and name != "kvpool.daemon.kv.sessions":
                 offenders.append(f"{name}:{node.lineno} reaches .place")
-            targets = (
-                node.targets
-                if isinstance(node, ast.Assign)
-                else [node.target]
-                if isinstance(node, ast.AugAssign)
-                else []
-            )
+            if isinstance(node, ast.Assign | ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            else:
+                targets = []
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("setattr", "delattr")
+                and any(isinstance(a, ast.Constant) and a.value in PLACE_FIELDS for a in node.args)
+            ):
+                offenders.append(f"{name}:{node.lineno} sets a placement field by name")
             for target in targets:
                 for t in ast.walk(target):
                     if (
@@ -179,3 +185,11 @@ def test_a_sessions_place_is_read_only_outside_the_kv_manager() -> None:
         except AttributeError:
             continue
         raise AssertionError(f"Session.{name} can be assigned")
+
+
+def test_the_scheduling_decision_is_pure() -> None:
+    """engine/schedule.py decides from its view alone: it reaches no llama.cpp, pool, KV manager or queue."""
+    known = modules()
+    name = "kvpool.daemon.engine.schedule"
+    allowed = {"kvpool.daemon.engine.cost_model", "kvpool.daemon.engine.step_work", "kvpool.daemon.kv.pool.layout"}
+    assert imports_of(known[name], name, known) <= allowed

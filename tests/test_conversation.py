@@ -53,6 +53,9 @@ def test_a_saved_record_of_another_shape_is_no_held_session() -> None:
     assert Held.load(asdict(held)) == held
     assert Held.load({"tokens": 3, "text_chars": 4, "text_hash": "ab"}) is None  # an older record
     assert Held.load(None) is None and Held.load("x") is None
+    # Written before a prefilled text was kept apart: the same Held when there was none, else started afresh.
+    assert Held.load({**asdict(held), "then_chars": 0, "then_hash": ""}) == held
+    assert Held.load({**asdict(held), "then_chars": 5, "then_hash": "ab"}) is None
 
 
 def test_text_computed_after_the_answer_must_be_what_the_next_rendering_goes_on_with() -> None:

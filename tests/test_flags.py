@@ -52,3 +52,4 @@ def test_gateway_flags_their_variables_and_defaults(monkeypatch: pytest.MonkeyPa
     assert config.state_file == Path("x") and config.prefill_tool_results
     assert not gateway_args(["--no-tool-result-prefill"]).prefill_tool_results
     assert gateway_args(["--port", "81"]).port == 81  # a flag goes before its variable
+    assert gateway_args(["--state-file", ""]).state_file == gateway_args([]).state_file  # empty: the default file

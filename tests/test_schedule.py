@@ -17,7 +17,7 @@ from kvpool.daemon.engine.schedule import (
     Start,
     schedule,
 )
-from kvpool.daemon.engine.step_work import budgeted_work
+from kvpool.daemon.engine.step_work import budgeted_work, urgency
 
 
 @dataclass(eq=False)
@@ -96,12 +96,14 @@ def test_a_session_still_hot_starts_before_any_that_needs_a_slot() -> None:
     assert moves(view([urgent, again])) == [("start", "again"), ("preempt", "again", "urgent"), ("restore", "urgent")]
 
 
-def test_free_slots_go_most_urgent_first() -> None:
+def test_free_slots_go_in_the_queues_order_most_urgent_first() -> None:
     old = Gen("old", arrival=1.0)
     due = Gen("due", arrival=3.0, deadline=5.0)
     background = Gen("background", arrival=0.5, best_effort=True)
-    assert moves(view([old, background, due], free_slots=1)) == [("restore", "due")]
-    assert moves(view([old, background, due], free_slots=2)) == [("restore", "due"), ("restore", "old")]
+    queue = sorted([old, background, due], key=urgency)  # (Scheduler.order_waiting, once a step)
+    assert queue == [due, old, background]
+    assert moves(view(queue, free_slots=1)) == [("restore", "due")]
+    assert moves(view(queue, free_slots=2)) == [("restore", "due"), ("restore", "old")]
 
 
 def test_first_come_first_served_keeps_arrival_order() -> None:

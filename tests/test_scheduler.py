@@ -319,3 +319,28 @@ def test_an_idle_session_gives_its_slot_through_a_hibernate_move(tmp_path: Path)
         assert idle.tier == "pool" and idle.snapshot is not None and idle.snapshot.n_kv == 6
         assert talker.tier == "hot" and scheduler.running == [g] and scheduler.waiting == []
         assert talker.restore_seconds > 0  # the hibernation it waited for counts as its restore
+
+
+def test_a_generation_swaps_work_out_once_a_step_and_the_swapped_out_queue_behind(tmp_path: Path) -> None:
+    """Every slot generating best-effort work, a voice turn whose KV needs more cells than one swap frees: one
+    generation is swapped out, the turn waits (admission closes for the step) instead of swapping out a second."""
+    with tiers_on_fake_model(tmp_path, hot_slots=2, context_size=256, config_text={"tasks": TASKS}) as kv:
+        scheduler, refused = scheduler_on(kv)
+        voice = open_session(kv, "voice")
+        compute(kv, voice, 120)
+        kv.hibernate(voice)  # its 120 cells wait in the pool
+        big, small = open_session(kv, "background"), open_session(kv, "background")
+        g_big = generation(big, scheduler.admit(big, None, 150, time.monotonic()), prompt=150)
+        scheduler.add(g_big)
+        g_small = generation(small, scheduler.admit(small, None, 60, time.monotonic()), prompt=60)
+        scheduler.add(g_small)
+        next_step(scheduler, kv, refused)
+        assert scheduler.running == [g_big, g_small]
+        compute_fed(g_big, 150, kv)
+        compute_fed(g_small, 60, kv)  # 210 of 256 cells held by generating sessions
+        urgent = generation(voice, scheduler.admit(voice, None, 4, time.monotonic()))
+        scheduler.add(urgent)
+        work = next_step(scheduler, kv, refused)
+        assert [w.item for w in work] == [g_big] and not refused  # the newer one went: 106 cells free, 120 needed
+        assert scheduler.task_stats["background"].preemptions == 1 and small.tier == "pool" and big.tier == "hot"
+        assert scheduler.waiting == [urgent, g_small]  # the turn still first; the swapped-out one behind it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from enum import Enum
 
 from kvpool.daemon.engine.generation import Generation
@@ -32,20 +33,23 @@ class Stop(Enum):
 def next_work(scheduler: Scheduler, kv: KvManager, refuse: Refuse) -> list[Work[Generation]]:
     """Decide, apply, decide again until nothing is left to move: the step's work. ``refuse(g, why)`` ends a
     waiting generation that could not get a hot slot (and takes it out of the queues)."""
+    scheduler.order_waiting()  # once a step: a generation swapped out during it queues behind the others
     no_room: set[int] = set()
     closed = False
-    for _ in range(4 + 2 * len(scheduler.waiting)):  # every round moves a generation, ends one or closes
+    for _ in range(4 + 2 * len(scheduler.generations())):  # every round moves a generation, ends one or closes
         decision = schedule(scheduler.view(kv, frozenset(no_room), closed))
         if not decision.moves:
             return list(decision.work)
         stopped = apply(decision.moves, scheduler, kv, refuse)
         if isinstance(stopped, Generation):  # its restore found no room
-            closed = closed or id(stopped) in no_room
+            # A generation may swap work out once a step, as it waits for room: after that, admission closes.
+            swapped = any(isinstance(m, Preempt) and m.g is stopped for m in decision.moves)
+            closed = closed or swapped or id(stopped) in no_room
             no_room.add(id(stopped))
         elif stopped is Stop.CLOSED:
             closed = True
     log.error("scheduling did not settle; this step runs what is running")
-    return list(schedule(scheduler.view(kv, frozenset(no_room), True)).work)
+    return list(schedule(replace(scheduler.view(kv, frozenset(no_room), True), waiting=())).work)
 
 
 def apply(

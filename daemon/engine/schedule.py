@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from kvpool.daemon.engine.cost_model import CostModel
-from kvpool.daemon.engine.step_work import Schedulable, Work, budgeted_work, fcfs_work, urgency
+from kvpool.daemon.engine.step_work import Schedulable, Work, budgeted_work, fcfs_work
 from kvpool.daemon.kv.pool.layout import Snapshot
 
 
@@ -97,7 +97,7 @@ class SchedulerView(Generic[G, S]):
     generating sessions hold them): they may swap best-effort work out once, then ``closed`` ends admission
     until the next step."""
 
-    waiting: Sequence[G]
+    waiting: Sequence[G]  # in the order they are admitted (the scheduler's queue: most urgent first)
     running: Sequence[G]
     free_slots: int
     idle_resident: Sequence[S]  # hot sessions that may hibernate, least recently used first
@@ -129,7 +129,7 @@ def schedule(view: SchedulerView[G, S]) -> StepDecision[G, S]:
 
 
 def _admissions(view: SchedulerView[G, S]) -> list[Move[G, S]]:
-    waiting = list(view.waiting) if view.fcfs else sorted(view.waiting, key=urgency)
+    waiting = view.waiting
     moves: list[Move[G, S]] = []
     for g in waiting:
         if g.session.slot is not None:

@@ -21,7 +21,7 @@ from kvpool.daemon.config import Config, TaskProfile
 from kvpool.daemon.engine.cost_model import CostModel, within
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.schedule import SchedulerView
-from kvpool.daemon.engine.step_work import steps_for
+from kvpool.daemon.engine.step_work import steps_for, urgency
 from kvpool.daemon.kv import policy
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session, SessionTable
@@ -177,6 +177,11 @@ class Scheduler:
             no_room=no_room,
             closed=closed,
         )
+
+    def order_waiting(self) -> None:
+        """Most urgent first (under "budgets"; "fcfs" keeps arrival order): the order schedule() admits them in."""
+        if self.config.scheduling != "fcfs":
+            self.waiting.sort(key=urgency)
 
     def start(self, g: Generation) -> None:
         """``g``'s session is hot: it runs from this step on."""
