@@ -1,9 +1,10 @@
 """The scheduler and the cost model: step plans with a fake clock and a fixed cost model, and the Scheduler's
-admission and preemption on the fake model's tiers. No llama.cpp, no daemon."""
+admission with a scheduler alone, and the moves on the fake model's tiers. No llama.cpp, no daemon."""
 
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -15,15 +16,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool import protocol as p
+from kvpool.daemon.config import load_config
 from kvpool.daemon.engine import cost_model
 from kvpool.daemon.engine.cost_model import CostModel, StepShape, calibrate
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.moves import next_work
-from kvpool.daemon.engine.scheduler import Budget, Scheduler
+from kvpool.daemon.engine.scheduler import HEADROOM, Budget, Scheduler
 from kvpool.daemon.engine.step_work import MIN_CHUNK, budgeted_work, fcfs_work, steps_for
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.manager import KvManager
-from kvpool.daemon.kv.sessions import Session
+from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
@@ -253,31 +255,49 @@ def next_step(scheduler: Scheduler, kv: KvManager, refused: list[tuple[Generatio
     return next_work(scheduler, kv, refuse)
 
 
-def test_admission_refuses_a_first_token_that_cannot_make_its_budget(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as kv:
-        scheduler, _ = scheduler_on(kv)  # the uncalibrated prior: 10 ms a step and 2 ms a token
-        voice, background = open_session(kv, "voice"), open_session(kv, "background")
-        now = time.monotonic()
-        budget = scheduler.admit(voice, None, prompt_tokens=20, received_at=now)
-        assert budget.ttft_s == pytest.approx(0.3) and not budget.best_effort
-        with pytest.raises(RequestRefused) as refused:
-            scheduler.admit(voice, None, prompt_tokens=2000, received_at=now)
-        assert refused.value.code == ErrorCode.BUDGET_UNMEETABLE and refused.value.detail["estimate_ms"] > 300
-        assert scheduler.admit(voice, 100.0, prompt_tokens=20, received_at=now).ttft_s == pytest.approx(0.1)
-        assert scheduler.admit(background, None, prompt_tokens=2000, received_at=now).best_effort  # queued, not refused
-        assert scheduler.task_stats["voice"].refusals == {"BUDGET_UNMEETABLE": 1}
+def scheduler_alone(tasks: dict[str, dict[str, object]] = TASKS) -> tuple[Scheduler, SessionTable]:
+    """A scheduler and its session table, nothing else: admission needs no model, pool or KV."""
+    config = load_config(None, {"tasks": tasks})
+    sessions = SessionTable(config, 4096)
+    return Scheduler(config, sessions, 64), sessions
 
 
-def test_admission_caps_a_tasks_queue(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, config_text={"tasks": TASKS}) as kv:
-        scheduler, _ = scheduler_on(kv)
-        voices = [open_session(kv, "voice") for _ in range(3)]
-        for s in voices[:2]:
-            scheduler.add(generation(s, scheduler.admit(s, None, 4, time.monotonic())))
-        assert all(s.busy for s in voices[:2]) and scheduler.in_flight("voice") == 2
-        with pytest.raises(RequestRefused) as refused:
-            scheduler.admit(voices[2], None, 4, time.monotonic())
-        assert refused.value.code == ErrorCode.OVERLOADED
+def session_of(sessions: SessionTable, task: str) -> Session:
+    return sessions.create(secrets.token_hex(8), "t", task, entry=len(sessions.by_id))
+
+
+def test_admission_refuses_a_first_token_that_cannot_make_its_budget() -> None:
+    scheduler, sessions = scheduler_alone()  # the uncalibrated prior: 10 ms a step and 2 ms a token
+    voice, background = session_of(sessions, "voice"), session_of(sessions, "background")
+    now = time.monotonic()
+    budget = scheduler.admit(voice, None, prompt_tokens=20, received_at=now)
+    assert budget.ttft_s == pytest.approx(0.3) and not budget.best_effort
+    with pytest.raises(RequestRefused) as refused:
+        scheduler.admit(voice, None, prompt_tokens=2000, received_at=now)
+    assert refused.value.code == ErrorCode.BUDGET_UNMEETABLE and refused.value.detail["estimate_ms"] > 300
+    assert scheduler.admit(voice, 100.0, prompt_tokens=20, received_at=now).ttft_s == pytest.approx(0.1)
+    assert scheduler.admit(background, None, prompt_tokens=2000, received_at=now).best_effort  # queued, not refused
+    assert scheduler.task_stats["voice"].refusals == {"BUDGET_UNMEETABLE": 1}
+
+
+def test_admission_caps_a_tasks_queue() -> None:
+    scheduler, sessions = scheduler_alone()
+    voices = [session_of(sessions, "voice") for _ in range(3)]
+    for s in voices[:2]:
+        scheduler.add(generation(s, scheduler.admit(s, None, 4, time.monotonic())))
+    assert all(s.busy for s in voices[:2]) and scheduler.in_flight("voice") == 2
+    with pytest.raises(RequestRefused) as refused:
+        scheduler.admit(voices[2], None, 4, time.monotonic())
+    assert refused.value.code == ErrorCode.OVERLOADED
+
+
+def test_a_step_is_capped_by_the_tightest_budget_of_a_task_with_open_sessions() -> None:
+    scheduler, sessions = scheduler_alone()
+    assert scheduler.step_time_cap() is None  # no deadline-bound task has a session
+    session_of(sessions, "background")
+    assert scheduler.step_time_cap() is None  # best effort caps nothing
+    session_of(sessions, "voice")
+    assert scheduler.step_time_cap() == pytest.approx(0.3 * HEADROOM)
 
 
 def test_a_deadline_bound_request_swaps_out_best_effort_work_that_holds_the_only_slot(tmp_path: Path) -> None:
