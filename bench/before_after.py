@@ -18,58 +18,23 @@ A ratio within the rounds' spread is noise: the table prints each side's min-max
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import default_model, wait_ready  # noqa: E402
+from common import default_model, private_daemon  # noqa: E402
 
 from kvpool.client import Client, KvpoolError  # noqa: E402
 
 CONFIG = HERE.parent / "configs" / "default.toml"
 SCENE = "A kitchen with a table, two chairs, a window facing the garden and a cat asleep on the floor. "
 SENTENCE = "The robot walked through the quiet house and noted every open window, lamp and sleeping pet. "
-
-
-class Daemon:
-    def __init__(self, address: str, pool_name: str, workdir: str, proc: subprocess.Popen[bytes]):
-        self.address, self.pool_name, self.workdir, self.proc = address, pool_name, workdir, proc
-
-
-@contextlib.contextmanager
-def daemon_of(python: str, model: str, *args: str) -> Iterator[Daemon]:
-    """kvpoold run by ``python`` (so from its install), on a private address, pool and spill directory."""
-    import shutil
-
-    import posix_ipc
-
-    workdir = tempfile.mkdtemp(prefix="kvpool-ab-")
-    address = f"ipc://{workdir}/kvpoold.sock"
-    pool_name = f"/kvpool-ab-{workdir.rsplit('-', 1)[-1]}"
-    cmd = [python, "-m", "kvpool.daemon.main", "--model", model, "--address", address, "--pool-name", pool_name,
-           "--spill-dir", f"{workdir}/spill", "--log-level", "warning", "--config", str(CONFIG), "--threads", "2",
-           *args]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    daemon = Daemon(address, pool_name, workdir, proc)
-    try:
-        wait_ready(daemon)  # type: ignore[arg-type]
-        yield daemon
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_shared_memory(pool_name)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def throughput(address: str, clients: int) -> float:
@@ -152,14 +117,15 @@ def restore(address: str, repeat: int) -> tuple[list[float], list[float]]:
 
 def measure(python: str, model: str, seconds: float) -> dict[str, object]:
     row: dict[str, object] = {}
-    with daemon_of(python, model) as d:
+    common = ("--config", str(CONFIG), "--threads", "2")
+    with private_daemon(model, *common, python=python) as d:
         row["tokens_per_s_1"] = throughput(d.address, 1)
         row["tokens_per_s_4"] = throughput(d.address, 4)
         ttfts, refused = voice_under_vision(d.address, seconds)
         row["voice_refused"] = refused
         row["voice_ttft_p50"] = float(statistics.median(ttfts))
         row["voice_ttft_p99"] = float(sorted(ttfts)[min(len(ttfts) - 1, int(len(ttfts) * 0.99))])
-    with daemon_of(python, model, "--hot-slots", "1") as d:
+    with private_daemon(model, *common, "--hot-slots", "1", python=python) as d:
         restores, turn_ttfts = restore(d.address, 5)
         row["restore_ms"] = statistics.median(restores)
         row["restored_turn_ttft_ms"] = statistics.median(turn_ttfts)

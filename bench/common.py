@@ -27,12 +27,13 @@ class BenchDaemon:
 
 
 @contextlib.contextmanager
-def private_daemon(model: str, *args: str) -> Iterator[BenchDaemon]:
+def private_daemon(model: str, *args: str, python: str = sys.executable) -> Iterator[BenchDaemon]:
+    """kvpoold run by ``python`` (its install's kvpool), on a private address, pool and spill directory."""
     workdir = tempfile.mkdtemp(prefix="kvpool-bench-")
     address = f"ipc://{workdir}/kvpoold.sock"
     pool_name = f"/kvpool-bench-{workdir.rsplit('-', 1)[-1]}"
     cmd = [
-        sys.executable,
+        python,
         "-m",
         "kvpool.daemon.main",
         "--model",
