@@ -56,8 +56,10 @@ def add_flags(parser: argparse.ArgumentParser, settings: type) -> list[str]:
             options["action"] = "append"
         elif flag.parse is not None:
             options["type"] = flag.parse
-        elif get_origin(base) in (list, tuple):
+        elif get_origin(base) is list:
             options["type"] = comma_separated
+        elif get_origin(base) is tuple:
+            options["type"] = lambda text: tuple(comma_separated(text))
         elif base in (int, float):
             options["type"] = base
         parser.add_argument(flag.name or "--" + field.replace("_", "-"), **options)

@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
 from .middleware import http_error
 from .routes import build_routes
@@ -23,6 +25,24 @@ def build_app(config: GatewayConfig) -> Starlette:
         yield
         await gateway.close()
 
-    app = Starlette(routes=build_routes(gateway), lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    middleware = []
+    if config.cors_origins:
+        # Preflights are answered before a route's checks (a browser sends no key with them); every answer to an
+        # allowed origin carries the headers, its errors too.
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                allow_headers=["*"],
+                max_age=600,
+            )
+        )
+    app = Starlette(
+        routes=build_routes(gateway),
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+        middleware=middleware,
+    )
     app.state.gateway = gateway
     return app

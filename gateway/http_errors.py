@@ -42,6 +42,8 @@ STATUS: dict[str, tuple[int, str]] = {
     RequestTimeout.code: (504, "server_error"),
 }
 RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a restart
+# Where OpenAI names the same error otherwise, its name (clients match on it); else the daemon's code, lower case.
+OPENAI_CODES = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded", DaemonUnavailable.code: "daemon_unavailable"}
 
 
 def refuse(param: str, message: str, code: str = "unsupported_parameter") -> HttpError:
@@ -59,7 +61,7 @@ class HttpError(Exception):
     @classmethod
     def from_kvpool(cls, code: str | None, message: str) -> HttpError:
         status, kind = STATUS.get(code or "", (500, "server_error"))
-        name = "daemon_unavailable" if code == DaemonUnavailable.code else (code or "internal").lower()
+        name = OPENAI_CODES.get(code or "", (code or "internal").lower())
         return cls(status, message, name, kind)
 
     def body(self) -> dict[str, Any]:

@@ -60,11 +60,11 @@ def template_messages(
             raise refuse(
                 f"{where}.annotations", f"{where}.annotations (citations) are not rendered: send them in the content."
             )
-        if message.name is not None:
+        if message.name is not None and message.role == "assistant":
             raise refuse(
                 f"{where}.name",
-                f"{where}.name is not supported: chat templates do not render names; "
-                "put the speaker's name in the content.",
+                f"{where}.name: an assistant message's name is not rendered (its text must stay the answer the "
+                "model gave); leave it out.",
             )
         if message.role == "function":
             raise refuse(f"{where}.role", "The `function` role is OpenAI's deprecated form: use `tool` messages.")
@@ -95,16 +95,30 @@ def template_messages(
                     "invalid_value",
                     param=f"{where}.tool_call_id",
                 )
+            if message.name is not None and message.name != name:  # (the result's envelope names the call's tool)
+                raise HttpError(
+                    400,
+                    f"{where}.name {message.name!r} is not the tool the call {message.tool_call_id!r} named "
+                    f"({name!r}); send that name, or none.",
+                    "invalid_value",
+                    param=f"{where}.name",
+                )
             _add_user(out, from_tool, tool_result_text(name, text or ""), tool=True)
         elif message.role == "user":
-            _add_user(out, from_tool, text or "", tool=False)
+            _add_user(out, from_tool, named(message.name, text or ""), tool=False)
         else:  # system, developer
-            out.append({"role": "system", "content": text or ""})
+            out.append({"role": "system", "content": named(message.name, text or "")})
             from_tool.append(False)
     for note in (toolbox.offer() if toolbox is not None else "", answer_format):
         if note:
             _add_to_system(out, note)
     return out
+
+
+def named(name: str | None, text: str) -> str:
+    """A participant's message with its name (OpenAI's ``name``): the shipped templates render no names, so it
+    goes before the content, as a transcript writes a speaker."""
+    return f"{name}: {text}" if name else text
 
 
 def tool_result_text(name: str, content: str) -> str:

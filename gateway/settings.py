@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -80,6 +81,11 @@ class GatewayConfig:
     queue_per_key: Annotated[
         int, Flag("requests one client (its `user`, else its address) may have waiting (0: no limit)")
     ] = 0
+    # Web pages of these origins may call the gateway from a browser (CORS): "*" for any, or a list; none by default.
+    cors_origins: Annotated[
+        tuple[str, ...],
+        Flag("origins whose web pages may call the gateway, comma-separated, or * for any (default: none)"),
+    ] = ()
     aliases: Annotated[
         tuple[str, ...],
         Flag("another name /v1/models lists for the model (repeatable)", name="--alias", metavar="NAME", repeat=True),
@@ -110,6 +116,12 @@ class GatewayConfig:
         ):
             if value < least:
                 raise GatewayConfigError(f"{flag} {value}: give a number >= {least}.")
+        for origin in self.cors_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise GatewayConfigError(
+                    f"--cors-origins {origin!r}: give an origin such as https://app.example or http://127.0.0.1:3000 "
+                    "(scheme, host and port, no path), or * for any."
+                )
         if not is_loopback(self.host) and not self.api_key:
             raise GatewayConfigError(
                 f"--host {self.host} would expose the gateway beyond this machine without a key: pass --api-key "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jinja2
 
@@ -37,6 +38,11 @@ class Model:
     template: ChatTemplate
 
 
+def anonymous_file(state_file: Path | None) -> Path | None:
+    """Where the sessions of requests without a name are recorded, next to the conversation map."""
+    return state_file.with_name(f"{state_file.stem}-anonymous{state_file.suffix}") if state_file else None
+
+
 class Gateway:
     """The app's state: one asyncio client of kvpoold (connected lazily, so the gateway starts before the daemon
     and outlives its restarts), the conversation map, the queue, the raw text of reshaped answers, the metrics."""
@@ -45,7 +51,13 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.admission = Admission(config.queue_size, config.queue_per_key, self.metrics)
-        self.turns = Turns(ConversationStore(config.state_file), self.metrics, self.admission, reuse=config.reuse)
+        self.turns = Turns(
+            ConversationStore(config.state_file),
+            self.metrics,
+            self.admission,
+            reuse=config.reuse,
+            anonymous=ConversationStore(anonymous_file(config.state_file)),
+        )
         self.memory = AnswerMemory()
         self._client: AsyncClient | None = None
         self._model: Model | None = None

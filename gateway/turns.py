@@ -77,16 +77,21 @@ class Turns:
         admission: Admission,
         reuse: bool = True,
         anonymous_max: int = 16,
+        anonymous: ConversationStore | None = None,
     ):
         """``reuse`` False: every request runs on a fresh session, closed when it ends (to measure against, or
-        where conversations must not be kept). ``anonymous_max``: sessions kept for requests without a name.
+        where conversations must not be kept). ``anonymous_max``: sessions kept for requests without a name;
+        ``anonymous``: where they are recorded (a file: a restarted gateway, even a killed one, finds the sessions
+        its predecessor opened, continues or closes them, and never strands them in the daemon).
         ``admission``: the queue, whose in-flight places a prefill takes only when one is free."""
         self.store = store
         self.metrics = metrics
         self.admission = admission
         self.reuse = reuse
         self.anonymous_max = anonymous_max
-        self.anonymous = ConversationStore(None)  # session id -> what it holds, for requests without a name
+        self.anonymous = (
+            anonymous if anonymous is not None else ConversationStore(None)
+        )  # session id -> what it holds (requests without a name)
         self._busy: set[str] = set()  # anonymous sessions in a turn now
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiting: Counter[str] = Counter()  # requests holding or waiting for each conversation's lock
@@ -186,6 +191,8 @@ class Turns:
         if turn is None:
             turn = await self._fresh(client, rendered, task, special, add_bos)
         self._busy.add(turn.session.id)
+        # Recorded while in use (nothing to continue from yet): a gateway killed now leaves it findable.
+        self.anonymous.put(turn.session.id, Mapping(turn.session.id, turn.session.token, None))
         try:
             yield turn
         finally:
@@ -248,6 +255,7 @@ class Turns:
                 generated = ""
             held = after_answer(turn.rendered, generated, turn.generated, turn.final)
         if held is None and store is self.anonymous:
+            store.forget(key)
             await self._close_session(turn.session)  # an anonymous session nobody can continue is closed
             return
         store.put(key, Mapping(turn.session.id, turn.session.token, held))

@@ -53,3 +53,15 @@ def test_gateway_flags_their_variables_and_defaults(monkeypatch: pytest.MonkeyPa
     assert not gateway_args(["--no-tool-result-prefill"]).prefill_tool_results
     assert gateway_args(["--port", "81"]).port == 81  # a flag goes before its variable
     assert gateway_args(["--state-file", ""]).state_file == gateway_args([]).state_file  # empty: the default file
+
+
+def test_cors_origins_are_origins() -> None:
+    from kvpool.gateway.settings import GatewayConfigError
+
+    assert gateway_args(["--cors-origins", "http://a.example, https://b.example:8443"]).cors_origins == (
+        "http://a.example",
+        "https://b.example:8443",
+    )
+    gateway_args(["--cors-origins", "*"]).check()
+    with pytest.raises(GatewayConfigError, match="no path"):
+        gateway_args(["--cors-origins", "http://a.example/app"]).check()

@@ -160,8 +160,9 @@ def test_errors_are_openai_errors_with_the_right_status(served: GatewayProcess) 
     with pytest.raises(openai.BadRequestError, match="n") as too_many:
         chat(c, hello, n=9)
     assert too_many.value.body["param"] == "n"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="context"):
+    with pytest.raises(openai.BadRequestError, match="context") as overflow:
         chat(c, [{"role": "user", "content": "x " * 3000}])  # longer than the session's context
+    assert overflow.value.code == "context_length_exceeded"  # OpenAI's name, which clients match on
     url = served.url + "/v1/chat/completions"
     bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
@@ -194,6 +195,30 @@ def test_an_api_key_is_required_when_set(daemon: DaemonProcess, start_gateway: C
     with pytest.raises(openai.AuthenticationError):
         client_of(gateway, api_key="wrong").models.list()
     assert [m.id for m in client_of(gateway, api_key="s3cret").models.list().data] == ["tiny"]
+
+
+def test_cors_lets_in_the_origins_it_names_and_only_those(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    """A page served elsewhere may call the gateway once --cors-origins names its origin: preflights are answered
+    (no key needed for them), every answer to that origin carries the header, errors included."""
+    page, other = "http://127.0.0.1:8765", "http://127.0.0.1:9999"
+    gateway = start_gateway(daemon.address, "--cors-origins", page, "--api-key", "k")
+    url = gateway.url + "/v1/chat/completions"
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = httpx.options(url, headers={"Origin": page, **ask})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == page
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    answer = httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                        headers={"Origin": page, "Authorization": "Bearer k"})  # fmt: skip
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == page
+    unauthorised = httpx.get(gateway.url + "/v1/models", headers={"Origin": page})
+    assert unauthorised.status_code == 401 and unauthorised.headers["access-control-allow-origin"] == page
+    refused = httpx.options(url, headers={"Origin": other, **ask})
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    assert "access-control-allow-origin" not in httpx.get(gateway.url + "/health", headers={"Origin": other}).headers
+    closed = start_gateway(daemon.address, name="closed")  # none by default: no page elsewhere gets in
+    assert httpx.options(closed.url + "/v1/chat/completions", headers={"Origin": page, **ask}).status_code == 405
 
 
 def test_binding_beyond_loopback_without_a_key_is_refused(short_tmp: Path) -> None:
@@ -361,6 +386,32 @@ def test_requests_without_a_name_never_run_the_daemon_out_of_sessions(
         assert chat(c, [{"role": "user", "content": f"stranger {i}"}]).choices[0].message.content is not None
     with daemon.client() as watcher:
         assert 1 <= len(watcher.sessions()) <= 4
+
+
+def test_restarted_gateways_never_strand_the_sessions_of_requests_without_a_name(
+    start_daemon: Start, short_tmp: Path
+) -> None:
+    """Each gateway, stopped or killed, leaves its sessions recorded next to its conversation map: the next one
+    continues or closes them, so the daemon never fills up with sessions nobody can reach."""
+    daemon = start_daemon("--max-sessions", "8")  # a gateway keeps 2 (a quarter) for requests without a name
+    for i in range(12):
+        gateway = GatewayProcess(short_tmp / "gw", daemon.address)
+        try:
+            gateway.start()
+            reply = chat(client_of(gateway), [{"role": "user", "content": f"stranger number {i}"}])
+            assert reply.choices[0].message.content is not None
+        finally:
+            if i % 2 and gateway.proc is not None:
+                gateway.proc.kill()  # no shutdown at all
+                gateway.proc.wait(10)
+            gateway.stop()
+        with daemon.client() as watcher:
+            assert len(watcher.sessions()) <= 2, f"after gateway {i}"  # the bound: a quarter of max_sessions
+    last = GatewayProcess(short_tmp / "gw", daemon.address).start()
+    try:
+        assert chat(client_of(last), [{"role": "user", "content": "the last one"}]).choices[0].message.content
+    finally:
+        last.stop()
 
 
 def test_a_refused_turn_leaves_its_conversation_as_it_was(

@@ -293,7 +293,18 @@ def check_messages(api: Api) -> None:
     one, _ = api.ask(content="hello there")
     assert api.ask(content="something else")[0] != one
     api.refused("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-    api.refused("messages", [{"role": "user", "content": "hi", "name": "bob"}])
+    # A participant's name is rendered before its content (the templates render no names): it costs tokens.
+    plain = api.create(messages=[{"role": "user", "content": "hi"}]).usage.prompt_tokens
+    named = api.create(messages=[{"role": "system", "content": "Be brief.", "name": "rules"},
+                                 {"role": "user", "content": "hi", "name": "bob"}]).usage.prompt_tokens  # fmt: skip
+    alone = api.create(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert plain < alone.usage.prompt_tokens < named
+    api.refused("messages", [{"role": "assistant", "content": "hi", "name": "me"}, {"role": "user", "content": "x"}])
+    call = {"id": "c1", "type": "function", "function": {"name": "set_light", "arguments": "{}"}}
+    loop = [{"role": "user", "content": "light"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    # A tool result's name is its call's tool, as OpenAI's earlier function-calling examples send it.
+    api.create(messages=[*loop, {"role": "tool", "tool_call_id": "c1", "name": "set_light", "content": "on"}])
+    api.refused("messages", [*loop, {"role": "tool", "tool_call_id": "c1", "name": "other", "content": "on"}])
 
 
 def check_max_completion_tokens(api: Api) -> None:

@@ -89,3 +89,67 @@ def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
         assert re.search(r"default\s+2\b", count)
     finally:
         gateway.stop()
+
+
+PAGE = """<!doctype html><div id="out">waiting</div><script>
+const gateway = new URLSearchParams(location.search).get("gw");
+fetch(gateway + "/v1/chat/completions", {
+  method: "POST",
+  headers: {"content-type": "application/json"},
+  body: JSON.stringify({model: "tiny", messages: [{role: "user", content: "hi"}], max_tokens: 2,
+                        logit_bias: {"2": -100}}),
+}).then(r => r.json())
+  .then(j => { document.getElementById("out").textContent = "answered " + j.usage.completion_tokens; })
+  .catch(() => { document.getElementById("out").textContent = "blocked"; });
+</script>"""
+
+
+@pytest.fixture
+def page_elsewhere() -> Iterator[str]:
+    """A web page served from another origin than the gateway's (another port on 127.0.0.1): its address."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = PAGE.encode()
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_page_served_elsewhere_calls_the_gateway_only_when_its_origin_is_allowed(
+    browser: object, daemon: DaemonProcess, short_tmp: Path, page_elsewhere: str
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    allowing = GatewayProcess(short_tmp / "gw-cors", daemon.address, "--cors-origins", page_elsewhere).start()
+    closed = GatewayProcess(short_tmp / "gw-closed", daemon.address).start()
+    try:
+        driver = browser
+        wait = WebDriverWait(driver, WAIT_S)  # type: ignore[arg-type]
+
+        def outcome(gateway: GatewayProcess) -> str:
+            driver.get(f"{page_elsewhere}/?gw={gateway.url}")  # type: ignore[attr-defined]
+            return wait.until(lambda d: (t := d.find_element(By.ID, "out").text) != "waiting" and t)
+
+        assert outcome(allowing) == "answered 2"
+        assert outcome(closed) == "blocked"  # the browser refused the answer: no Access-Control-Allow-Origin
+    finally:
+        allowing.stop()
+        closed.stop()
