@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from starlette.requests import Request
@@ -51,6 +51,14 @@ class Completion:
     schema_fields: list[tuple[str, str]] = field(default_factory=list)
     # A request offering tools: what the request with the results of its calls will begin with (tool_result_prefill.py).
     tool_results: ToolResultOpening | None = None
+    # Another API's answer shape (anthropic_messages.py); None: OpenAI's.
+    answer: OtherAnswer | None = None
+
+
+class OtherAnswer(Protocol):
+    def whole(self, states: list[ChoiceState], prompt_tokens: int, cached: int) -> dict[str, Any]: ...
+
+    def events(self, stream: Stream, prompt_tokens: int, cached: int) -> AsyncIterator[bytes]: ...
 
 
 async def respond(request: Request, gateway: Gateway, model_id: str, completion: Completion) -> Response:
@@ -148,6 +156,8 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
             expect_results()
         for state in states:
             state.remember(gateway.memory)
+        if completion.answer is not None:
+            return JSONResponse(completion.answer.whole(states, generations.prompt_tokens, generations.cached_tokens))
         choices = [s.chat_choice() if chat else s.completion_choice() for s in states]
         return JSONResponse(head | {"choices": choices, "usage": answer_usage()})
 
@@ -163,9 +173,13 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            events = chat_events if chat else completion_events
             usage = answer_usage if completion.include_usage else None
-            async for event in events(Stream(generations, states, head, usage, first_text)):
+            stream = Stream(generations, states, head, usage, first_text)
+            if completion.answer is not None:
+                events = completion.answer.events(stream, generations.prompt_tokens, generations.cached_tokens)
+            else:
+                events = (chat_events if chat else completion_events)(stream)
+            async for event in events:
                 yield event
             for state in states:
                 state.remember(gateway.memory)

@@ -33,8 +33,13 @@ class ClientGone(Exception):
     """The client closed its connection before its answer: what it asked for was cancelled."""
 
 
-def route(name: str, config: GatewayConfig, metrics: GatewayMetrics) -> Callable[[Handler], Handler]:
-    """Authentication, error answers and metrics around one route."""
+def route(
+    name: str,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    errors: Callable[[HttpError], Response] = HttpError.response,
+) -> Callable[[Handler], Handler]:
+    """Authentication, error answers (``errors`` shapes them: OpenAI's by default) and metrics around one route."""
 
     def wrap(handler: Handler) -> Handler:
         async def run(request: Request) -> Response:
@@ -44,16 +49,16 @@ def route(name: str, config: GatewayConfig, metrics: GatewayMetrics) -> Callable
                     authorize(request, config.api_key)
                 response = await handler(request)
             except HttpError as exc:
-                response = exc.response()
+                response = errors(exc)
             except KvpoolError as exc:  # DaemonUnavailable (503) and RequestTimeout (504) too
-                response = HttpError.from_kvpool(exc.code, exc.message).response()
+                response = errors(HttpError.from_kvpool(exc.code, exc.message))
             except ClientGone:
                 response = Response(status_code=CLIENT_GONE)
             except Exception:  # a bug costs one request, answered as such
                 log.exception("internal error on %s", name)
-                response = HttpError(
-                    500, "The gateway hit an internal error; it is logged.", "internal", "server_error"
-                ).response()
+                response = errors(
+                    HttpError(500, "The gateway hit an internal error; it is logged.", "internal", "server_error")
+                )
             metrics.requests.labels(name, str(response.status_code)).inc()
             if not isinstance(response, StreamingResponse):
                 metrics.latency.labels(name).observe(time.monotonic() - started)
@@ -65,11 +70,13 @@ def route(name: str, config: GatewayConfig, metrics: GatewayMetrics) -> Callable
 
 
 def authorize(request: Request, api_key: str) -> None:
+    """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key)."""
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    given = given or request.headers.get("x-api-key", "").strip()
     if not hmac.compare_digest(given.encode(), api_key.encode()):
         raise HttpError(
             401,
-            "Invalid or missing API key: send Authorization: Bearer KEY.",
+            "Invalid or missing API key: send Authorization: Bearer KEY (or x-api-key: KEY).",
             "invalid_api_key",
             "authentication_error",
         )

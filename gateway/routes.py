@@ -4,8 +4,9 @@ refused, fields.py), and dispatch.py answers it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from prometheus_client.exposition import generate_latest
@@ -15,8 +16,8 @@ from starlette.routing import Route
 
 from kvpool.client.chat_template import TemplateError
 
-from . import fields
-from .dispatch import Completion, respond
+from . import anthropic_messages, fields
+from .dispatch import Completion, OtherAnswer, respond
 from .http_errors import HttpError
 from .messages import answer_separator, template_messages
 from .middleware import decode, read_body, route
@@ -26,9 +27,18 @@ from .tool_result_prefill import ToolResultOpening
 from .tools import Toolbox
 
 if TYPE_CHECKING:
-    from .state import Gateway
+    from .state import Gateway, Model
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
+
+
+def as_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A translated request as the chat route's (a field the translation cannot carry is a 400 naming it)."""
+    try:
+        return msgspec.convert(body, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise HttpError(400, f"The request cannot be served as a chat: {exc}.", "invalid_value") from None
 
 
 def fairness_key(request: Request, *identities: str | None) -> str:
@@ -50,6 +60,9 @@ def build_routes(gateway: Gateway) -> list[Route]:
     def wrapped(name: str):
         return route(name, config, gateway.metrics)
 
+    def route_with_errors(errors: Callable[[HttpError], Response]):
+        return lambda name: route(name, config, gateway.metrics, errors)
+
     @wrapped("/v1/models")
     async def models(request: Request) -> Response:
         """One model, served under any name asked (llama-server's convention); --alias names are listed too."""
@@ -59,7 +72,12 @@ def build_routes(gateway: Gateway) -> list[Route]:
 
     @wrapped(CHAT)
     async def chat(request: Request) -> Response:
-        body = decode(await read_body(request, config.max_body_bytes), ChatCompletionRequest)
+        return await chat_answer(
+            request, decode(await read_body(request, config.max_body_bytes), ChatCompletionRequest)
+        )
+
+    async def chat_prompt(body: ChatCompletionRequest) -> tuple[Model, str, list[dict[str, str]], Toolbox | None, Any]:
+        """The chat request's rendered prompt, with what it was made from."""
         fields.refuse_chat_fields(body)
         model = await gateway.model()
         response = fields.response_schema(body.response_format)
@@ -71,6 +89,11 @@ def build_routes(gateway: Gateway) -> list[Route]:
             text = model.template.render(messages, add_generation_prompt=True)
         except TemplateError as exc:
             raise HttpError(400, str(exc), "template", param="messages") from None
+        return model, text, messages, toolbox, response
+
+    async def chat_answer(request: Request, body: ChatCompletionRequest, answer: OtherAnswer | None = None) -> Response:
+        """The chat route's answer to ``body``, shaped as OpenAI's (or as ``answer`` shapes it)."""
+        model, text, messages, toolbox, response = await chat_prompt(body)
         params = fields.sampling(
             body, model.status.n_vocab, body.max_completion_tokens or body.max_tokens, fields.DEFAULT_CHAT_MAX_TOKENS
         )
@@ -106,8 +129,28 @@ def build_routes(gateway: Gateway) -> list[Route]:
                 if toolbox is not None and config.prefill_tool_results
                 else None
             ),
+            answer=answer,
         )
         return await respond(request, gateway, model.id, completion)
+
+    anthropic = route_with_errors(anthropic_messages.error_response)
+
+    @anthropic(MESSAGES)
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API, through the chat route (anthropic_messages.py)."""
+        asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.MessagesRequest)
+        body = as_chat_request(anthropic_messages.chat_body(asked))
+        model = await gateway.model()
+        return await chat_answer(request, body, anthropic_messages.AnthropicAnswer(model.id, asked.stop_sequences))
+
+    @anthropic(COUNT_TOKENS)
+    async def count_tokens(request: Request) -> Response:
+        """The tokens a Messages request's prompt comes to, as the chat route renders it."""
+        asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.CountTokensRequest)
+        model, text, *_ = await chat_prompt(as_chat_request(anthropic_messages.chat_body(asked)))
+        client = await gateway.client()
+        tokens = await client.tokenize(text, add_bos=model.template.needs_bos(text), special=True)
+        return JSONResponse({"input_tokens": len(tokens)})
 
     @wrapped(COMPLETIONS)
     async def completions(request: Request) -> Response:
@@ -179,6 +222,8 @@ def build_routes(gateway: Gateway) -> list[Route]:
         Route("/v1/models", models, methods=["GET"]),
         Route(CHAT, chat, methods=["POST"]),
         Route(COMPLETIONS, completions, methods=["POST"]),
+        Route(MESSAGES, messages, methods=["POST"]),
+        Route(COUNT_TOKENS, count_tokens, methods=["POST"]),
         Route(config.health_path, health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", index, methods=["GET"]),

@@ -347,6 +347,14 @@ def envelope_text(calls: list[tuple[str, str]]) -> str:
     return json.dumps({"tool_calls": rendered}, ensure_ascii=False)
 
 
+def canonical_json(text: str) -> str:
+    """One spelling of a JSON text (the text itself when it is not JSON)."""
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":"))
+    except ValueError:
+        return text
+
+
 class AnswerMemory:
     """A bounded LRU from an assistant message, as a client sends it back (its content and each call's name and
     arguments), to the raw text the model generated for it. The conversation machinery reuses a session only when
@@ -359,7 +367,9 @@ class AnswerMemory:
 
     @staticmethod
     def key(content: str | None, calls: list[tuple[str, str]]) -> str:
-        parts = json.dumps([content or "", calls], ensure_ascii=False)
+        # Arguments by their JSON value, not their spelling: a client may send them back re-serialised (Anthropic's
+        # tool_use blocks carry an object, which the gateway writes out again).
+        parts = json.dumps([content or "", [(name, canonical_json(arguments)) for name, arguments in calls]])
         return hashlib.sha256(parts.encode("utf-8", "surrogatepass")).hexdigest()
 
     def remember(self, content: str | None, calls: list[tuple[str, str]], raw: str) -> None:

@@ -371,6 +371,7 @@ class Final(Reply, tag="final"):
     # The generation ended with the model's end-of-generation token (its last chunk's token): the session holds
     # it, though no text stands for it. False for the other ends (a stop string's tokens stay in the session too).
     eog: bool = False
+    stop: str | None = None  # the request's stop string that ended it (None: another end)
 
 
 class Error(Reply, tag="error"):

@@ -112,4 +112,5 @@ class Generation:
                 restore_ms=self.restore_ms,
             ),
             eog=self.ended_by_eog,
+            stop=self.text.matched if reason == FinishReason.STOP else None,
         )

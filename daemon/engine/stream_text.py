@@ -16,15 +16,18 @@ class StreamText:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # decoded text not emitted yet because it may start a stop string
         self.stopped = False  # a stop string was found; nothing more will be emitted
+        self.matched: str | None = None  # which one (the first in the text; the first listed where two start there)
 
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to show."""
         if self.stopped:
             return ""
         self._held += self._decoder.decode(piece)
-        cut = min((i for i in (self._held.find(s) for s in self._stop) if i >= 0), default=-1)
+        found = [(i, s) for s in self._stop if (i := self._held.find(s)) >= 0]
+        cut = min((i for i, _ in found), default=-1)
         if cut >= 0:
             self.stopped = True
+            self.matched = next(s for i, s in found if i == cut)
             out, self._held = self._held[:cut], ""
             return out
         keep = self._longest_stop_prefix_suffix()

@@ -1,0 +1,144 @@
+"""Anthropic's Messages API through the real `anthropic` client, against a real kvpool-gateway and kvpoold (tiny
+model): answers equal the chat route's, streamed or not; tools; stop sequences; reuse; count_tokens; errors in
+Anthropic's shape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from .daemon_process import DaemonProcess
+from .gateway_process import GatewayProcess, client_of
+
+WAIT_S = 30.0
+LIGHT = {
+    "name": "set_light",
+    "description": "Switch a room's light",
+    "input_schema": {
+        "type": "object",
+        "properties": {"room": {"type": "string", "enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
+        "required": ["room", "on"],
+    },
+}
+
+
+def claude(gateway: GatewayProcess, api_key: str = "none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gateway.url, api_key=api_key, max_retries=0, timeout=WAIT_S)
+
+
+GREEDY = {"temperature": 0.0}  # (the SDK no longer has sampling arguments; older clients send them, and so can this)
+
+
+def ask(c: anthropic.Anthropic, messages: list[dict], **kw: object) -> anthropic.types.Message:
+    extra = {**GREEDY, **kw.pop("extra_body", {})}  # type: ignore[dict-item]
+    kw.setdefault("max_tokens", 8)
+    return c.messages.create(model="tiny", messages=messages, extra_body=extra, **kw)  # type: ignore[arg-type]
+
+
+def text_of(message: anthropic.types.Message) -> str:
+    return "".join(block.text for block in message.content if block.type == "text")
+
+
+def test_an_answer_is_the_chat_routes_answer_streamed_or_not(served: GatewayProcess) -> None:
+    c = claude(served)
+    conversation = [{"role": "user", "content": "hello there"}]
+    message = ask(c, conversation, system="be brief")
+    reference = client_of(served).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+        temperature=0.0,
+        max_tokens=8,
+    )
+    assert message.type == "message" and message.role == "assistant" and message.model == "tiny"
+    assert text_of(message) == reference.choices[0].message.content
+    assert message.stop_reason in ("max_tokens", "end_turn") and message.usage.output_tokens <= 8
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == reference.usage.prompt_tokens
+    with c.messages.stream(
+        model="tiny", max_tokens=8, system="be brief", messages=conversation, extra_body=GREEDY
+    ) as s:  # type: ignore[arg-type]
+        kinds = [event.type for event in s]
+        streamed = s.get_final_message()
+    assert kinds[0] == "message_start" and "content_block_delta" in kinds and kinds[-1] == "message_stop"
+    assert text_of(streamed) == text_of(message) and streamed.stop_reason == message.stop_reason
+
+
+def test_a_conversation_continues_from_its_history_and_says_what_it_reused(served: GatewayProcess) -> None:
+    c = claude(served)
+    history: list[dict] = [{"role": "user", "content": "tell me about the kitchen"}]
+    first = ask(c, history)
+    history += [{"role": "assistant", "content": text_of(first)}, {"role": "user", "content": "and the hall?"}]
+    second = ask(c, history)
+    assert (first.usage.cache_read_input_tokens or 0) == 0
+    assert (second.usage.cache_read_input_tokens or 0) >= first.usage.input_tokens  # the first turn was not redone
+    # count_tokens renders and tokenizes the prompt as a new conversation's: the first turn's whole prompt.
+    counted = c.messages.count_tokens(model="tiny", messages=history[:1])  # type: ignore[arg-type]
+    assert counted.input_tokens == first.usage.input_tokens
+    longer = c.messages.count_tokens(model="tiny", messages=history, system="be brief")  # type: ignore[arg-type]
+    assert longer.input_tokens > counted.input_tokens
+
+
+def test_a_tool_loop(served: GatewayProcess) -> None:
+    c = claude(served)
+    history: list[dict] = [{"role": "user", "content": "light the kitchen"}]
+    called = ask(c, history, max_tokens=256, tools=[LIGHT], tool_choice={"type": "any"})
+    assert called.stop_reason == "tool_use"
+    [use] = [block for block in called.content if block.type == "tool_use"][:1]
+    assert use.name == "set_light" and use.input["room"] in ("kitchen", "hall") and isinstance(use.input["on"], bool)
+    history += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in called.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "done"}]},
+    ]
+    after = ask(c, history, tools=[LIGHT])
+    assert after.stop_reason in ("max_tokens", "end_turn", "tool_use")
+    assert (after.usage.cache_read_input_tokens or 0) > 0  # the call's turn was kept: only the result is computed
+    with c.messages.stream(
+        model="tiny",
+        max_tokens=256,
+        messages=history[:1],
+        tools=[LIGHT],
+        tool_choice={"type": "any"},
+        extra_body=GREEDY,
+    ) as s:  # type: ignore[arg-type]
+        streamed = s.get_final_message()
+    assert [b.input for b in streamed.content if b.type == "tool_use"] == [
+        b.input for b in called.content if b.type == "tool_use"
+    ]
+
+
+def test_a_stop_sequence_is_named(served: GatewayProcess) -> None:
+    c = claude(served)
+    conversation = [{"role": "user", "content": "count with me"}]
+    free = text_of(ask(c, conversation, max_tokens=16))
+    stop = free[3:5]
+    assert len(stop) == 2 and stop not in free[:3]  # (the tiny model's answer is long enough to cut)
+    stopped = ask(c, conversation, max_tokens=16, stop_sequences=[stop])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert text_of(stopped) == free[: free.index(stop)]
+
+
+def test_errors_come_in_anthropics_shape(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> None:
+    gateway = start_gateway(daemon.address, "--api-key", "k")
+    with pytest.raises(anthropic.AuthenticationError):
+        ask(claude(gateway, api_key="wrong"), [{"role": "user", "content": "hi"}])
+    c = claude(gateway, api_key="k")  # (sent as x-api-key, as Anthropic's clients do)
+    assert text_of(ask(c, [{"role": "user", "content": "hi"}]))
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    for messages, extra, named in (
+        ([{"role": "user", "content": [image]}], {}, "messages[0].content[0]"),
+        ([{"role": "user", "content": "hi"}], {"extra_body": {"thinking": {"type": "enabled"}}}, "thinking"),
+        ([{"role": "user", "content": "hi"}], {"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            ask(c, messages, **extra)
+        error = refused.value.body["error"]  # type: ignore[index]
+        assert refused.value.body["type"] == "error" and error["type"] == "invalid_request_error"  # type: ignore[index]
+        assert named in error["message"], error
+    raw = httpx.post(gateway.url + "/v1/messages", headers={"x-api-key": "k"}, json={"model": "tiny", "messages": []})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"  # no max_tokens
+    assert "max_tokens" in raw.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):  # the OpenAI routes still answer in OpenAI's shape
+        client_of(gateway, api_key="wrong").models.list()
