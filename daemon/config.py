@@ -17,6 +17,7 @@ from msgspec import Meta, Struct
 
 from kvpool.client.flags import Choices, Flag
 from kvpool.daemon.kv.codec.kv_types import KV_TYPES, STORE_TYPES
+from kvpool.daemon.llama.deterministic_mode import Determinism
 from kvpool.daemon.rpc.endpoints import ENDPOINT_PATTERN
 
 TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -250,6 +251,11 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     preload: Annotated[one_of("off", "hints", "predict"), Flag("move sessions up ahead of their turn")] = "hints"
     preload_horizon_s: Annotated[float, Meta(ge=0.1, le=3600)] = 2.0
     tasks: dict[str, TaskProfile] = msgspec.field(default_factory=_default_tasks)
+
+    @property
+    def determinism(self) -> Determinism:
+        """What ``deterministic`` takes (llama/deterministic_mode.py): decided here, read by the rest."""
+        return Determinism(self.deterministic)
 
 
 class ConfigError(Exception):

@@ -60,7 +60,7 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         kv, kv_why = resolve_kv_settings(
             config.cache_type_k, config.cache_type_v, config.flash_attn, shape.head_k, shape.head_v
         )
-        determinism = Determinism(config.deterministic)
+        determinism = config.determinism
         repack = choose_repack(determinism.repack(config.cpu_repack), model_path)
     except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, OSError) as exc:
         raise StartFailed(str(exc), 2) from None

@@ -1,6 +1,6 @@
-"""One request's way from its Completion (its fields honoured, routes.py) to its answer: a place in the queue
-(admission.py), the generations behind its choices (generations.py), then OpenAI's body, or its stream once every
-choice has its first token."""
+"""One request's way from its Job (what it asks the daemon for, its fields honoured, routes.py) to its answer: a
+place in the queue (admission.py), the generations behind its choices (generations.py), then OpenAI's body (or
+another API's), or its stream once every choice has its first token."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Completion:
+class Job:
     """What a request asks the daemon for, once its fields were honoured or refused (routes.py)."""
 
     route: str
@@ -61,10 +61,10 @@ class OtherAnswer(Protocol):
     def events(self, stream: Stream, prompt_tokens: int, cached: int) -> AsyncIterator[bytes]: ...
 
 
-async def respond(request: Request, gateway: Gateway, model_id: str, completion: Completion) -> Response:
-    """The answer to ``completion``: admitted, generated and shaped; streamed or whole."""
-    conversing = completion.n == 1 and isinstance(completion.prompt, str)
-    if completion.conversation is not None and not conversing:
+async def respond(request: Request, gateway: Gateway, model_id: str, job: Job) -> Response:
+    """The answer to ``job``: admitted, generated and shaped; streamed or whole."""
+    conversing = job.n == 1 and isinstance(job.prompt, str)
+    if job.conversation is not None and not conversing:
         # A conversation continues from one answer to a text: n choices are not kept (the client picks one, which
         # the gateway cannot know), and token ids cannot be matched against what a session holds.
         raise HttpError(
@@ -75,17 +75,17 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
             param="prompt_cache_key",
         )
     client = await gateway.client()
-    chat = completion.choice_format.chat
+    chat = job.choice_format.chat
     started = time.monotonic()
     if conversing:
         generations: Generations = ConversationGenerations(
             gateway.turns,
             client,
-            completion.conversation,
-            str(completion.prompt),
-            completion.special,
-            completion.add_bos,
-            completion.params,
+            job.conversation,
+            str(job.prompt),
+            job.special,
+            job.add_bos,
+            job.params,
             resume_wait=gateway.config.resume_wait,
             on_continued=lambda code: gateway.metrics.continued.labels(code).inc(),
         )
@@ -93,20 +93,20 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
         generations = SharedPrefixGenerations(
             gateway.turns,
             client,
-            completion.prompt,
-            completion.special,
-            completion.add_bos,
-            completion.params,
-            completion.n,
+            job.prompt,
+            job.special,
+            job.add_bos,
+            job.params,
+            job.n,
         )
-    states = [ChoiceState(index, completion.choice_format) for index in range(completion.n)]
+    states = [ChoiceState(index, job.choice_format) for index in range(job.n)]
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if completion.stream and chat else ""),
+        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if job.stream and chat else ""),
         "created": int(time.time()),
         "model": model_id,
     }
-    if completion.service_tier is not None:
+    if job.service_tier is not None:
         head["service_tier"] = "default"
     metrics = gateway.metrics
 
@@ -115,26 +115,26 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
         return usage(generations.prompt_tokens, generated, generations.cached_tokens)
 
     def first_text() -> None:
-        metrics.first_token.labels(completion.route).observe(time.monotonic() - started)
+        metrics.first_token.labels(job.route).observe(time.monotonic() - started)
 
     def expect_results() -> None:
         """An answer that called tools: its conversation's next request carries their results."""
         state = states[0]
-        if completion.tool_results is None or state.finish_reason() != "tool_calls":
+        if job.tool_results is None or state.finish_reason() != "tool_calls":
             return
-        opening, raw, names = completion.tool_results, state.raw, [name for name, _ in state.calls()]
+        opening, raw, names = job.tool_results, state.raw, [name for name, _ in state.calls()]
         generations.follow_with(lambda held: opening.after(held, raw, names))
 
     held = contextlib.AsyncExitStack()
 
     async def begin() -> None:
         """Wait for a place in the queue, then send, and wait for every choice's first token."""
-        await held.enter_async_context(gateway.admission.slot(completion.fairness, completion.n))
+        await held.enter_async_context(gateway.admission.slot(job.fairness, job.n))
         held.push_async_callback(generations.close)
         try:
             await generations.start()
         except KvpoolError as exc:
-            raise refusal(exc, completion) from None
+            raise refusal(exc, job) from None
         metrics.prompt_tokens.inc(generations.prompt_tokens)
         metrics.cached_tokens.inc(generations.cached_tokens)
 
@@ -152,16 +152,16 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
                             first = False
                         states[index].add(item)
             except KvpoolError as exc:
-                raise refusal(exc, completion) from None
+                raise refusal(exc, job) from None
             expect_results()
         for state in states:
             state.remember(gateway.memory)
-        if completion.answer is not None:
-            return JSONResponse(completion.answer.whole(states, generations.prompt_tokens, generations.cached_tokens))
+        if job.answer is not None:
+            return JSONResponse(job.answer.whole(states, generations.prompt_tokens, generations.cached_tokens))
         choices = [s.chat_choice() if chat else s.completion_choice() for s in states]
         return JSONResponse(head | {"choices": choices, "usage": answer_usage()})
 
-    if not completion.stream:
+    if not job.stream:
         return await unless_disconnected(request, whole())
 
     try:
@@ -173,10 +173,10 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            usage = answer_usage if completion.include_usage else None
+            usage = answer_usage if job.include_usage else None
             stream = Stream(generations, states, head, usage, first_text)
-            if completion.answer is not None:
-                events = completion.answer.events(stream, generations.prompt_tokens, generations.cached_tokens)
+            if job.answer is not None:
+                events = job.answer.events(stream, generations.prompt_tokens, generations.cached_tokens)
             else:
                 events = (chat_events if chat else completion_events)(stream)
             async for event in events:
@@ -189,7 +189,7 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
             # the conversation's record must still be brought up to date, and the place in the queue given back.
             with anyio.CancelScope(shield=True):
                 await held.aclose()
-            metrics.latency.labels(completion.route).observe(time.monotonic() - started)
+            metrics.latency.labels(job.route).observe(time.monotonic() - started)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -197,18 +197,18 @@ async def respond(request: Request, gateway: Gateway, model_id: str, completion:
 _PATH = re.compile(r"^(\$[^:\s]*)")
 
 
-def refusal(exc: KvpoolError, completion: Completion) -> HttpError:
+def refusal(exc: KvpoolError, job: Job) -> HttpError:
     """The daemon's refusal as an HTTP error; a refused schema names the request field it came from."""
     error = HttpError.from_kvpool(exc.code, exc.message)
-    if exc.code == "BAD_REQUEST" and completion.schema_fields:
+    if exc.code == "BAD_REQUEST" and job.schema_fields:
         at = _PATH.match(exc.message)
         daemon_path = at.group(1) if at else ""
-        for prefix, field_name in sorted(completion.schema_fields, key=lambda place: -len(place[0])):
+        for prefix, field_name in sorted(job.schema_fields, key=lambda place: -len(place[0])):
             if daemon_path == prefix or daemon_path.startswith((prefix + ".", prefix + "[")):
                 error.param = field_name
                 error.message = field_name + daemon_path[len(prefix) :] + exc.message[len(daemon_path) :]
                 break
         else:
             if "schema" in exc.message.lower() or "grammar" in exc.message.lower():
-                error.param = completion.schema_fields[0][1].split(".")[0].split("[")[0]  # tools, or response_format
+                error.param = job.schema_fields[0][1].split(".")[0].split("[")[0]  # tools, or response_format
     return error

@@ -1,6 +1,6 @@
-"""The gateway's routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, the status page and its
-JSON, the health check and /metrics. A completions route turns its request into a Completion (each field honoured or
-refused, fields.py), and dispatch.py answers it."""
+"""The gateway's routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, Anthropic's /v1/messages,
+the status page and its JSON, the health check and /metrics. A completions route turns its request into a Job
+(what it asks the daemon for; each field honoured or refused, fields.py), and dispatch.py answers it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from starlette.routing import Route
 from kvpool.client.chat_template import TemplateError
 
 from . import anthropic_messages, fields
-from .dispatch import Completion, OtherAnswer, respond
+from .dispatch import Job, OtherAnswer, respond
 from .http_errors import HttpError
 from .messages import answer_separator, template_messages
 from .middleware import decode, read_body, route
@@ -110,7 +110,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
             text += answer_separator(model.template, messages, text)
         if body.logprobs:
             params["logprobs"] = body.top_logprobs or 0
-        completion = Completion(
+        job = Job(
             route=CHAT,
             prompt=text,
             special=True,
@@ -131,7 +131,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
             ),
             answer=answer,
         )
-        return await respond(request, gateway, model.id, completion)
+        return await respond(request, gateway, model.id, job)
 
     anthropic = route_with_errors(anthropic_messages.error_response)
 
@@ -167,7 +167,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
         echo = ""
         if body.echo:
             echo = prompt if isinstance(prompt, str) else await (await gateway.client()).detokenize(prompt)
-        completion = Completion(
+        job = Job(
             route=COMPLETIONS,
             prompt=prompt,
             special=False,
@@ -182,7 +182,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
             fairness=fairness_key(request, body.user),
             schema_fields=[("$", "response_format.json_schema.schema")] if schema is not None else [],
         )
-        return await respond(request, gateway, model.id, completion)
+        return await respond(request, gateway, model.id, job)
 
     @wrapped(config.health_path)
     async def health(request: Request) -> Response:

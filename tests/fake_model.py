@@ -15,6 +15,7 @@ import numpy as np
 
 from kvpool.daemon.config import sequence_count
 from kvpool.daemon.kv.codec.kv_types import F16
+from kvpool.daemon.llama.deterministic_mode import NOT_DETERMINISTIC
 from kvpool.daemon.llama.kv_settings import KvSettings
 from kvpool.daemon.llama.model import Sampled, SamplingParams
 
@@ -48,6 +49,7 @@ class FakeModel:
     n_swa = 0
     n_vocab = N_VOCAB
     deterministic = False  # (the real model's deterministic KV is tested on the real model)
+    determinism = NOT_DETERMINISTIC
 
     def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):
         self.context_size = context_size

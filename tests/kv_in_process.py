@@ -19,7 +19,7 @@ from .fake_model import FakeModel
 
 
 @contextmanager
-def tiers_on_fake_model(
+def kv_on_fake_model(
     tmp: Path,
     *,
     hot_slots: int = 2,
@@ -28,7 +28,7 @@ def tiers_on_fake_model(
     spill_bytes: int = 1 << 20,
     config_text: dict[str, object] | None = None,
 ) -> Iterator[KvManager]:
-    """Tiers over a FakeModel; the pool segment is unlinked afterwards, whatever happens."""
+    """A KV manager over a FakeModel; the pool segment is unlinked afterwards, whatever happens."""
     config = load_config(None, {"hot_slots": hot_slots, "prefix_slots": 0, **(config_text or {})})
     model = FakeModel(context_size=context_size, hot_slots=hot_slots)
     name = f"/kvpool-test-{secrets.token_hex(6)}"
@@ -43,12 +43,7 @@ def tiers_on_fake_model(
 
 def open_session(kv: KvManager, task: str = "default") -> Session:
     """As the open handler does: a pool entry, then the session."""
-    session_id, token = secrets.token_hex(8), secrets.token_hex(16)
-    entry = kv.pool.claim(session_id, token, task)
-    assert entry is not None
-    s = Session(id=session_id, token=token, task=task, entry=entry, context_limit=kv.sessions.context_limit(task))
-    kv.sessions.add(s)
-    return s
+    return kv.open(secrets.token_hex(8), secrets.token_hex(16), task, tokens=[], boundary=0)
 
 
 def compute(kv: KvManager, s: Session, n: int) -> None:
@@ -57,7 +52,7 @@ def compute(kv: KvManager, s: Session, n: int) -> None:
     model = kv.model
     assert isinstance(model, FakeModel) and s.slot is not None
     assert model.fill(s.slot, s.n_kv, n)
-    s.tokens.extend(range(len(s.tokens), len(s.tokens) + n))
+    kv.append(s, list(range(len(s.tokens), len(s.tokens) + n)))
     kv.fed(s, n)
     s.last_used = time.monotonic()
 

@@ -110,7 +110,11 @@ def test_docs_architecture_names_every_module_bench_script_and_page() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     files = [path for folder in PACKAGES.values() for path in folder.rglob("*.py") if path.name != "__init__.py"]
     files += [*(ROOT / "bench").glob("*.py"), *(ROOT / "docs").glob("*.md")]
-    missing = sorted(str(path.relative_to(ROOT)) for path in files if path.name not in text)
+    missing = sorted(
+        str(path.relative_to(ROOT))
+        for path in files
+        if not re.search(rf"(?<![\w.-]){re.escape(path.name)}(?![\w])", text)  # the name itself, not its end
+    )
     assert missing == [], f"docs/architecture.md does not name: {missing}"
     rows = text[text.index("## The tree") :].splitlines()
     for folder, suffix in (("bench", ".py"), ("docs", ".md")):
@@ -132,6 +136,8 @@ KV_MANAGER = {
     "kvpool.daemon.kv.prefix.cache",  # (a shared prefix's own place: its snapshot, its sequence)
 }
 PLACE_FIELDS = {"slot", "n_kv", "snapshot", "prefix", "prefix_len", "shares_hot", "boundary", "saved_bytes"}
+# A session's conversation grows through the KV manager too (KvManager.append): its cells count in it.
+LIST_CHANGES = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__"}
 
 
 def test_only_the_kv_manager_moves_a_session() -> None:
@@ -168,11 +174,39 @@ def test_only_the_kv_manager_moves_a_session() -> None:
                         and not (isinstance(t.value, ast.Name) and t.value.id == "self")
                     ):
                         offenders.append(f"{name}:{t.lineno} assigns .{t.attr}")
+                    if name.startswith("kvpool.daemon.") and name not in KV_MANAGER and _session_tokens(t, target):
+                        offenders.append(f"{name}:{t.lineno} changes a session's .tokens")
+            if (
+                name.startswith("kvpool.daemon.")
+                and name not in KV_MANAGER
+                and isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in LIST_CHANGES
+                and _is_session_tokens(node.func.value)
+            ):
+                offenders.append(f"{name}:{node.lineno} changes a session's .tokens ({node.func.attr})")
         if "kvpool.daemon.kv.place" in imports_of(path, name, known) and name not in KV_MANAGER | {
             "kvpool.daemon.kv.sessions"
         }:
             offenders.append(f"{name} imports the moves (kv/place.py)")
     assert not offenders, "\n".join(offenders)
+
+
+def _is_session_tokens(node: ast.AST) -> bool:
+    """``<something>.session.tokens``, ``s.tokens``, ``session.tokens`` (how the daemon names a session)."""
+    if not (isinstance(node, ast.Attribute) and node.attr == "tokens"):
+        return False
+    owner = node.value
+    if isinstance(owner, ast.Name):
+        return owner.id in ("s", "session", "victim", "giver", "r")
+    return isinstance(owner, ast.Attribute) and owner.attr == "session"
+
+
+def _session_tokens(node: ast.AST, target: ast.AST) -> bool:
+    """An assignment to a session's tokens, whole or a slice of them."""
+    if _is_session_tokens(node):
+        return node is target or isinstance(target, ast.Subscript | ast.Tuple | ast.List)
+    return False
 
 
 def test_a_sessions_place_is_read_only_outside_the_kv_manager() -> None:

@@ -18,7 +18,7 @@ from kvpool.daemon.kv.sessions import Session
 from kvpool.protocol import ErrorCode, FinishReason
 
 from .fake_model import FakeModel
-from .kv_in_process import compute, open_session, tiers_on_fake_model
+from .kv_in_process import compute, kv_on_fake_model, open_session
 
 CLIENT = b"client"
 WAIT_S = 10.0
@@ -63,7 +63,7 @@ def engine_on_fake_model(tmp: Path, *, hot_slots: int = 2, context_size: int = 6
     """An engine over the fake model's tiers: first come first served (its plans do not depend on a clock) and no
     calibration (nothing to measure)."""
     config = {"scheduling": "fcfs", "calibrate": False}
-    with tiers_on_fake_model(tmp, hot_slots=hot_slots, context_size=context_size, config_text=config) as kv:
+    with kv_on_fake_model(tmp, hot_slots=hot_slots, context_size=context_size, config_text=config) as kv:
         replies = Replies()
         yield Engine(kv.model, kv.config, kv, replies.send, "test"), replies  # type: ignore[arg-type]
 

@@ -17,7 +17,9 @@ from kvpool.daemon.engine.schedule import (
     Start,
     schedule,
 )
-from kvpool.daemon.engine.step_work import budgeted_work, urgency
+from kvpool.daemon.engine.step_work import budgeted_work, step_policy, urgency
+
+BUDGETS, FCFS = step_policy("budgets"), step_policy("fcfs")
 
 
 @dataclass(eq=False)
@@ -68,7 +70,7 @@ def view(
     idle: list[Place] = [],  # noqa: B006
     **kwargs: object,
 ) -> SchedulerView:
-    settings: dict = {"fcfs": False, "capacity": 64, "cost": CostModel(), "time_cap": None, "prefix_sharing": False}
+    settings: dict = {"policy": BUDGETS, "capacity": 64, "cost": CostModel(), "time_cap": None, "prefix_sharing": False}
     settings.update(kwargs)
     return SchedulerView(tuple(waiting), tuple(running), free_slots, tuple(idle), **settings)
 
@@ -108,7 +110,7 @@ def test_free_slots_go_in_the_queues_order_most_urgent_first() -> None:
 
 def test_first_come_first_served_keeps_arrival_order() -> None:
     old, due = Gen("old", arrival=1.0), Gen("due", arrival=3.0, deadline=5.0)
-    assert moves(view([old, due], free_slots=1, fcfs=True)) == [("restore", "old")]
+    assert moves(view([old, due], free_slots=1, policy=FCFS)) == [("restore", "old")]
 
 
 def test_the_least_recently_used_idle_session_gives_its_slot() -> None:
@@ -135,7 +137,7 @@ def test_best_effort_work_never_swaps_anyone_out_and_fcfs_never_preempts() -> No
     decision = schedule(view([late], running=[running]))
     assert decision.moves == () and [w.item for w in decision.work] == [running]  # "late" waits for the next step
     voice = Gen("voice", arrival=3.0, deadline=4.0)
-    assert moves(view([voice], running=[running], fcfs=True)) == []
+    assert moves(view([voice], running=[running], policy=FCFS)) == []
 
 
 def test_a_restore_without_room_may_swap_work_out_once_then_admission_closes() -> None:
@@ -163,7 +165,7 @@ def test_only_a_first_prompt_looks_for_a_shared_prefix() -> None:
     assert ("share", "new") not in moves(view([new], free_slots=1, prefix_sharing=False))
 
 
-def test_with_nothing_to_move_the_work_is_the_step_plan_of_the_ready_generations() -> None:
+def test_with_nothing_to_move_the_work_is_the_step_work_of_the_ready_generations() -> None:
     decoding = Gen("decoding", arrival=1.0, session=hot(0), pending_tokens=1, deadline=2.0)
     prompt = Gen("prompt", arrival=2.0, session=hot(1), pending_tokens=300)
     paused = Gen("paused", arrival=0.5, session=hot(2), pending_tokens=1, paused=True)

@@ -1,4 +1,4 @@
-"""The scheduler and the cost model: step plans with a fake clock and a fixed cost model, and the Scheduler's
+"""The scheduler and the cost model: step work with a fake clock and a fixed cost model, and the Scheduler's
 admission with a scheduler alone, and the moves on the fake model's tiers. No llama.cpp, no daemon."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
 from .fake_model import FakeModel, FakeSampler
-from .kv_in_process import compute, open_session, tiers_on_fake_model
+from .kv_in_process import compute, kv_on_fake_model, open_session
 
 
 @dataclass(eq=False)
@@ -57,8 +57,8 @@ def fixed_cost(fixed_ms: float = 10.0, per_token_ms: float = 1.0) -> CostModel:
     return model
 
 
-def summary(plan: list) -> list[tuple[Item, int, bool]]:
-    return [(w.item, w.n_tokens, w.completes) for w in plan]
+def summary(work: list) -> list[tuple[Item, int, bool]]:
+    return [(w.item, w.n_tokens, w.completes) for w in work]
 
 
 # ---------------------------------------------------------------- fcfs
@@ -67,8 +67,8 @@ def summary(plan: list) -> list[tuple[Item, int, bool]]:
 def test_fcfs_feeds_decodes_then_prompts_oldest_first() -> None:
     late_prompt, early_prompt = Item(300, 2.0), Item(400, 1.0)
     decoding = [Item(1, 5.0), Item(1, 6.0)]
-    plan = fcfs_work([late_prompt, *decoding, early_prompt], token_budget=256)
-    assert summary(plan) == [(decoding[0], 1, True), (decoding[1], 1, True), (early_prompt, 254, False)]
+    work = fcfs_work([late_prompt, *decoding, early_prompt], token_budget=256)
+    assert summary(work) == [(decoding[0], 1, True), (decoding[1], 1, True), (early_prompt, 254, False)]
 
 
 # ---------------------------------------------------------------- earliest deadline first
@@ -77,27 +77,27 @@ def test_fcfs_feeds_decodes_then_prompts_oldest_first() -> None:
 def test_prompts_go_by_earliest_deadline_not_arrival() -> None:
     vision = Item(1500, arrival=1.0, deadline=11.0)
     voice = Item(30, arrival=2.0, deadline=2.3)
-    plan = budgeted_work([vision, voice], 512, fixed_cost(), time_cap=None)
-    assert summary(plan)[0] == (voice, 30, True)  # the later arrival with the earlier deadline goes first
-    assert summary(plan)[1] == (vision, 482, False)
+    work = budgeted_work([vision, voice], 512, fixed_cost(), time_cap=None)
+    assert summary(work)[0] == (voice, 30, True)  # the later arrival with the earlier deadline goes first
+    assert summary(work)[1] == (vision, 482, False)
 
 
 def test_ties_go_to_priority_then_age_and_best_effort_goes_last() -> None:
     a, b = Item(10, 1.0, deadline=5.0, priority=0), Item(10, 2.0, deadline=5.0, priority=3)
     background = Item(10, 0.0, best_effort=True)
-    plan = budgeted_work([background, a, b], 512, fixed_cost(), time_cap=None)
-    assert [w.item for w in plan] == [b, a]  # the best-effort prompt waits for a step of its own
+    work = budgeted_work([background, a, b], 512, fixed_cost(), time_cap=None)
+    assert [w.item for w in work] == [b, a]  # the best-effort prompt waits for a step of its own
     decoding_background = Item(1, 0.0, best_effort=True)
-    plan = budgeted_work([decoding_background, a, b], 512, fixed_cost(), time_cap=None)
-    assert [w.item for w in plan] == [decoding_background, b, a]  # decode tokens are cheap: they ride
+    work = budgeted_work([decoding_background, a, b], 512, fixed_cost(), time_cap=None)
+    assert [w.item for w in work] == [decoding_background, b, a]  # decode tokens are cheap: they ride
 
 
 def test_chunks_are_sized_to_the_time_cap() -> None:
     # 10 ms fixed + 1 ms per token, cap 50.5 ms: two decode tokens leave room for a 38-token chunk.
     decoders = [Item(1, 1.0, deadline=1.1), Item(1, 1.0, deadline=1.2)]
     prompt = Item(1000, 0.5, deadline=9.0)
-    plan = budgeted_work([prompt, *decoders], 512, fixed_cost(), time_cap=0.0505)
-    assert summary(plan) == [(decoders[0], 1, True), (decoders[1], 1, True), (prompt, 38, False)]
+    work = budgeted_work([prompt, *decoders], 512, fixed_cost(), time_cap=0.0505)
+    assert summary(work) == [(decoders[0], 1, True), (decoders[1], 1, True), (prompt, 38, False)]
     without_cap = budgeted_work([prompt, *decoders], 512, fixed_cost(), time_cap=None)
     assert summary(without_cap)[2] == (prompt, 510, False)
 
@@ -108,28 +108,28 @@ def test_deadline_bound_decodes_always_ride_but_best_effort_yields() -> None:
     bound = [Item(1, 1.0, deadline=1.0 + i) for i in range(3)]
     background = Item(1, 0.0, best_effort=True)
     prompt = Item(100, 0.0, best_effort=True)
-    plan = budgeted_work([background, prompt, *bound], 512, fixed_cost(), time_cap=0.0125)
-    assert [w.item for w in plan] == bound
+    work = budgeted_work([background, prompt, *bound], 512, fixed_cost(), time_cap=0.0125)
+    assert [w.item for w in work] == bound
 
 
 def test_best_effort_prompts_stay_out_of_a_step_that_starts_a_deadline_bound_answer() -> None:
     voice = Item(20, 2.0, deadline=2.3)
     vision = Item(1000, 1.0, best_effort=True)
-    plan = budgeted_work([vision, voice], 512, fixed_cost(), time_cap=0.1505)
-    assert summary(plan) == [(voice, 20, True)]
+    work = budgeted_work([vision, voice], 512, fixed_cost(), time_cap=0.1505)
+    assert summary(work) == [(voice, 20, True)]
     assert summary(budgeted_work([vision], 512, fixed_cost(), time_cap=0.1505)) == [(vision, 140, False)]
 
 
 def test_best_effort_work_alone_still_moves_when_nothing_fits_the_cap() -> None:
     background = Item(1, 0.0, best_effort=True)  # a decode token predicted above the cap
-    plan = budgeted_work([background], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)
-    assert summary(plan) == [(background, 1, True)]
+    work = budgeted_work([background], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)
+    assert summary(work) == [(background, 1, True)]
 
 
 def test_the_most_urgent_prompt_always_moves() -> None:
     prompt = Item(100, 0.0, deadline=3.0)
-    plan = budgeted_work([prompt], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)  # nothing fits the cap
-    assert summary(plan) == [(prompt, MIN_CHUNK, False)]
+    work = budgeted_work([prompt], 512, fixed_cost(fixed_ms=50.0), time_cap=0.010)  # nothing fits the cap
+    assert summary(work) == [(prompt, MIN_CHUNK, False)]
 
 
 @given(
@@ -137,17 +137,17 @@ def test_the_most_urgent_prompt_always_moves() -> None:
     st.integers(8, 512),
     st.one_of(st.none(), st.floats(0.011, 0.5)),
 )
-def test_plan_respects_budget_and_pending(items: list, budget: int, cap: float | None) -> None:
+def test_step_work_respects_budget_and_pending(items: list, budget: int, cap: float | None) -> None:
     running = [Item(n, t, deadline=d, best_effort=be) for n, t, d, be in items]
-    plan = budgeted_work(running, budget, fixed_cost(), cap)
-    assert sum(w.n_tokens for w in plan) <= budget
-    assert len({id(w.item) for w in plan}) == len(plan)
-    for w in plan:
+    work = budgeted_work(running, budget, fixed_cost(), cap)
+    assert sum(w.n_tokens for w in work) <= budget
+    assert len({id(w.item) for w in work}) == len(work)
+    for w in work:
         assert 1 <= w.n_tokens <= w.item.pending_tokens
         assert w.completes == (w.n_tokens == w.item.pending_tokens)
-    prompts = [w for w in plan if w.item.pending_tokens > 1]
+    prompts = [w for w in work if w.item.pending_tokens > 1]
     if cap is not None and len(prompts) > 1:  # beyond the guaranteed minimal chunk, the cap holds
-        assert fixed_cost().predict(StepShape(sum(w.n_tokens for w in plan), 0, 0)) <= cap + 1e-9
+        assert fixed_cost().predict(StepShape(sum(w.n_tokens for w in work), 0, 0)) <= cap + 1e-9
 
 
 def dot_without_fma(features: np.ndarray, coefficients: np.ndarray) -> float:
@@ -164,19 +164,19 @@ def dot_with_fma(features: np.ndarray, coefficients: np.ndarray) -> float:
     return total
 
 
-def test_the_plan_on_a_cap_does_not_depend_on_a_fused_multiply_add(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_step_work_on_a_cap_does_not_depend_on_a_fused_multiply_add(monkeypatch: pytest.MonkeyPatch) -> None:
     # 10 ms + 140 x 1 ms sits exactly on a 150 ms cap: the two ways a CPU may sum it differ in the last bit.
     features = StepShape(140, 0, 0).features()
     coefficients = fixed_cost().small.usable
     assert dot_with_fma(features, coefficients) == 0.15
     assert dot_without_fma(features, coefficients) == 0.15000000000000002
-    plans, estimates = [], []
+    works, estimates = [], []
     for way in (dot_with_fma, dot_without_fma):
         monkeypatch.setattr(cost_model, "dot", way)
-        plan = budgeted_work([Item(1000, 1.0, best_effort=True)], 512, fixed_cost(), time_cap=0.150)
-        plans.append([(w.n_tokens, w.completes) for w in plan])
+        work = budgeted_work([Item(1000, 1.0, best_effort=True)], 512, fixed_cost(), time_cap=0.150)
+        works.append([(w.n_tokens, w.completes) for w in work])
         estimates.append(steps_for(280, decoders=0, position=0, token_budget=512, cost=fixed_cost(), time_cap=0.150))
-    assert plans[0] == plans[1] == [(140, False)]
+    assert works[0] == works[1] == [(140, False)]
     assert estimates[0][0] == estimates[1][0] == 2  # two chunks of 140
 
 
@@ -301,7 +301,7 @@ def test_a_step_is_capped_by_the_tightest_budget_of_a_task_with_open_sessions() 
 
 
 def test_a_deadline_bound_request_swaps_out_best_effort_work_that_holds_the_only_slot(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as kv:
+    with kv_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as kv:
         scheduler, refused = scheduler_on(kv)
         background, voice = open_session(kv, "background"), open_session(kv, "voice")
         slow = generation(background, scheduler.admit(background, None, 8, time.monotonic()), prompt=8)
@@ -310,8 +310,8 @@ def test_a_deadline_bound_request_swaps_out_best_effort_work_that_holds_the_only
         compute_fed(slow, 8, kv)
         urgent = generation(voice, scheduler.admit(voice, None, 4, time.monotonic()))
         scheduler.add(urgent)
-        plan = next_step(scheduler, kv, refused)
-        assert [w.item for w in plan] == [urgent] and voice.tier == "hot" and background.tier == "pool"
+        work = next_step(scheduler, kv, refused)
+        assert [w.item for w in work] == [urgent] and voice.tier == "hot" and background.tier == "pool"
         assert scheduler.waiting == [slow] and scheduler.task_stats["background"].preemptions == 1
         assert not refused
         scheduler.remove(urgent)  # the voice turn ends; the best-effort one resumes where it stopped
@@ -329,7 +329,7 @@ def compute_fed(g: Generation, n: int, kv: KvManager) -> None:
 
 
 def test_an_idle_session_gives_its_slot_through_a_hibernate_move(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as kv:
+    with kv_on_fake_model(tmp_path, hot_slots=1, config_text={"tasks": TASKS}) as kv:
         scheduler, refused = scheduler_on(kv)
         idle, talker = open_session(kv), open_session(kv)
         compute(kv, idle, 6)  # hot, not generating: the only slot
@@ -344,7 +344,7 @@ def test_an_idle_session_gives_its_slot_through_a_hibernate_move(tmp_path: Path)
 def test_a_generation_swaps_work_out_once_a_step_and_the_swapped_out_queue_behind(tmp_path: Path) -> None:
     """Every slot generating best-effort work, a voice turn whose KV needs more cells than one swap frees: one
     generation is swapped out, the turn waits (admission closes for the step) instead of swapping out a second."""
-    with tiers_on_fake_model(tmp_path, hot_slots=2, context_size=256, config_text={"tasks": TASKS}) as kv:
+    with kv_on_fake_model(tmp_path, hot_slots=2, context_size=256, config_text={"tasks": TASKS}) as kv:
         scheduler, refused = scheduler_on(kv)
         voice = open_session(kv, "voice")
         compute(kv, voice, 120)

@@ -12,7 +12,7 @@ from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import SessionCorrupt
 
 from .fake_model import FakeModel
-from .kv_in_process import compute, open_session, tiers_on_fake_model
+from .kv_in_process import compute, kv_on_fake_model, open_session
 
 SMALL_POOL = (28 + 64) << 10  # a header, a 64-entry table (28 KiB), and the smallest area a pool may have
 
@@ -23,7 +23,7 @@ def fake(kv: KvManager) -> FakeModel:
 
 
 def test_hibernate_then_restore_brings_back_every_position(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path) as kv:
+    with kv_on_fake_model(tmp_path) as kv:
         s = open_session(kv)
         compute(kv, s, 40)
         slot = s.slot
@@ -35,7 +35,7 @@ def test_hibernate_then_restore_brings_back_every_position(tmp_path: Path) -> No
 
 
 def test_a_slot_goes_to_whoever_waits_by_hibernating_the_least_recently_used(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, hot_slots=2) as kv:
+    with kv_on_fake_model(tmp_path, hot_slots=2) as kv:
         a, b, c = (open_session(kv) for _ in range(3))
         compute(kv, a, 10)
         compute(kv, b, 10)
@@ -47,7 +47,7 @@ def test_a_slot_goes_to_whoever_waits_by_hibernating_the_least_recently_used(tmp
 
 
 def test_busy_sessions_never_give_way(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, hot_slots=1) as kv:
+    with kv_on_fake_model(tmp_path, hot_slots=1) as kv:
         a, b = open_session(kv), open_session(kv)
         compute(kv, a, 10)
         a.busy = True
@@ -58,7 +58,7 @@ def test_busy_sessions_never_give_way(tmp_path: Path) -> None:
 
 def test_a_full_pool_spills_the_least_recently_used_snapshot_and_restores_it_from_disk(tmp_path: Path) -> None:
     # each 200-cell snapshot is about 14 KB: the smallest area (64 KiB) holds four
-    with tiers_on_fake_model(tmp_path, hot_slots=1, pool_bytes=SMALL_POOL) as kv:
+    with kv_on_fake_model(tmp_path, hot_slots=1, pool_bytes=SMALL_POOL) as kv:
         sessions = [open_session(kv) for _ in range(6)]
         for s in sessions:
             compute(kv, s, 200)
@@ -69,7 +69,7 @@ def test_a_full_pool_spills_the_least_recently_used_snapshot_and_restores_it_fro
 
 
 def test_both_tiers_full_evicts_the_least_recently_used_idle_session(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path, hot_slots=1, pool_bytes=SMALL_POOL, spill_bytes=32 << 10) as kv:
+    with kv_on_fake_model(tmp_path, hot_slots=1, pool_bytes=SMALL_POOL, spill_bytes=32 << 10) as kv:
         sessions = [open_session(kv) for _ in range(8)]
         for s in sessions:
             compute(kv, s, 200)
@@ -79,7 +79,7 @@ def test_both_tiers_full_evicts_the_least_recently_used_idle_session(tmp_path: P
 
 
 def test_a_damaged_pool_snapshot_is_refused_as_corrupt(tmp_path: Path) -> None:
-    with tiers_on_fake_model(tmp_path) as kv:
+    with kv_on_fake_model(tmp_path) as kv:
         s = open_session(kv)
         compute(kv, s, 40)
         kv.hibernate(s)
@@ -93,7 +93,7 @@ def test_a_damaged_pool_snapshot_is_refused_as_corrupt(tmp_path: Path) -> None:
 def test_a_pool_snapshot_with_two_words_swapped_is_refused_as_corrupt(tmp_path: Path) -> None:
     """Two 8-byte words trade places inside one 32 KiB block: every byte is still there, in the wrong place. A sum
     of words, however weighted by block, cannot see that; the checksum must."""
-    with tiers_on_fake_model(tmp_path) as kv:
+    with kv_on_fake_model(tmp_path) as kv:
         s = open_session(kv)
         compute(kv, s, 40)
         kv.hibernate(s)

@@ -192,9 +192,11 @@ class Engine:
 
     def _calibrate(self) -> None:
         """Start the cost model from this machine's speed (budgets need it; fcfs does not)."""
-        if self.config.calibrate and self.config.scheduling != "fcfs" and self.kv.free_slots:
-            calibrate_on_slot(self.model, self.kv.free_slots[-1], self.scheduler.cost)
-            self.kv.reclaim()  # the calibration's cells
+        if not (self.config.calibrate and self.scheduler.policy.checks_budgets):
+            return
+        with self.kv.scratch_slot() as slot:
+            if slot is not None:
+                calibrate_on_slot(self.model, slot, self.scheduler.cost)
 
     def _take_requests(self, wait: float) -> None:
         try:
@@ -257,7 +259,7 @@ class Engine:
         """A token was sampled for ``g``: append it to the session, stream it, and check the stop conditions."""
         token = sampled.token
         logprobs = [sampled.logprob] if sampled.logprob is not None else None
-        g.session.tokens.append(token)
+        self.kv.append(g.session, [token])
         g.note_token(now)
         self.counters.generated_tokens += 1
         if g.completion_tokens == 1:
@@ -304,7 +306,7 @@ class Engine:
             self.send(g.client, p.Chunk(id=g.request.id, text=rest, tokens=[]))
         self._release(g)
         g.session.last_used = now
-        self.kv.pool.touch(g.session.entry)  # a restarted daemon times the session out from here, not from its start
+        self.kv.touch(g.session)
         stats = self.scheduler.task_stats[g.session.task]
         stats.late_tokens += g.late_tokens
         if g.completion_tokens > 1 and g.first_token_at is not None and g.last_token_at is not None:
@@ -345,7 +347,6 @@ class Engine:
         self.counters.kv_full_events += 1
         try:
             if self.kv.free_cells(exclude=[w.item.session for w in step_work], count=max(1, len(step_work))):
-                self.kv.reclaim()
                 return
         except RequestRefused as refused:
             log.warning("could not hibernate idle sessions to free KV cells: %s", refused.message)

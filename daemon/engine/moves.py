@@ -19,7 +19,7 @@ from kvpool.daemon.refusals import RequestRefused
 
 log = logging.getLogger("kvpool.engine")
 
-Refuse = Callable[[Generation, RequestRefused], None]
+TurnAway = Callable[[Generation, RequestRefused], None]
 
 
 class Stop(Enum):
@@ -30,8 +30,8 @@ class Stop(Enum):
     CLOSED = "closed"  # no room can be made this step
 
 
-def next_work(scheduler: Scheduler, kv: KvManager, refuse: Refuse) -> list[Work[Generation]]:
-    """Decide, apply, decide again until nothing is left to move: the step's work. ``refuse(g, why)`` ends a
+def next_work(scheduler: Scheduler, kv: KvManager, turn_away: TurnAway) -> list[Work[Generation]]:
+    """Decide, apply, decide again until nothing is left to move: the step's work. ``turn_away(g, why)`` ends a
     waiting generation that could not get a hot slot (and takes it out of the queues)."""
     scheduler.order_waiting()  # once a step: a generation swapped out during it queues behind the others
     no_room: set[int] = set()
@@ -40,7 +40,7 @@ def next_work(scheduler: Scheduler, kv: KvManager, refuse: Refuse) -> list[Work[
         decision = schedule(scheduler.view(kv, frozenset(no_room), closed))
         if not decision.moves:
             return list(decision.work)
-        stopped = apply(decision.moves, scheduler, kv, refuse)
+        stopped = apply(decision.moves, scheduler, kv, turn_away)
         if isinstance(stopped, Generation):  # its restore found no room
             # A generation may swap work out once a step, as it waits for room: after that, admission closes.
             swapped = any(isinstance(m, Preempt) and m.g is stopped for m in decision.moves)
@@ -53,13 +53,20 @@ def next_work(scheduler: Scheduler, kv: KvManager, refuse: Refuse) -> list[Work[
 
 
 def apply(
-    moves: Sequence[Move[Generation, Session]], scheduler: Scheduler, kv: KvManager, refuse: Refuse
+    moves: Sequence[Move[Generation, Session]], scheduler: Scheduler, kv: KvManager, turn_away: TurnAway
 ) -> Generation | Stop | None:
     """Apply ``moves`` in order; None when all were, else where it stopped (a generation whose restore found no
     room, or why)."""
+
+    def start(g: Generation) -> None:
+        if g.new_tokens:  # first admission (a preempted generation comes back with nothing new)
+            kv.append(g.session, g.new_tokens)
+            g.new_tokens = []
+        scheduler.start(g)
+
     for move in moves:
         if isinstance(move, Start):
-            scheduler.start(move.g)
+            start(move.g)
         elif isinstance(move, SharePrefix):
             kv.share_first_prompt(move.g.session)
         elif isinstance(move, Hibernate):
@@ -69,7 +76,7 @@ def apply(
             try:
                 kv.hibernate(move.session)
             except RequestRefused as refused:  # no room to checkpoint it: the generation it was for cannot start
-                refuse(move.g, refused)
+                turn_away(move.g, refused)
                 return Stop.REFUSED
             finally:
                 move.g.session.restore_seconds += time.perf_counter() - started
@@ -89,9 +96,9 @@ def apply(
             try:
                 resident = kv.make_resident(move.g.session)
             except RequestRefused as refused:
-                refuse(move.g, refused)
+                turn_away(move.g, refused)
                 return Stop.REFUSED
             if not resident:
                 return move.g
-            scheduler.start(move.g)
+            start(move.g)
     return None

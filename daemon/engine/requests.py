@@ -18,7 +18,6 @@ from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.manager import KvManager
-from kvpool.daemon.kv.new_session import create_session
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.constraints import ConstraintError, parse_schema
 from kvpool.daemon.llama.model import (
@@ -59,7 +58,6 @@ class RequestHandlers:
         self.model, self.config, self.kv, self.scheduler = model, config, kv, scheduler
         self.remote, self.preloader = remote, preloader
         self.sessions = kv.sessions
-        self.pool = kv.pool
         self.finish, self._status, self.daemon_version = finish, status, daemon_version
         self._multiplexers: dict[bytes, None] = {}  # connections that said they multiplex users, oldest first
         self.by_type: dict[type, Handler] = {
@@ -122,7 +120,7 @@ class RequestHandlers:
                 age_s=round(now - s.created, 3),
                 shared_tokens=s.prefix_len if s.prefix is not None else 0,
                 saved=(s.snapshot.n_tokens if s.snapshot else 0) == len(s.tokens),
-                kv_type=self.kv.codec.name(s.snapshot.kv_type) if s.snapshot and s.snapshot.n_kv else "",
+                kv_type=self.kv.kv_type_name(s.snapshot) if s.snapshot and s.snapshot.n_kv else "",
                 remote=self.remote.where(s),
             )
             for s in self.sessions.by_id.values()
@@ -137,15 +135,7 @@ class RequestHandlers:
             )
         self.sessions.check_can_open(r.task)  # first: the system prompt may come from the task's profile
         system = self._system_prompt(r)
-        s = create_session(
-            self.pool,
-            self.sessions,
-            secrets.token_hex(8),
-            secrets.token_hex(16),
-            r.task,
-            tokens=system,
-            boundary=len(system),
-        )
+        s = self.kv.open(secrets.token_hex(8), secrets.token_hex(16), r.task, tokens=system, boundary=len(system))
         if system:
             self.kv.record_tokens(s)
         log.info("session %s opened for task %s", s.id, s.task)
@@ -183,7 +173,7 @@ class RequestHandlers:
                 return None  # the reply comes when the fetch ends
             raise
         s.last_used = time.monotonic()
-        self.pool.touch(s.entry)
+        self.kv.touch(s)
         self.remote.check_owned(s)
         if r.prefetch:
             self.preloader.hint(s)
@@ -273,8 +263,7 @@ class RequestHandlers:
             )
         to_compute = len(new) + s.pending_tokens
         if s.n_kv == 0 and s.prefix is None:  # the part a shared prefix holds will not be computed
-            match = self.kv.prefixes.match(s.tokens + new, most=len(s.tokens) + len(new) - 1)
-            to_compute -= match[1] if match else 0
+            to_compute -= self.kv.shared_prefix_length(s.tokens + new)
         params = self._sampling(r)
         replay = self._replay(r, s.tokens + new)
         text = self._text(r, s.tokens + new)  # refused (text_from out of range) before a sampler is built

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from kvpool.daemon.engine.cost_model import CostModel
-from kvpool.daemon.engine.step_work import Schedulable, Work, budgeted_work, fcfs_work
+from kvpool.daemon.engine.step_work import Schedulable, StepPolicy, Work
 from kvpool.daemon.kv.pool.layout import Snapshot
 
 
@@ -101,7 +101,7 @@ class SchedulerView(Generic[G, S]):
     running: Sequence[G]
     free_slots: int
     idle_resident: Sequence[S]  # hot sessions that may hibernate, least recently used first
-    fcfs: bool
+    policy: StepPolicy
     capacity: int
     cost: CostModel
     time_cap: float | None
@@ -123,9 +123,7 @@ def schedule(view: SchedulerView[G, S]) -> StepDecision[G, S]:
     ready = [g for g in view.running if not g.paused]
     if not ready:
         return StepDecision()
-    if view.fcfs:
-        return StepDecision(work=tuple(fcfs_work(ready, view.capacity)))
-    return StepDecision(work=tuple(budgeted_work(ready, view.capacity, view.cost, view.time_cap)))
+    return StepDecision(work=tuple(view.policy.work(ready, view.capacity, view.cost, view.time_cap)))
 
 
 def _admissions(view: SchedulerView[G, S]) -> list[Move[G, S]]:
@@ -144,7 +142,8 @@ def _admissions(view: SchedulerView[G, S]) -> list[Move[G, S]]:
     for g in waiting:
         if g.session.slot is not None:
             continue
-        victim = None if view.fcfs or g.best_effort or not victims else max(victims, key=lambda r: r.arrival)
+        swaps = view.policy.preempts and not g.best_effort and victims
+        victim = max(victims, key=lambda r: r.arrival) if swaps else None
         if id(g) in view.no_room:  # a slot is not enough: only swapping work out can free cells
             if victim is None:
                 break

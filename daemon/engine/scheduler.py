@@ -21,8 +21,7 @@ from kvpool.daemon.config import Config, TaskProfile
 from kvpool.daemon.engine.cost_model import CostModel, within
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.schedule import SchedulerView
-from kvpool.daemon.engine.step_work import steps_for, urgency
-from kvpool.daemon.kv import policy
+from kvpool.daemon.engine.step_work import step_policy, steps_for
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.ops.latency_stats import TaskStats
@@ -53,6 +52,7 @@ class Scheduler:
         self.sessions = sessions
         self.capacity = batch_capacity
         self.cost = CostModel()
+        self.policy = step_policy(config.scheduling)
         self.waiting: list[Generation] = []
         self.running: list[Generation] = []
         self.task_stats: defaultdict[str, TaskStats] = defaultdict(TaskStats)
@@ -117,7 +117,7 @@ class Scheduler:
         if deadline_ms is not None:
             ttft_ms = min(ttft_ms, deadline_ms) if ttft_ms else deadline_ms
         budget = Budget(ttft_ms / 1000.0, profile.tpot_ms / 1000.0, profile.best_effort, profile.priority)
-        if ttft_ms and not profile.best_effort and self.config.scheduling == "budgets":
+        if ttft_ms and not profile.best_effort and self.policy.checks_budgets:
             deadline = received_at + ttft_ms / 1000.0
             estimate = self.estimate_ttft(prompt_tokens, len(session.tokens), deadline, received_at)
             if not within(estimate, ttft_ms / 1000.0):
@@ -167,28 +167,24 @@ class Scheduler:
         return SchedulerView(
             waiting=tuple(self.waiting),
             running=tuple(self.running),
-            free_slots=len(kv.free_slots),
-            idle_resident=tuple(policy.idle_resident(kv.resident.values())),
-            fcfs=self.config.scheduling == "fcfs",
+            free_slots=kv.free_slot_count,
+            idle_resident=tuple(kv.idle_resident()),
+            policy=self.policy,
             capacity=self.capacity,
             cost=self.cost,
             time_cap=self.step_time_cap(),
-            prefix_sharing=kv.prefixes.enabled,
+            prefix_sharing=kv.prefix_sharing,
             no_room=no_room,
             closed=closed,
         )
 
     def order_waiting(self) -> None:
-        """Most urgent first (under "budgets"; "fcfs" keeps arrival order): the order schedule() admits them in."""
-        if self.config.scheduling != "fcfs":
-            self.waiting.sort(key=urgency)
+        """The order schedule() admits them in (StepPolicy.order)."""
+        self.policy.order(self.waiting)
 
     def start(self, g: Generation) -> None:
-        """``g``'s session is hot: it runs from this step on."""
+        """``g``'s session is hot (and holds its prompt, engine/moves.py): it runs from this step on."""
         self.waiting.remove(g)
-        if g.new_tokens:  # first admission (a preempted generation comes back with nothing new)
-            g.session.tokens.extend(g.new_tokens)
-            g.new_tokens = []
         g.started = True
         self.running.append(g)
 

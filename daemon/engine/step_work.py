@@ -55,6 +55,43 @@ class Work(Generic[T]):
     completes: bool  # True when this chunk feeds the last pending token: the step samples for it
 
 
+@dataclass(frozen=True, slots=True)
+class StepPolicy:
+    """How steps are filled and who waits: the ``scheduling`` setting, read once (``step_policy``), so that the
+    scheduler, schedule() and the engine ask this object instead of the setting."""
+
+    budgets: bool  # False: first come first served
+
+    @property
+    def name(self) -> str:
+        return "budgets" if self.budgets else "fcfs"
+
+    @property
+    def checks_budgets(self) -> bool:
+        """Admission refuses a deadline-bound request whose first token cannot make its budget, and the cost model
+        that predicts it is calibrated at start."""
+        return self.budgets
+
+    @property
+    def preempts(self) -> bool:
+        """A deadline-bound generation may swap a running best-effort one out when every slot is generating."""
+        return self.budgets
+
+    def order(self, waiting: list[T]) -> None:
+        """The waiting queue in the order it is admitted: most urgent first (fcfs: arrival order, as it is)."""
+        if self.budgets:
+            waiting.sort(key=urgency)
+
+    def work(self, ready: list[T], capacity: int, cost: CostModel, time_cap: float | None) -> list[Work[T]]:
+        if self.budgets:
+            return budgeted_work(ready, capacity, cost, time_cap)
+        return fcfs_work(ready, capacity)
+
+
+def step_policy(scheduling: str) -> StepPolicy:
+    return StepPolicy(budgets=scheduling != "fcfs")
+
+
 def urgency(g: Schedulable) -> tuple[bool, float, int, float]:
     """Sort key: deadline-bound before best-effort, then earliest deadline, higher priority, older."""
     return (g.best_effort, g.deadline, -g.priority, g.arrival)

@@ -32,7 +32,7 @@ from kvpool.daemon.llama.model import Model
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
-log = logging.getLogger("kvpool.tiers")
+log = logging.getLogger("kvpool.kv")
 
 
 class Checkpoints:

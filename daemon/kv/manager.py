@@ -1,28 +1,34 @@
 """The KV manager: the one owner of a session's place across the three tiers (hot slots, the shared-memory pool,
 the spill directory). It alone moves sessions (through kv/place.py); everything else reads a session's place.
 
-A session's life, as this class sees it:
-- open: new_session.create_session puts it in the table and the pool's; ``record_tokens`` commits a system prompt.
-- turn: ``make_resident`` gives it a slot with its KV restored (``share_first_prompt`` lets a first prompt start
-  from a shared prefix); each step's computed tokens are ``fed``; ``make_prefix`` turns a system prompt's cells
-  into a shared prefix; ``checkpoint`` commits the turn into the pool (the mirror copies it to other nodes).
+A session's life, as this class sees it (each step is a method here; the sections below follow it):
+- open: ``open`` puts it in the table and the pool's (new_session.py: the quotas); ``record_tokens`` commits a
+  system prompt.
+- turn: ``append`` adds its prompt to the conversation; ``make_resident`` gives it a slot with its KV restored
+  (``share_first_prompt`` lets a first prompt start from a shared prefix); each step's computed tokens are
+  ``fed`` and each sampled one is ``append``ed; ``make_prefix`` turns a system prompt's cells into a shared
+  prefix; ``checkpoint`` commits the turn into the pool (the mirror copies it to other nodes).
 - hibernate: ``hibernate`` frees its slot and cells (checkpointing first unless the snapshot is fresh): when a
   slot is needed, when cells are (``free_cells``), when the preloader makes room, or to swap best-effort work out.
 - restore: ``make_resident`` again, from the pool straight, or from disk; a damaged snapshot is SESSION_CORRUPT.
-- spill and evict: a checkpoint that needs pool room moves older snapshots to disk (checkpoints.py, room.py,
-  compression.py, disk_writes.py); when the disk is full too, the least recently used idle session is ``evict``ed.
-- roam: ``install`` commits a checkpoint fetched from another node (daemon/remote/); ``drop`` lets it go.
+- spill and evict: a checkpoint that needs pool room moves older snapshots to disk (the snapshot path behind
+  ``Checkpoints``: room.py, compression.py, disk_writes.py); when the disk is full too, the least recently used
+  idle session is ``evict``ed.
+- roam: ``open`` then ``install`` commits a checkpoint fetched from another node (daemon/remote/); ``drop`` lets it
+  go.
 - close (or expire, or a damaged state): ``drop`` forgets it in every tier.
-The cell layout is kept here too: in deterministic decoding ``room_for_step`` and ``reclaim`` compact the KV.
-Runs on the engine thread only.
+The cell layout is kept here too, with the policy deterministic decoding asks for (llama/deterministic_mode.py):
+``room_for_step`` before a decode, and every move that frees cells on purpose (``free_cells``, the calibration's
+``scratch_slot``), compact the KV when it must. Runs on the engine thread only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import msgspec
@@ -33,7 +39,8 @@ from kvpool.daemon.kv.checkpoints import Checkpoints
 from kvpool.daemon.kv.codec.state_format import StateFormatError
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
-from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL
+from kvpool.daemon.kv.new_session import create_session
+from kvpool.daemon.kv.pool.layout import NO_PREFIX, TIER_DISK, TIER_POOL, Snapshot
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
 from kvpool.daemon.kv.prefix.index import shareable_length
@@ -43,7 +50,7 @@ from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 
-log = logging.getLogger("kvpool.tiers")
+log = logging.getLogger("kvpool.kv")
 
 
 class Mirror(Protocol):
@@ -79,6 +86,48 @@ class KvManager:
         stores = Stores(pool, spill, sessions, self.codec, self.counts)
         # With a mirror, checkpoints hold every cell, shared prefix included, so that another node can restore them.
         self.checkpoints = Checkpoints(model, stores, self.prefixes, self.evict, whole=mirror is not None)
+        self._compacts = model.determinism.compacts
+
+    # ------------------------------------------------------------------ open, and the conversation
+
+    def open(self, session_id: str, token: str, task: str, tokens: list[int], boundary: int, n_kv: int = 0) -> Session:
+        """A new session (opened here, or fetched from another node with ``n_kv`` of its tokens in the checkpoint
+        it brings); UNKNOWN_TASK or QUOTA_EXCEEDED when it may not be (new_session.py)."""
+        return create_session(self.pool, self.sessions, session_id, token, task, tokens, boundary, n_kv)
+
+    def append(self, s: Session, tokens: list[int]) -> None:
+        """A turn's prompt, or a sampled token, joins the session's conversation (the next steps compute it)."""
+        place.append(s, tokens)
+
+    def touch(self, s: Session) -> None:
+        """Used now: a restarted daemon times the session out from here (the pool's record), not from its start."""
+        self.pool.touch(s.entry)
+
+    # ------------------------------------------------------------------ what scheduling reads
+
+    @property
+    def free_slot_count(self) -> int:
+        return len(self.free_slots)
+
+    def idle_resident(self) -> list[Session]:
+        """Hot sessions that may hibernate for a slot, least recently used first."""
+        return policy.idle_resident(self.resident.values())
+
+    @property
+    def prefix_sharing(self) -> bool:
+        return self.prefixes.enabled
+
+    @property
+    def context_size(self) -> int:
+        return self.model.context_size
+
+    def shared_prefix_length(self, tokens: list[int]) -> int:
+        """How many of a first prompt's ``tokens`` a shared prefix would hold (not computed again)."""
+        match = self.prefixes.match(tokens, most=len(tokens) - 1)
+        return match[1] if match else 0
+
+    def kv_type_name(self, snap: Snapshot) -> str:
+        return self.codec.name(snap.kv_type)
 
     # ------------------------------------------------------------------ hot tier
 
@@ -104,7 +153,7 @@ class KvManager:
             # another prefix or session, never the prefix this one builds on, so the loop ends).
             while not self._restore(s, slot):
                 self.counts.restores_without_room += 1
-                if self.free_cells(exclude=[s]):
+                if self._free_cells(exclude=[s]):
                     continue
                 if any(r.busy for r in self.resident.values()):
                     self.free_slots.append(slot)
@@ -124,19 +173,32 @@ class KvManager:
 
     def room_for_step(self, tokens: int) -> None:
         """Before a decode of ``tokens`` (and the pad row a deterministic step may take, see Model.decode)."""
-        self.ensure_room(tokens, pad=True)
+        self._ensure_room(tokens, pad=True)
 
-    def reclaim(self) -> None:
+    @contextlib.contextmanager
+    def scratch_slot(self) -> Iterator[int | None]:
+        """A free slot to run synthetic steps in (the cost model's calibration), its cells reclaimed after; None
+        when every slot is taken."""
+        if not self.free_slots:
+            yield None
+            return
+        try:
+            yield self.free_slots[-1]
+        finally:
+            self.model.forget_sequence(self.free_slots[-1])
+            self._reclaim()
+
+    def _reclaim(self) -> None:
         """Cells were freed outside a restore (a calibration's, idle sessions hibernated for room): reuse them."""
-        if self.model.deterministic:
-            self.compact()
+        if self._compacts:
+            self._compact()
 
-    def ensure_room(self, cells: int, pad: bool = False) -> None:
+    def _ensure_room(self, cells: int, pad: bool = False) -> None:
         """Compact when the next ``cells`` would not fit after the last appended cell (deterministic decoding)."""
-        if self.model.deterministic and self.model.cells_free() < cells + pad:
-            self.compact()
+        if self._compacts and self.model.cells_free() < cells + pad:
+            self._compact()
 
-    def compact(self) -> None:
+    def _compact(self) -> None:
         """Lay the KV out again: every hot sequence's cells contiguous and in position order from the first
         cell, the graveyard emptied. Shared prefixes first, then each resident session's own cells, then the
         prefix cells it shares given back: what a restore does, in one pass, from copies taken first."""
@@ -175,12 +237,19 @@ class KvManager:
         self.counts.hibernations += 1
 
     def free_cells(self, exclude: list[Session], count: int = 1) -> bool:
-        """Make room in the unified KV: first a shared prefix nobody uses (but none the excluded sessions build
-        on), else up to ``count`` idle sessions, least recently used first. False when nothing could go."""
-        keep = {id(x.prefix) for x in exclude if x.prefix is not None}
-        return self.prefixes.evict_hot(keep) or self.hibernate_idle(exclude=exclude, count=count) > 0
+        """Make room in the unified KV (a decode found none): first a shared prefix nobody uses (but none the
+        excluded sessions build on), else up to ``count`` idle sessions, least recently used first, and the freed
+        cells reclaimed. False when nothing could go."""
+        freed = self._free_cells(exclude, count)
+        if freed:
+            self._reclaim()
+        return freed
 
-    def hibernate_idle(self, exclude: Iterable[Session], count: int = 1) -> int:
+    def _free_cells(self, exclude: list[Session], count: int = 1) -> bool:
+        keep = {id(x.prefix) for x in exclude if x.prefix is not None}
+        return self.prefixes.evict_hot(keep) or self._hibernate_idle(exclude=exclude, count=count) > 0
+
+    def _hibernate_idle(self, exclude: Iterable[Session], count: int = 1) -> int:
         """Hibernate up to ``count`` idle resident sessions (LRU first), to free KV cells; how many moved."""
         idle = policy.idle_resident(self.resident.values(), exclude)
         for r in idle[:count]:
@@ -197,7 +266,7 @@ class KvManager:
             self.model.forget_sequence(slot)
             place.hold_cells(s, 0)
             return True
-        self.ensure_room(snap.n_kv)  # (its own cells, and a prefix's when that comes back too)
+        self._ensure_room(snap.n_kv)  # (its own cells, and a prefix's when that comes back too)
         if snap.prefix_entry == NO_PREFIX:
             ok = self._load_own_cells(s, slot)
         else:
@@ -297,9 +366,9 @@ class KvManager:
     def share_first_prompt(self, s: Session) -> None:
         """A resident session that computes its first prompt now takes a shared prefix it begins with."""
         if s.n_kv == 0 and s.slot is not None and s.prefix is None and self.prefixes.enabled:
-            self.share_prefix(s)
+            self._share_prefix(s)
 
-    def share_prefix(self, s: Session) -> None:
+    def _share_prefix(self, s: Session) -> None:
         """A resident session about to compute its first prompt: take the longest shared prefix it begins with
         (its cells, not a copy) and compute only the rest."""
         assert s.slot is not None and s.n_kv == 0 and s.prefix is None

@@ -1,7 +1,8 @@
 """Where a session's KV is, and the only code that changes it.
 
 A session's place: its hot slot and how many of its tokens that slot's cells hold, its committed snapshot (in the
-pool or on disk), the shared prefix it builds on, and the end of its system prompt. Sessions show these read-only
+pool or on disk), the shared prefix it builds on, and the end of its system prompt; and the conversation those
+count in, its tokens, which grow here only. Sessions show these read-only
 (kv/sessions.py); the KV manager (kv/manager.py and the snapshot path behind it) moves them through the
 functions here, so that every change of place is one named move. A test fails when another module assigns one.
 
@@ -38,6 +39,14 @@ class Session(Protocol):
 
     place: SessionPlace
     tokens: list[int]
+
+
+# ---------------------------------------------------------------------- the conversation
+
+
+def append(s: Session, tokens: list[int]) -> None:
+    """A turn's prompt, or a sampled token, joins the conversation: the next steps compute its cells."""
+    s.tokens.extend(tokens)
 
 
 # ---------------------------------------------------------------------- the hot tier

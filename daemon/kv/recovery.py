@@ -16,7 +16,7 @@ from kvpool.daemon.kv.pool.layout import LIVE, NO_PREFIX, SESSION, TIER_POOL
 from kvpool.daemon.kv.pool.segment import PoolError
 from kvpool.daemon.kv.spill_dir import SnapshotCorrupt
 
-log = logging.getLogger("kvpool.tiers")
+log = logging.getLogger("kvpool.kv")
 
 
 def recover(kv: KvManager) -> int:

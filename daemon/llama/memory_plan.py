@@ -21,7 +21,6 @@ from pathlib import Path
 
 from kvpool.daemon.config import Config, sequence_count
 from kvpool.daemon.kv.codec.kv_types import kv_type
-from kvpool.daemon.llama.deterministic_mode import Determinism
 from kvpool.daemon.llama.gguf_meta import read_metadata, read_tensor_sizes
 from kvpool.daemon.rpc.placement import LOCAL, layer_of, place_layers
 
@@ -157,9 +156,7 @@ def plan_memory(
     if window and arch in GLOBAL_LAYER_EVERY:
         every = GLOBAL_LAYER_EVERY[arch]
         # llama.cpp keeps a window of cells per sequence id: hot slots, shared prefixes and the scratch sequence
-        sequences = sequence_count(
-            config.hot_slots, config.prefix_slots, Determinism(config.deterministic).extra_sequences
-        )
+        sequences = sequence_count(config.hot_slots, config.prefix_slots, config.determinism.extra_sequences)
         swa_cells = sliding_window_cells(cells, window, sequences, config.batch_size)
         layer_cells = [cells if (il + 1) % every == 0 else swa_cells for il in range(n_layer)]
     layer_kv = [per_cell_layer * c for c in layer_cells]

@@ -107,12 +107,12 @@ class Preloader:
         if s.slot is not None or s.busy or s.snapshot is None:
             return False
         giver = None
-        if not self.kv.free_slots:
+        if not self.kv.free_slot_count:
             giver = self._room_giver((keep or set()) | {s.id})
             if giver is None:
                 return False
         freed = giver.n_kv if giver is not None else 0
-        if self.kv.cells_used() - freed + s.snapshot.n_kv > self.kv.model.context_size:
+        if self.kv.cells_used() - freed + s.snapshot.n_kv > self.kv.context_size:
             return False
         if giver is not None:
             self.kv.hibernate(giver)  # its checkpoint is fresh: no copy, its cells and slot are freed

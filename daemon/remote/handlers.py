@@ -16,7 +16,6 @@ import numpy as np
 from kvpool import protocol as p
 from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.kv.manager import KvManager
-from kvpool.daemon.kv.new_session import create_session
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.refusals import RequestRefused
@@ -109,9 +108,7 @@ class RemoteRequests:
                 f"{record.task!r} hold at most {limit - 1}. Resume it on a node with a larger context_size.",
             )
         tokens = np.frombuffer(fetched.payload, dtype="<i4", offset=record.state_bytes).tolist()
-        s = create_session(
-            self.kv.pool,
-            self.sessions,
+        s = self.kv.open(
             session_id,
             token,
             record.task,
@@ -126,7 +123,7 @@ class RemoteRequests:
         except BaseException:
             self.kv.drop(s)
             raise
-        self.kv.pool.touch(s.entry)
+        self.kv.touch(s)
         self.remote.adopt(s, fetched)
         return s
 

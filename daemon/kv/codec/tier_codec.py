@@ -16,7 +16,7 @@ from kvpool.daemon.kv.codec.transcode import Target, transcode
 from kvpool.daemon.kv.pool.layout import HOT_TYPES
 from kvpool.daemon.llama.kv_settings import KvSettings
 
-log = logging.getLogger("kvpool.tiers")
+log = logging.getLogger("kvpool.kv")
 
 
 class TierCodec:

@@ -25,16 +25,13 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
 
-    def add(
-        self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool, all_logits: bool = False
-    ) -> int:
-        """Append ``tokens`` of one sequence; returns the batch row of the last token (for sampling).
-        ``all_logits``: every token's row (a benchmark scoring each position; the context needs the outputs)."""
+    def add(self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool) -> int:
+        """Append ``tokens`` of one sequence; returns the batch row of the last token (for sampling)."""
         start, count = self.n, len(tokens)
         end = start + count
         self.token[start:end] = tokens
         self.pos[start:end] = np.arange(first_pos, first_pos + count, dtype=np.int32)
-        self.logits[start:end] = int(all_logits)
+        self.logits[start:end] = 0
         if want_last_logits:
             self.logits[end - 1] = 1
         rows = self._seq_rows
