@@ -7,7 +7,18 @@ with Client() as client, client.open_session(task="voice") as s:
 
 from .client import Client, Session, Stream
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
+from .media import Audio, Image
 from .results import Completion
 
-__all__ = ["Client", "Completion", "DaemonUnavailable", "KvpoolError", "RequestTimeout", "Session", "Stream"]
+__all__ = [
+    "Audio",
+    "Client",
+    "Completion",
+    "DaemonUnavailable",
+    "Image",
+    "KvpoolError",
+    "RequestTimeout",
+    "Session",
+    "Stream",
+]
 __version__ = "0.1.0"

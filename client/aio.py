@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -26,8 +27,9 @@ from kvpool.protocol.status import DaemonStatus
 from . import core
 from .address import default_address
 from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
-from .errors import DaemonUnavailable, KvpoolError, NotConnected, RequestTimeout
-from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
+from .errors import BadRequest, DaemonUnavailable, KvpoolError, NotConnected, RequestTimeout
+from .media import AREA_BYTES, FrameArea, Part, is_parts, wire_parts
+from .results import Collector, Completion, WirePart, expect, generate_request, open_request, raise_if_error
 
 
 class AsyncClient:
@@ -60,6 +62,9 @@ class AsyncClient:
         self.daemon_version = ""
         self.model = ""
         self.max_inflight = 0  # generations this connection may have in flight (the daemon's hello says)
+        self._area: FrameArea | None = None  # media's shared memory (asked for at the first medium)
+        self._area_asked: asyncio.Future[FrameArea | None] | None = None
+        self._area_freed = asyncio.Event()
 
     @classmethod
     async def connect(
@@ -112,8 +117,18 @@ class AsyncClient:
     async def sessions(self) -> list[p.SessionInfo]:
         return expect(await self._call(p.ListSessions()), p.SessionsReply).sessions
 
-    async def open_session(self, task: str = "default", system_prompt: str | list[int] | None = None) -> AsyncSession:
-        opened = expect(await self._call(open_request(task, system_prompt)), p.SessionOpened)
+    async def open_session(
+        self, task: str = "default", system_prompt: str | list[int] | list[Part] | None = None
+    ) -> AsyncSession:
+        """As the sync Client.open_session(): a system prompt may hold media."""
+        if is_parts(system_prompt):
+            request_id = await self._send_parts(lambda parts: open_request(task, parts), system_prompt)  # type: ignore[arg-type]
+            try:
+                opened = expect(await self._next(request_id), p.SessionOpened)
+            finally:
+                self._done(request_id)
+        else:
+            opened = expect(await self._call(open_request(task, system_prompt)), p.SessionOpened)  # type: ignore[arg-type]
         return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
 
     async def resume_session(self, session_id: str, token: str, *, prefetch: bool = False) -> AsyncSession:
@@ -135,6 +150,9 @@ class AsyncClient:
             self._sock.disable_monitor()
             self._monitor.close(0)
             self._sock.close(0)
+        if self._area is not None:
+            self._area.close()
+            self._area = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -167,16 +185,51 @@ class AsyncClient:
             reply = self._core.read(await self._sock.recv())
             if reply is None:
                 continue
+            if self._area is not None and self._area.busy:
+                self._area.answered(reply.id)  # the daemon has read its media by the time it answers
+                self._area_freed.set()
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
 
-    def _send(self, message: p.Request) -> int:
+    async def _send_parts(self, build: Callable[[list[WirePart]], p.Request], parts: list[Part]) -> int:
+        """As the sync client: the media in the frame area (waiting for answers that free room in it), or in the
+        message when the daemon gives no area."""
+        area = await self._frame_area()
+        async with asyncio.timeout(self.timeout):
+            while (wired := wire_parts(parts, area, self._core.max_frame // 2 or AREA_BYTES)) is None:
+                self._area_freed.clear()
+                await self._area_freed.wait()
+        try:
+            return self._send(build(wired), holds_media=area is not None)
+        except BaseException:
+            if area is not None:
+                area.abandon()
+            raise
+
+    async def _frame_area(self) -> FrameArea | None:
+        if self._area_asked is None:
+            self._area_asked = asyncio.ensure_future(self._ask_frame_area())
+        return await asyncio.shield(self._area_asked)
+
+    async def _ask_frame_area(self) -> FrameArea | None:
+        if not self.address.startswith("ipc://"):
+            return None
+        try:
+            reply = expect(await self._call(p.FrameArea(size=AREA_BYTES)), p.FrameAreaReply)
+        except BadRequest:
+            return None  # (a daemon without a projector, or one that gives no areas: media go in the message)
+        self._area = FrameArea(reply.name, reply.size)
+        return self._area
+
+    def _send(self, message: p.Request, holds_media: bool = False) -> int:
         """Send now, as the sync client does (called on the event loop's thread), over a connection to the daemon;
         with none, the send waits on the loop and the first wait for its reply awaits it, for reconnect_wait at most
         (then it is not sent at all)."""
         request_id, frame = self._core.prepare(message)
         self._queues[request_id] = asyncio.Queue()
+        if holds_media and self._area is not None:
+            self._area.sent(request_id)
         if self._connected.is_set():
             sent = self._sock.send(frame)
         else:
@@ -218,6 +271,9 @@ class AsyncClient:
 
     def _done(self, request_id: int) -> None:
         self._queues.pop(request_id, None)
+        if self._area is not None and self._area.busy:
+            self._area.answered(request_id)
+            self._area_freed.set()
         if (sending := self._sends.pop(request_id, None)) is not None:
             sending.cancel()  # not sent yet (no connection): it never will be
         self._core.done(request_id)
@@ -251,13 +307,29 @@ class AsyncStream:
         self._session = session
         self._client = session.client
         self._id = request_id
+        self._sending: asyncio.Future[int] | None = None  # a send under way (media: their frame area first)
         self._closed = False
         self.final: p.Final | None = None
+
+    @classmethod
+    def _sent_later(cls, session: AsyncSession, sending: asyncio.Future[int]) -> AsyncStream:
+        """The stream of a request whose send is under way: the first read waits for it."""
+        stream = cls(session, -1)
+        stream._sending = sending
+        return stream
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> p.Chunk:
+        if self._sending is not None:
+            try:
+                self._id = await self._sending
+            except BaseException:
+                self._closed = True
+                raise
+            finally:
+                self._sending = None
         while not self._closed:
             try:
                 reply = await self._client._next(self._id)
@@ -284,6 +356,13 @@ class AsyncStream:
         if self._closed:
             return
         self._closed = True
+        if self._sending is not None:  # never read: its send may still be under way
+            self._sending.cancel()
+            with contextlib.suppress(BaseException):
+                self._id = await self._sending
+            self._sending = None
+            if self._id < 0:
+                return
         self._client._done(self._id)
         if self.final is None and cancel:
             with contextlib.suppress(Exception):  # the daemon may be gone; there is nothing left to stop then
@@ -313,13 +392,17 @@ class AsyncSession:
         self.context_size = context_size
         self.final: p.Final | None = None  # the final message of the last generation
 
-    def generate(self, prompt: str | list[int] = "", **params: Any) -> AsyncStream:
+    def generate(self, prompt: str | list[int] | list[Part] = "", **params: Any) -> AsyncStream:
         """Append ``prompt`` to the session and stream the continuation; the request is sent now (call it on the
-        event loop's thread). Same parameters as the sync Session.generate()."""
-        request = generate_request(self.id, self.token, prompt, params)
+        event loop's thread; a prompt with media is sent once its frames are in the frame area). Same parameters
+        as the sync Session.generate()."""
+        if is_parts(prompt):
+            build = lambda parts: generate_request(self.id, self.token, parts, params)  # noqa: E731
+            return AsyncStream._sent_later(self, asyncio.ensure_future(self.client._send_parts(build, prompt)))  # type: ignore[arg-type]
+        request = generate_request(self.id, self.token, prompt, params)  # type: ignore[arg-type]
         return AsyncStream(self, self.client._send(request))
 
-    async def complete(self, prompt: str | list[int] = "", **params: Any) -> Completion:
+    async def complete(self, prompt: str | list[int] | list[Part] = "", **params: Any) -> Completion:
         collector = Collector()
         stream = self.generate(prompt, **params)
         async for chunk in stream:

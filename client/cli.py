@@ -190,6 +190,20 @@ def format_status(status: DaemonStatus) -> str:
     if status.preload is not None:
         pre = status.preload
         rows.append(("preload", f"{pre.mode}: {pre.preloads} preloads, {pre.hits} hits, {pre.wasted} wasted"))
+    m = status.media
+    if m is None:
+        rows.append(("media", "none: text only (no projector, mmproj)"))
+    else:
+        served = " and ".join(
+            kind for kind, on in (("images", m.vision), (f"audio at {m.audio_sample_rate} Hz", m.audio)) if on
+        )
+        rows.append(
+            (
+                "media",
+                f"{served} ({m.projector}): {m.prepared} read, {m.encodes} encoded ({m.encode_ms_total:.0f} ms), "
+                f"{m.cache_hits} found by content, {m.cached} cached ({_bytes(m.cached_bytes)})",
+            )
+        )
     for name, value in rows:
         out.append(f"{name:>9}  {value}")
     scheduler = status.scheduler

@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -22,8 +23,9 @@ from kvpool.protocol.status import DaemonStatus
 from . import core
 from .address import default_address
 from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
-from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
-from .results import Collector, Completion, expect, generate_request, open_request, raise_if_error
+from .errors import BadRequest, DaemonUnavailable, KvpoolError, RequestTimeout
+from .media import AREA_BYTES, FrameArea, Part, is_parts, wire_parts
+from .results import Collector, Completion, WirePart, expect, generate_request, open_request, raise_if_error
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
 
@@ -62,6 +64,8 @@ class Client:
         self._sock.connect(self.address)
         self._lock = threading.Lock()
         self._inboxes: dict[int, deque[p.AnyReply]] = {}
+        self._area: FrameArea | None = None  # media's shared memory (asked for at the first medium)
+        self._area_asked = False
         try:
             hello = expect(self._call(core.hello(name, multiplexer), connect_timeout), p.HelloReply)
         except RequestTimeout:
@@ -97,10 +101,18 @@ class Client:
     def sessions(self) -> list[p.SessionInfo]:
         return expect(self._call(p.ListSessions()), p.SessionsReply).sessions
 
-    def open_session(self, task: str = "default", system_prompt: str | list[int] | None = None) -> Session:
-        """A new session for ``task``, starting with ``system_prompt`` (text or token ids; None: the task's
-        configured one, "" for none). Sessions starting alike share that part's KV in the daemon."""
-        opened = expect(self._call(open_request(task, system_prompt)), p.SessionOpened)
+    def open_session(self, task: str = "default", system_prompt: str | list[int] | list[Part] | None = None) -> Session:
+        """A new session for ``task``, starting with ``system_prompt`` (text, token ids, or parts with media;
+        None: the task's configured one, "" for none). Sessions starting alike share that part's KV in the
+        daemon, an image in it included."""
+        if is_parts(system_prompt):
+            request_id = self._send_parts(lambda parts: open_request(task, parts), system_prompt)  # type: ignore[arg-type]
+            try:
+                opened = expect(self._next(request_id), p.SessionOpened)
+            finally:
+                self._done(request_id)
+        else:
+            opened = expect(self._call(open_request(task, system_prompt)), p.SessionOpened)  # type: ignore[arg-type]
         return Session(self, opened.session, opened.token, opened.task, opened.context_size)
 
     def resume_session(self, session_id: str, token: str, *, prefetch: bool = False) -> Session:
@@ -122,6 +134,9 @@ class Client:
                 self._sock.disable_monitor()
                 self._monitor.close(0)
                 self._sock.close(0)
+            if self._area is not None:
+                self._area.close()
+                self._area = None
 
     def __enter__(self) -> Client:
         return self
@@ -149,11 +164,51 @@ class Client:
             wait_ms = 0
         return self._core.connected
 
-    def _send(self, message: p.Request) -> int:
-        """Send over a connection to the daemon, waiting up to reconnect_wait for one (NotConnected)."""
+    def _send_parts(self, build: Callable[[list[WirePart]], p.Request], parts: list[Part]) -> int:
+        """Send the request ``build`` makes of ``parts``, their media in the frame area (waiting for answers that
+        free room in it, within the timeout), or in the message when the daemon gives no area."""
+        area = self._frame_area()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            with self._lock:
+                wired = wire_parts(parts, area, self._core.max_frame // 2 or AREA_BYTES)
+            if wired is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise RequestTimeout(
+                    f"The frame area stayed full for {self.timeout:g} s: the daemon has not answered the requests "
+                    "whose frames it holds; wait for them, or send fewer frames at once."
+                )
+            with self._lock:
+                self._drain()
+                self._sock.poll(POLL_SLICE_MS)
+        try:
+            return self._send(build(wired), holds_media=area is not None)
+        except BaseException:
+            if area is not None:
+                with self._lock:
+                    area.abandon()
+            raise
+
+    def _frame_area(self) -> FrameArea | None:
+        """The connection's frame area, asked for once (None: over tcp://, or the daemon gives none)."""
+        if self._area is None and not self._area_asked and self.address.startswith("ipc://"):
+            self._area_asked = True
+            try:
+                reply = expect(self._call(p.FrameArea(size=AREA_BYTES)), p.FrameAreaReply)
+            except BadRequest:
+                return None  # (a daemon without a projector, or one that gives no areas: media go in the message)
+            self._area = FrameArea(reply.name, reply.size)
+        return self._area
+
+    def _send(self, message: p.Request, holds_media: bool = False) -> int:
+        """Send over a connection to the daemon, waiting up to reconnect_wait for one (NotConnected).
+        ``holds_media``: the frame area regions placed for it are its until it is answered."""
         with self._lock:
             request_id, frame = self._core.prepare(message)
             self._inboxes[request_id] = deque()
+            if holds_media and self._area is not None:
+                self._area.sent(request_id)
         deadline = time.monotonic() + self.reconnect_wait
         while True:
             with self._lock:
@@ -195,6 +250,8 @@ class Client:
             reply = self._core.read(frame)
             if reply is None:
                 continue
+            if self._area is not None:
+                self._area.answered(reply.id)  # the daemon has read its media by the time it answers
             inbox = self._inboxes.get(reply.id)
             if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
                 inbox.append(reply)
@@ -203,6 +260,8 @@ class Client:
         with self._lock:
             self._inboxes.pop(request_id, None)
             self._core.done(request_id)
+            if self._area is not None:
+                self._area.answered(request_id)
 
     def _call(self, message: p.Request, timeout: float | None = None) -> p.AnyReply:
         """One request, one reply. When the daemon stops answering (a restart), requests that can safely be
@@ -291,9 +350,9 @@ class Session:
         self.context_size = context_size
         self.final: p.Final | None = None  # the final message of its last generation (finish reason, timings)
 
-    def generate(self, prompt: str | list[int] = "", **params: Any) -> Stream:
-        """Append ``prompt`` (text or token ids) to the session and stream the continuation; the request is sent
-        now, the chunks are read from the stream.
+    def generate(self, prompt: str | list[int] | list[Part] = "", **params: Any) -> Stream:
+        """Append ``prompt`` (text, token ids, or parts: text, Image and Audio, kvpool.client.media) to the session
+        and stream the continuation; the request is sent now, the chunks are read from the stream.
 
         Parameters: max_tokens, temperature (0 = greedy), top_k, top_p, min_p, typical_p, repeat_penalty,
         repeat_last_n, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), seed, stop (list of
@@ -302,10 +361,13 @@ class Session:
         grammar), grammar_from (continue a constrained answer), text_from (continue an answer cut short, its text
         joining exactly). docs/client.md has them all.
         """
-        request = generate_request(self.id, self.token, prompt, params)
+        if is_parts(prompt):
+            build = lambda parts: generate_request(self.id, self.token, parts, params)  # noqa: E731
+            return Stream(self, self.client._send_parts(build, prompt))  # type: ignore[arg-type]
+        request = generate_request(self.id, self.token, prompt, params)  # type: ignore[arg-type]
         return Stream(self, self.client._send(request))
 
-    def complete(self, prompt: str | list[int] = "", **params: Any) -> Completion:
+    def complete(self, prompt: str | list[int] | list[Part] = "", **params: Any) -> Completion:
         """Like generate(), but waits for the whole result."""
         stream = self.generate(prompt, **params)
         collector = Collector()

@@ -70,6 +70,7 @@ WorkerLost = _subclass("WorkerLost", ErrorCode.WORKER_LOST)
 RemoteTierUnavailable = _subclass("RemoteTierUnavailable", ErrorCode.REMOTE_UNAVAILABLE)
 ClientUnresponsive = _subclass("ClientUnresponsive", ErrorCode.CLIENT_UNRESPONSIVE)
 KvFull = _subclass("KvFull", ErrorCode.KV_FULL)
+MediaUnsupported = _subclass("MediaUnsupported", ErrorCode.MEDIA_UNSUPPORTED)
 InternalError = _subclass("InternalError", ErrorCode.INTERNAL)
 
 _BY_CODE: dict[str, type[KvpoolError]] = {

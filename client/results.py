@@ -49,13 +49,24 @@ class Collector:
         return Completion(text, self.tokens, str(final.finish_reason), final.usage, final.timings, self.logprobs)
 
 
-def generate_request(session: str, token: str, prompt: str | list[int], params: dict[str, Any]) -> p.Generate:
+WirePart = str | list[int] | p.Medium  # a part as the protocol carries it
+Prompt = str | list[int] | list[WirePart]  # text, token ids, or parts with media (client/media.py)
+
+
+def _in_parts(prompt: list[Any]) -> bool:
+    """A list of parts (text, token-id pieces, media), not a list of token ids."""
+    return any(isinstance(x, str | list | p.Medium) for x in prompt)
+
+
+def generate_request(session: str, token: str, prompt: Prompt, params: dict[str, Any]) -> p.Generate:
     """Build a Generate message; bad parameter types or values raise BadRequest before anything is sent."""
     fields: dict[str, Any] = {"session": session, "token": token, **params}
     if isinstance(fields.get("json_schema"), dict):  # a schema as Python data travels as its JSON text
         fields["json_schema"] = json.dumps(fields["json_schema"])
     if isinstance(prompt, str):
         fields["prompt"] = prompt
+    elif _in_parts(prompt):
+        return _converted({**fields, "parts": []}, p.Generate, "generate", parts=list(prompt))
     else:
         fields["prompt_tokens"] = list(prompt)
     try:
@@ -65,11 +76,27 @@ def generate_request(session: str, token: str, prompt: str | list[int], params: 
         raise BadRequest(f"Invalid generate parameters: {exc}.") from None
 
 
-def open_request(task: str, system_prompt: str | list[int] | None) -> p.OpenSession:
-    """Build an OpenSession message: a system prompt is text or token ids; None leaves the task's own."""
+def _converted(fields: dict[str, Any], kind: type[T], what: str, parts: list[WirePart]) -> T:
+    """A message with parts: the media are Structs already, the rest is checked against the schema."""
+    try:
+        message = msgspec.convert(fields, kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid {what} parameters: {exc}.") from None
+    name = "parts" if kind is p.Generate else "system_parts"
+    setattr(message, name, parts)
+    try:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=kind)  # (the parts' limits apply)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid {what} parameters: {exc}.") from None
+
+
+def open_request(task: str, system_prompt: Prompt | None) -> p.OpenSession:
+    """Build an OpenSession message: a system prompt is text, token ids or parts; None leaves the task's own."""
     fields: dict[str, Any] = {"task": task}
     if isinstance(system_prompt, str):
         fields["system_prompt"] = system_prompt
+    elif system_prompt is not None and _in_parts(system_prompt):
+        return _converted({**fields, "system_parts": []}, p.OpenSession, "open_session", parts=list(system_prompt))
     elif system_prompt is not None:
         fields["system_prompt_tokens"] = list(system_prompt)
     try:

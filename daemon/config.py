@@ -78,6 +78,14 @@ def _default_tasks() -> dict[str, TaskProfile]:
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # The GGUF to serve; empty means the embedded default (Gemma 3 270M Q4_K_M from the `model` extra).
     model: Annotated[str, Flag("GGUF file to serve (default: the embedded Gemma 3 270M Q4_K_M)")] = ""
+    # A projector GGUF (mmproj) for the model: sessions take images and audio (docs/multimodal.md). Empty: text only.
+    mmproj: Annotated[str, Flag("projector GGUF (mmproj) for images and audio in sessions (docs/multimodal.md)")] = ""
+    # Encoded media kept by content, so that the same image is encoded once (bytes of embeddings; LRU).
+    media_cache_size: Annotated[
+        int, Meta(ge=0), Flag("bytes of media embeddings kept by content, e.g. 64MiB (0: none kept)", parse=str)
+    ] = 64 << 20
+    # The most bytes one medium may have (a frame, a file, PCM), and the frame area one connection may ask for.
+    max_media_bytes: Annotated[int, Meta(ge=1 << 10, le=1 << 28)] = 32 << 20
     # ZeroMQ address; empty means ipc://<runtime dir>/kvpoold.sock (see kvpool.client.address).
     address: Annotated[
         str,
@@ -329,6 +337,8 @@ def _check_deterministic(config: Config, source: str) -> None:
 
 SIZE_KEYS = (
     "cache_pool_size",
+    "media_cache_size",
+    "max_media_bytes",
     "spill_max_bytes",
     "memory_limit",
     "memory_high_water",

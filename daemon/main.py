@@ -30,6 +30,8 @@ from kvpool.daemon.kv.sessions import SessionTable
 from kvpool.daemon.kv.spill_dir import SpillDir, SpillError
 from kvpool.daemon.llama.model import Model, ModelLoadError, Placement
 from kvpool.daemon.locations import default_pool_name, group_id, spill_dir_for
+from kvpool.daemon.media.frame_areas import FrameAreas
+from kvpool.daemon.media.media_cache import MediaCache
 from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.rpc.faults import WorkerWatch
 from kvpool.daemon.rpc.workers import Workers
@@ -41,6 +43,7 @@ from kvpool.daemon.startup import StartFailed, StartPlan, log_plan, place_layers
 if TYPE_CHECKING:
     from kvpool.daemon.remote.tier import RemoteTier
 
+MAX_FRAME_AREAS = 64  # connections with a frame area at once (a device's task processes, and the gateway)
 log = logging.getLogger("kvpool.daemon")
 
 
@@ -120,6 +123,17 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
         stack.callback(remote.close)  # pending writes first (bounded), then the pool they read from
     kv = KvManager(model, pool, spill, SessionTable(config, model.context_size), config, mirror=remote)
     recover_sessions(kv)
+    media = MediaCache(model.media, config.media_cache_size) if model.media is not None else None
+    if media is not None:
+        stack.callback(media.close)
+    # Frame areas are shared memory: for local connections only (a tcp:// client sends its media as bytes).
+    frame_areas = (
+        FrameAreas(config.max_media_bytes, MAX_FRAME_AREAS, group_id(config.client_group))
+        if media is not None and address.startswith("ipc://")
+        else None
+    )
+    if frame_areas is not None:
+        stack.callback(frame_areas.close)
     engine = Engine(
         model,
         config,
@@ -131,6 +145,9 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
         workers=Workers(placement.devices, plan.memory.remote) if placement else None,
         remote=remote,
         preloader=Preloader(kv, config.preload, config.preload_horizon_s),
+        media=media,
+        frame_areas=frame_areas,
+        received_bytes=lambda: server.received_bytes,
     )
     watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
     if config.rpc_servers:
@@ -170,6 +187,7 @@ def load_model(plan: StartPlan, placement: Placement | None) -> Model:
             kv=plan.kv,
             placement=placement,
             determinism=plan.determinism,
+            mmproj=plan.projector.path if plan.projector is not None else None,
         )
     except ModelLoadError as exc:
         raise StartFailed(str(exc), 1) from None

@@ -20,6 +20,7 @@ from kvpool.daemon.llama.gguf_meta import GgufError
 from kvpool.daemon.llama.kv_settings import KvSettings, KvSettingsError, resolve_kv_settings
 from kvpool.daemon.llama.memory_plan import MemoryPlan, model_shape, plan_memory
 from kvpool.daemon.llama.model import Placement
+from kvpool.daemon.llama.projector import ProjectorError, ProjectorPlan, plan_projector
 from kvpool.daemon.ops.logs import setup_logging
 from kvpool.daemon.rpc.connect import WorkersUnavailable, connect_workers
 from kvpool.daemon.rpc.faults import WorkerWatch
@@ -44,6 +45,7 @@ class StartPlan:
     kv_why: str
     repack: RepackChoice
     determinism: Determinism
+    projector: ProjectorPlan | None = None
 
     def print_memory(self) -> None:
         print(f"kvpoold: memory plan for {self.model_path.name}:\n{self.memory.table()}", file=sys.stderr)
@@ -62,12 +64,14 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         )
         determinism = config.determinism
         repack = choose_repack(determinism.repack(config.cpu_repack), model_path)
-    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, OSError) as exc:
+        projector = plan_projector(config.mmproj)
+    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, ProjectorError, OSError) as exc:
         raise StartFailed(str(exc), 2) from None
-    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism)
+    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism, projector)
     if check_only:
         print(f"kvpoold: {repack.describe()}", file=sys.stderr)
         print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
+        print(f"kvpoold: {projector.describe() if projector else 'no projector (mmproj): text only'}", file=sys.stderr)
     if check_only or not memory.fits:
         plan.print_memory()
     if not memory.fits:
@@ -104,14 +108,17 @@ def log_plan(plan: StartPlan) -> None:
     log.info("%s", plan.repack.describe())
     log.info("%s; %s", plan.kv.describe(), plan.kv_why)
     log.info(
-        "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f)",
+        "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f, media %.0f)",
         m.total / 2**20,
         m.weights / 2**20,
         m.hot_kv / 2**20,
         m.compute / 2**20,
         m.pool / 2**20,
         m.runtime / 2**20,
+        m.media / 2**20,
     )
+    if plan.projector is not None:
+        log.info("%s", plan.projector.describe())
     for part in m.remote:
         log.info(
             "memory plan on rpc worker %s: %.0f MiB (%d layers%s: weights %.0f, hot KV %.0f, compute %.0f)",

@@ -13,7 +13,7 @@ decoder with BAD_REQUEST before it reaches the engine.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -55,6 +55,7 @@ class ErrorCode(StrEnum):
     # generation was stopped; the session keeps what was generated.
     CLIENT_UNRESPONSIVE = "CLIENT_UNRESPONSIVE"
     KV_FULL = "KV_FULL"  # the unified KV ran out of cells mid-answer and no idle session could make room
+    MEDIA_UNSUPPORTED = "MEDIA_UNSUPPORTED"  # an image or audio for a daemon without a projector (mmproj) that reads it
     INTERNAL = "INTERNAL"
 
 
@@ -115,6 +116,44 @@ class Detokenize(Request, tag="detokenize"):
     tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)]
 
 
+MAX_MEDIUM_BYTES = 1 << 28  # what one medium's bytes may be at most (a daemon's max_media_bytes is lower)
+
+
+class Medium(Struct, forbid_unknown_fields=True, kw_only=True):
+    """An image or an audio clip in a prompt (docs/protocol.md). Its bytes come ``data`` (in the message), or
+    from the frame area the daemon gave this connection (FrameArea): ``length`` bytes at ``offset``, so that a
+    camera frame crosses no socket.
+
+    Formats: ``rgb`` / ``rgba`` (a frame of ``width`` x ``height`` pixels, 8 bits a channel, row by row), ``pcm_f32``
+    (mono float32 samples at the projector's sample rate, little-endian), ``encoded`` (a file: JPEG, PNG, BMP or GIF
+    for an image; WAV, MP3 or FLAC for audio)."""
+
+    kind: Literal["image", "audio"]
+    format: Literal["rgb", "rgba", "pcm_f32", "encoded"]
+    width: Annotated[int, Meta(ge=0, le=1 << 15)] = 0
+    height: Annotated[int, Meta(ge=0, le=1 << 15)] = 0
+    data: Annotated[bytes, Meta(max_length=MAX_MEDIUM_BYTES)] | None = None
+    area: Annotated[str, Meta(max_length=255)] | None = None
+    offset: NonNegInt = 0
+    length: Annotated[int, Meta(ge=0, le=MAX_MEDIUM_BYTES)] = 0
+
+
+# A prompt in parts, in order: text, token ids (a rendered chat template's pieces, special tokens included), media
+# (at most 64 a request).
+Parts = Annotated[
+    list[Annotated[str, Meta(max_length=1 << 20)] | Annotated[list[NonNegInt], Meta(max_length=1 << 18)] | Medium],
+    Meta(max_length=1024),
+]
+
+
+class FrameArea(Request, tag="frame_area"):
+    """A shared-memory area for this connection's media (a POSIX segment the daemon creates, mode 0660 in its
+    group): write a frame there and name its place in a Medium instead of sending its bytes. One per connection,
+    freed when the connection goes; asking again gives the same area. Answered by FrameAreaReply."""
+
+    size: Annotated[int, Meta(ge=1 << 16, le=1 << 30)] = 16 << 20
+
+
 class OpenSession(Request, tag="open"):
     """Open a session for ``task``. It starts with ``system_prompt`` (text, or ``system_prompt_tokens``), else
     with its task's configured one; sessions that start alike share those tokens' KV (computed once)."""
@@ -122,6 +161,8 @@ class OpenSession(Request, tag="open"):
     task: TaskName = "default"
     system_prompt: Annotated[str, Meta(max_length=1 << 20)] | None = None
     system_prompt_tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)] | None = None
+    # A system prompt with media (an image every session of a task starts from): shared like a text one.
+    system_parts: Parts | None = None
 
 
 class SessionRequest(Request):
@@ -185,6 +226,8 @@ class Generate(SessionRequest, tag="generate"):
 
     prompt: Annotated[str, Meta(max_length=1 << 20)] = ""
     prompt_tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)] | None = None
+    # A prompt with images or audio: text and media in order (instead of ``prompt``; docs/protocol.md).
+    parts: Parts | None = None
     # 0: a prefill. The prompt goes into the session's KV and nothing is generated (the final message says
     # completion_tokens 0, finish_reason length); a later generate computes only its own new tokens.
     max_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 128
@@ -231,6 +274,7 @@ AnyRequest = (
     | Detokenize
     | Prefetch
     | Migrate
+    | FrameArea
 )
 
 
@@ -249,6 +293,11 @@ class HelloReply(Reply, tag="hello"):
     model: str
     max_message_bytes: int = 0  # the largest request frame the daemon accepts (0: not said, an older daemon)
     max_inflight: int = 0  # generations this connection may have queued or running at once (0: not said)
+
+
+class FrameAreaReply(Reply, tag="frame_area"):
+    name: str  # the POSIX shared-memory name (shm_open), e.g. /kvpool-frames-...
+    size: int
 
 
 class Pong(Reply, tag="pong"):
@@ -407,6 +456,7 @@ AnyReply = (
     | TextReply
     | Prefetched
     | Migrated
+    | FrameAreaReply
 )
 
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)

@@ -78,6 +78,7 @@ class Counters(Struct, kw_only=True):
     errors: dict[str, int] = field(default_factory=Counter)  # error replies by code
     finished: dict[str, int] = field(default_factory=Counter)  # generations by finish reason
     frame_errors: dict[str, int] = field(default_factory=Counter)  # frames the I/O thread refused, by code
+    received_bytes: int = 0  # request frames' bytes that crossed the socket (a frame through a frame area does not)
 
 
 class CostFit(Struct, kw_only=True):
@@ -291,6 +292,24 @@ class PreloadStatus(Struct, kw_only=True):
     wasted: int = 0  # preloaded sessions that left again (or were closed) before their next turn
 
 
+class MediaStatus(Struct, kw_only=True):
+    """Images and audio (a daemon with a projector, mmproj)."""
+
+    projector: str  # the projector's file name
+    vision: bool
+    audio: bool
+    audio_sample_rate: int = 0  # what pcm_f32 audio must be sampled at
+    prepared: int = 0  # media read and tokenized (each new content once while cached)
+    encodes: int = 0  # projector passes
+    cache_hits: int = 0  # media found by their content: no read, no encode if encoded
+    encode_ms_total: float = 0.0
+    expected_encode_ms: dict[str, float] = field(default_factory=dict)  # by kind, what scheduling expects
+    cached: int = 0
+    cached_bytes: int = 0
+    cache_max_bytes: int = 0
+    frame_areas: int = 0  # shared-memory areas given to connections
+
+
 class DaemonStatus(Struct, kw_only=True):
     daemon_version: str
     protocol_version: int
@@ -316,6 +335,7 @@ class DaemonStatus(Struct, kw_only=True):
 
     remote: RemoteStatus | None = None  # None: no remote tier configured
     preload: PreloadStatus | None = None
+    media: MediaStatus | None = None  # None: no projector, text only
 
     def stepping(self, max_silence: float = MAX_ENGINE_SILENCE_S) -> bool:
         """The engine loop passed within ``max_silence`` seconds: the daemon is healthy."""

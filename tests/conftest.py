@@ -13,12 +13,26 @@ from .daemon_process import DaemonProcess
 from .gateway_process import GatewayProcess
 from .redis_server import RedisServer
 from .system_packages import missing, need, require_all
+from .tiny_mmproj import build_tiny_mmproj
 from .tinymodel import build_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_mmproj(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Projectors for the tiny model (tests/tiny_mmproj.py), by kind: "vision+audio" (gemma3 images, non-causal,
+    and ultravox audio), "vision" (LLaVA's mlp: causal images), "audio" (ultravox alone)."""
+    folder = tmp_path_factory.mktemp("mmproj")
+    kinds = {"vision+audio": "gemma3+ultravox", "vision": "mlp", "audio": "ultravox"}
+    paths = {}
+    for name, kind in kinds.items():
+        paths[name] = folder / f"{kind}.gguf"
+        build_tiny_mmproj(paths[name], kind)
+    return paths
 
 
 @pytest.fixture

@@ -136,8 +136,13 @@ KV_MANAGER = {
     "kvpool.daemon.kv.prefix.cache",  # (a shared prefix's own place: its snapshot, its sequence)
 }
 PLACE_FIELDS = {"slot", "n_kv", "snapshot", "prefix", "prefix_len", "shares_hot", "boundary", "saved_bytes"}
-# A session's conversation grows through the KV manager too (KvManager.append): its cells count in it.
-LIST_CHANGES = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__"}
+# A session's conversation grows through the KV manager too (KvManager.append): its cells count in it; so do the
+# media whose cells it holds uncomputed (they are pinned for it).
+CONVERSATION_FIELDS = ("tokens", "media")
+LIST_CHANGES = {
+    *("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__"),
+    *("update", "setdefault", "popitem"),
+}
 
 
 def test_only_the_kv_manager_moves_a_session() -> None:
@@ -175,7 +180,7 @@ def test_only_the_kv_manager_moves_a_session() -> None:
                     ):
                         offenders.append(f"{name}:{t.lineno} assigns .{t.attr}")
                     if name.startswith("kvpool.daemon.") and name not in KV_MANAGER and _session_tokens(t, target):
-                        offenders.append(f"{name}:{t.lineno} changes a session's .tokens")
+                        offenders.append(f"{name}:{t.lineno} changes a session's .{t.attr}")  # type: ignore[attr-defined]
             if (
                 name.startswith("kvpool.daemon.")
                 and name not in KV_MANAGER
@@ -184,7 +189,9 @@ def test_only_the_kv_manager_moves_a_session() -> None:
                 and node.func.attr in LIST_CHANGES
                 and _is_session_tokens(node.func.value)
             ):
-                offenders.append(f"{name}:{node.lineno} changes a session's .tokens ({node.func.attr})")
+                offenders.append(
+                    f"{name}:{node.lineno} changes a session's .{node.func.value.attr} ({node.func.attr})"  # type: ignore[attr-defined]
+                )
         if "kvpool.daemon.kv.place" in imports_of(path, name, known) and name not in KV_MANAGER | {
             "kvpool.daemon.kv.sessions"
         }:
@@ -193,8 +200,9 @@ def test_only_the_kv_manager_moves_a_session() -> None:
 
 
 def _is_session_tokens(node: ast.AST) -> bool:
-    """``<something>.session.tokens``, ``s.tokens``, ``session.tokens`` (how the daemon names a session)."""
-    if not (isinstance(node, ast.Attribute) and node.attr == "tokens"):
+    """``<something>.session.tokens``, ``s.tokens``, ``session.tokens`` (how the daemon names a session), or its
+    ``media``."""
+    if not (isinstance(node, ast.Attribute) and node.attr in CONVERSATION_FIELDS):
         return False
     owner = node.value
     if isinstance(owner, ast.Name):

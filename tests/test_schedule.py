@@ -15,6 +15,7 @@ from kvpool.daemon.engine.schedule import (
     SchedulerView,
     SharePrefix,
     Start,
+    StepDecision,
     schedule,
 )
 from kvpool.daemon.engine.step_work import budgeted_work, step_policy, urgency
@@ -41,10 +42,12 @@ class Gen:
     priority: int = 0
     pending_tokens: int = 4
     paused: bool = False
+    feeds_medium: bool = False  # its next cells are a medium's (fed whole, alone)
+    medium_seconds: float = 0.0
 
     @property
     def feedable_tokens(self) -> int:
-        return self.pending_tokens
+        return min(self.pending_tokens, 16) if self.feeds_medium else self.pending_tokens
 
     @property
     def position(self) -> int:
@@ -176,3 +179,37 @@ def test_with_nothing_to_move_the_work_is_the_step_work_of_the_ready_generations
     assert list(decision.work) == budgeted_work([decoding, prompt], 128, cost, 0.05)
     assert [w.item for w in decision.work] == [decoding, prompt] and decision.work[1].n_tokens < 128
     assert schedule(v) == decision and v.running == (decoding, prompt, paused)  # a pure function of its view
+
+
+def work_of(decision: StepDecision[Gen, Place]) -> list[tuple[str, int]]:
+    return [(w.item.name, w.n_tokens) for w in decision.work]
+
+
+def test_a_medium_is_fed_whole_in_a_step_of_its_own() -> None:
+    image = Gen("image", 1.0, session=hot(0), pending_tokens=40, feeds_medium=True, best_effort=True)
+    assert work_of(schedule(view([], running=[image]))) == [("image", 16)]  # its 16 cells, nothing else
+    talker = Gen("talker", 0.5, session=hot(1), pending_tokens=1, best_effort=True)
+    reader = Gen("reader", 2.0, session=hot(2), pending_tokens=30, best_effort=True)
+    # No deadline-bound work in flight and it is the oldest prompt: it goes, the others wait one step.
+    assert work_of(schedule(view([], running=[talker, image, reader]))) == [("image", 16)]
+    # A prompt that came before it goes first (with the decode token beside it), then the medium.
+    older = Gen("older", 0.1, session=hot(2), pending_tokens=30, best_effort=True)
+    assert work_of(schedule(view([], running=[talker, image, older]))) == [("talker", 1), ("older", 30)]
+
+
+def test_a_best_effort_medium_waits_for_deadline_bound_work_and_a_deadline_bound_one_goes_first() -> None:
+    voice = Gen("voice", 5.0, session=hot(0), pending_tokens=1, deadline=6.0)
+    image = Gen("image", 1.0, session=hot(1), pending_tokens=40, feeds_medium=True, best_effort=True)
+    assert work_of(schedule(view([], running=[voice, image]))) == [("voice", 1)]
+    urgent = Gen("urgent", 4.0, session=hot(1), pending_tokens=40, feeds_medium=True, deadline=5.0)
+    assert work_of(schedule(view([], running=[voice, urgent]))) == [("urgent", 16)]  # the earlier deadline
+    chatter = Gen("chatter", 0.0, session=hot(2), pending_tokens=1, best_effort=True)
+    assert work_of(schedule(view([], running=[chatter, urgent]))) == [("urgent", 16)]
+
+
+def test_fcfs_feeds_a_medium_when_it_is_the_oldest_prompt() -> None:
+    image = Gen("image", 1.0, session=hot(0), pending_tokens=40, feeds_medium=True)
+    text = Gen("text", 2.0, session=hot(1), pending_tokens=30)
+    assert work_of(schedule(view([], running=[text, image], policy=FCFS))) == [("image", 16)]
+    earlier = Gen("earlier", 0.5, session=hot(1), pending_tokens=30)
+    assert work_of(schedule(view([], running=[earlier, image], policy=FCFS))) == [("earlier", 30)]

@@ -42,6 +42,8 @@ class Item:
     priority: int = 0
     position: int = 0
     feedable: int | None = None  # None: every pending token
+    feeds_medium: bool = False
+    medium_seconds: float = 0.0
 
     @property
     def feedable_tokens(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Sampler
+from kvpool.daemon.media.media_cache import MediaEntry
 from kvpool.protocol import Final, FinishReason, Generate, Timings, Usage
 
 
@@ -21,6 +22,9 @@ class Generation:
     prompt_tokens: int
     text: StreamText
     new_tokens: list[int] = field(default_factory=list)  # the prompt, appended to the session once it runs
+    # Where the prompt's media begin among new_tokens, each pinned in the media cache: the session takes them over
+    # with the prompt (a generation that never starts lets go of them).
+    media: list[tuple[int, MediaEntry]] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     completion_tokens: int = 0
     first_step_at: float | None = None
@@ -57,6 +61,23 @@ class Generation:
     @property
     def position(self) -> int:
         return self.session.n_kv
+
+    @property
+    def feeds_medium(self) -> bool:
+        return self.session.feeds_medium
+
+    @property
+    def medium_seconds(self) -> float:
+        """What its next feed costs before its rows are decoded: the medium's encode, unless it is encoded."""
+        if not self.session.feeds_medium:
+            return 0.0
+        return self.session.medium_ahead()[1].expected_seconds
+
+    def release_media(self) -> None:
+        """The generation ends without having started: its prompt's media are not held for it any more."""
+        for _, entry in self.media:
+            entry.pins -= 1
+        self.media = []
 
     @property
     def deadline(self) -> float:

@@ -14,6 +14,7 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.kv.manager import KvManager
+from kvpool.daemon.media.frame_areas import FrameAreas
 from kvpool.daemon.serve.liveness import Liveness
 from kvpool.protocol import ErrorCode
 from kvpool.protocol.status import Counters
@@ -24,12 +25,21 @@ Cut = Callable[[Generation, ErrorCode, str, float], None]
 
 class Housekeeping:
     def __init__(
-        self, config: Config, scheduler: Scheduler, kv: KvManager, counters: Counters, cut: Cut, liveness: Liveness
+        self,
+        config: Config,
+        scheduler: Scheduler,
+        kv: KvManager,
+        counters: Counters,
+        cut: Cut,
+        liveness: Liveness,
+        frame_areas: FrameAreas | None = None,
     ):
         """``liveness``: what the I/O thread knows of each client; ``cut``: Engine.cut, which ends a generation
-        the daemon has to stop with an error."""
+        the daemon has to stop with an error; ``frame_areas``: connections' shared memory, freed when they go."""
         self.config, self.scheduler, self.kv, self.counters, self.cut = config, scheduler, kv, counters, cut
         self.liveness = liveness
+        self.frame_areas = frame_areas
+        self._next_area_check = 0.0
         self._next_client_check = 0.0
         self._next_memory_check = 0.0
         self._next_expiry_check = 0.0
@@ -38,6 +48,17 @@ class Housekeeping:
         self.expire_idle_sessions()
         self.watch_memory()
         self.watch_clients()
+        self.release_frame_areas()
+
+    def release_frame_areas(self) -> None:
+        """The frame areas of connections that are gone (or long unheard, as liveness forgets them)."""
+        now = time.monotonic()
+        if self.frame_areas is None or not len(self.frame_areas) or now < self._next_area_check:
+            return
+        self._next_area_check = now + 1.0
+        for client in self.frame_areas.clients():
+            if not self.liveness.knows(client):
+                self.frame_areas.release(client)
 
     def watch_clients(self) -> None:
         """A generation waits while its client has replies it has not read (it is paused, not gone); it stops when

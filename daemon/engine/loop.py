@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.calibration import calibrate_on_slot
@@ -29,6 +31,8 @@ from kvpool.daemon.engine.step_work import Work
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Model, Sampled
+from kvpool.daemon.media.frame_areas import FrameAreas
+from kvpool.daemon.media.media_cache import MediaCache
 from kvpool.daemon.ops.status_report import status_of
 from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.refusals import RequestRefused
@@ -62,9 +66,13 @@ class Engine:
         workers: Workers | None = None,
         remote: RemoteTier | None = None,
         preloader: Preloader | None = None,
+        media: MediaCache | None = None,
+        frame_areas: FrameAreas | None = None,
+        received_bytes: Callable[[], int] | None = None,
     ):
         """``remote``: the cross-node tier (None: this daemon's sessions live here only); ``preloader``: moves
-        sessions up ahead of their turns (None: none is, as with preload = "off")."""
+        sessions up ahead of their turns (None: none is, as with preload = "off"); ``media``: the projector's
+        media by content (None: text only); ``frame_areas``: connections' shared memory for media."""
         self.model = model
         self.workers = workers  # the rpc workers the model is split across (None: all local)
         self.config = config
@@ -73,7 +81,9 @@ class Engine:
         self.daemon_version = daemon_version
         self.counters = Counters()
         self.scheduler = Scheduler(config, kv.sessions, model.step_tokens)
-        self.runner = Runner(model)
+        self.media, self.frame_areas = media, frame_areas
+        self.received_bytes = received_bytes or (lambda: 0)  # counted by the I/O thread
+        self.runner = Runner(model, media)
         self.last_step_seconds = 0.0
         self.heartbeat = time.monotonic()
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
@@ -98,6 +108,8 @@ class Engine:
             daemon_version,
             self.remote,
             self.preloader,
+            media,
+            frame_areas,
         )
         self.housekeeping = Housekeeping(
             config,
@@ -106,6 +118,7 @@ class Engine:
             self.counters,
             self.cut,
             liveness or Liveness(0),  # kept by the I/O thread
+            frame_areas,
         )
 
     # ------------------------------------------------------------------ loop
@@ -153,6 +166,9 @@ class Engine:
     def _postprocess(self, step_work: list[Work[Generation]], outcome: StepOutcome, started: float) -> None:
         """Account for what the step fed, then stream each sampled token and end what must end."""
         now = time.monotonic()
+        if outcome.medium_error:
+            self._medium_failed(step_work[0].item, outcome.medium_error, now)
+            return
         if outcome.rc == 1:
             self._kv_full(step_work, now)
             return
@@ -191,7 +207,13 @@ class Engine:
             log.exception("could not make a shared prefix from session %s", session.id)
 
     def _calibrate(self) -> None:
-        """Start the cost model from this machine's speed (budgets need it; fcfs does not)."""
+        """Start the cost model from this machine's speed (budgets need it; fcfs does not), and what an encode of
+        each kind of medium takes."""
+        if self.media is not None:
+            try:
+                self.media.warm_up()
+            except Exception:  # a projector that cannot encode shows at the first request, with its reason
+                log.exception("the projector's warm-up encode failed")
         if not (self.config.calibrate and self.scheduler.policy.checks_budgets):
             return
         with self.kv.scratch_slot() as slot:
@@ -332,6 +354,7 @@ class Engine:
 
     def _release(self, g: Generation) -> None:
         g.sampler.free()
+        g.release_media()
         self.scheduler.remove(g)
 
     def _abandon(self, g: Generation, code: ErrorCode, message: str) -> None:
@@ -363,6 +386,21 @@ class Engine:
             f"answer was stopped after {victim.completion_tokens} tokens (the session keeps them). Retry when other "
             "generations have finished, or give the daemon a larger context_size.",
             now,
+        )
+
+    def _medium_failed(self, g: Generation, why: str, now: float) -> None:
+        """A medium of the prompt could not be encoded: the generation ends with the reason, and the session lets
+        go of the prompt's cells not computed yet (nothing could compute them)."""
+        log.warning("session %s: %s", g.session.id, why)
+        self._release(g)
+        self.kv.forget_uncomputed(g.session)
+        self.reply_error(
+            g.client,
+            g.request.id,
+            ErrorCode.INTERNAL,
+            f"llama.cpp could not encode a medium of this prompt ({why}); the session keeps what it computed before "
+            "it, and nothing after. Retry, or report the file.",
+            p.cut_detail(g.completion_tokens, len(g.session.tokens)),
         )
 
     def _decode_failed(self, step_work: list[Work[Generation]], rc: int) -> None:
@@ -438,6 +476,11 @@ class Engine:
             frame_errors=self.frame_errors,
             rpc_workers=self.workers.status() if self.workers is not None else [],
         )
+        status.counters.received_bytes = self.received_bytes()
         status.preload = self.preloader.status()
         status.remote = self.remote.status()
+        if self.media is not None:
+            status.media = msgspec.structs.replace(
+                self.media.status(), frame_areas=len(self.frame_areas) if self.frame_areas is not None else 0
+            )
         return status

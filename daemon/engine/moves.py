@@ -60,8 +60,8 @@ def apply(
 
     def start(g: Generation) -> None:
         if g.new_tokens:  # first admission (a preempted generation comes back with nothing new)
-            kv.append(g.session, g.new_tokens)
-            g.new_tokens = []
+            kv.append(g.session, g.new_tokens, g.media)  # (the session takes the media's pins over)
+            g.new_tokens, g.media = [], []
         scheduler.start(g)
 
     for move in moves:

@@ -28,6 +28,9 @@ from kvpool.daemon.llama.model import (
     SamplingParams,
     json_schema_grammar,
 )
+from kvpool.daemon.media.frame_areas import FrameAreas
+from kvpool.daemon.media.media_cache import MediaCache
+from kvpool.daemon.media.prompts import MediaPrompt, media_prompt
 from kvpool.daemon.preload.preloader import Preloader
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.daemon.remote.interface import CrossNode, Handler
@@ -53,10 +56,15 @@ class RequestHandlers:
         daemon_version: str,
         remote: CrossNode,
         preloader: Preloader,
+        media: MediaCache | None = None,
+        frame_areas: FrameAreas | None = None,
     ):
-        """``remote``: the cross-node tier (NoRemote without one); ``preloader``: told of hints and turns."""
+        """``remote``: the cross-node tier (NoRemote without one); ``preloader``: told of hints and turns;
+        ``media``: the projector's media by content (None: text only); ``frame_areas``: connections' shared
+        memory for media (None: media come as bytes in the message only)."""
         self.model, self.config, self.kv, self.scheduler = model, config, kv, scheduler
         self.remote, self.preloader = remote, preloader
+        self.media, self.frame_areas = media, frame_areas
         self.sessions = kv.sessions
         self.finish, self._status, self.daemon_version = finish, status, daemon_version
         self._multiplexers: dict[bytes, None] = {}  # connections that said they multiplex users, oldest first
@@ -74,6 +82,7 @@ class RequestHandlers:
             p.Detokenize: self.detokenize,
             p.Generate: self.generate,
             p.Migrate: remote.migrate,
+            p.FrameArea: self.frame_area,
             **remote.internal,
         }
 
@@ -134,35 +143,77 @@ class RequestHandlers:
                 "The daemon's memory is above its memory_high_water; close sessions or retry later.",
             )
         self.sessions.check_can_open(r.task)  # first: the system prompt may come from the task's profile
-        system = self._system_prompt(r)
-        s = self.kv.open(secrets.token_hex(8), secrets.token_hex(16), r.task, tokens=system, boundary=len(system))
-        if system:
+        system = self._system_prompt(client, r)
+        try:
+            s = self.kv.open(
+                secrets.token_hex(8),
+                secrets.token_hex(16),
+                r.task,
+                tokens=system.tokens,
+                boundary=len(system.tokens),
+                media=system.media,
+            )
+        except BaseException:
+            system.release()
+            raise
+        if system.tokens:
             self.kv.record_tokens(s)
         log.info("session %s opened for task %s", s.id, s.task)
         return session_opened(r.id, s)
 
-    def _system_prompt(self, r: p.OpenSession) -> list[int]:
+    def _system_prompt(self, client: bytes, r: p.OpenSession) -> MediaPrompt:
         """The tokens a new session starts with: the request's system prompt, else its task's configured one."""
-        if r.system_prompt is not None and r.system_prompt_tokens is not None:
+        given = [r.system_prompt is not None, r.system_prompt_tokens is not None, r.system_parts is not None]
+        if sum(given) > 1:
             raise RequestRefused(
-                ErrorCode.BAD_REQUEST, "Send either `system_prompt` or `system_prompt_tokens`, not both."
+                ErrorCode.BAD_REQUEST,
+                "Send one of `system_prompt`, `system_prompt_tokens` and `system_parts`, not several.",
             )
-        if r.system_prompt_tokens is not None:
-            tokens = self._checked_tokens(r.system_prompt_tokens)
+        if r.system_parts is not None:
+            prompt = self._parts(client, r.system_parts, starts_session=True)
+        elif r.system_prompt_tokens is not None:
+            prompt = MediaPrompt(self._checked_tokens(r.system_prompt_tokens))
         else:
             text = r.system_prompt
             if text is None:
                 text = self.config.tasks[r.task].system_prompt
-            tokens = self.model.tokenize(text, add_bos=True) if text else []
+            prompt = MediaPrompt(self.model.tokenize(text, add_bos=True) if text else [])
+        tokens = prompt.tokens
         limit = self.sessions.context_limit(r.task)
         if len(tokens) >= limit:
+            prompt.release()
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
                 f"The system prompt is {len(tokens)} tokens; task {r.task!r} sessions hold at most {limit - 1} "
                 "before their first answer. Shorten it.",
                 {"prompt_tokens": len(tokens), "context_limit": limit},
             )
-        return tokens
+        return prompt
+
+    def _parts(self, client: bytes, parts: list[str | list[int] | p.Medium], starts_session: bool) -> MediaPrompt:
+        def area_bytes(name: str, offset: int, length: int) -> memoryview:
+            if self.frame_areas is None:
+                raise RequestRefused(ErrorCode.BAD_REQUEST, "This daemon gives no frame areas; send media as `data`.")
+            return self.frame_areas.read(client, name, offset, length)
+
+        return media_prompt(
+            parts,
+            self.media,
+            lambda text, bos: self.model.tokenize(text, add_bos=bos) if text or bos else [],
+            self._checked_tokens,
+            area_bytes,
+            starts_session,
+            self.config.max_media_bytes,
+        )
+
+    def frame_area(self, client: bytes, r: p.FrameArea, received_at: float) -> p.Reply:
+        if self.frame_areas is None:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                "This daemon gives no frame areas (it serves tcp:// only, or reads text only); send media as `data`.",
+            )
+        area = self.frame_areas.area_for(client, r.size)
+        return p.FrameAreaReply(id=r.id, name=area.name, size=area.size)
 
     def resume(self, client: bytes, r: p.ResumeSession, received_at: float) -> p.Reply | None:
         try:
@@ -240,7 +291,17 @@ class RequestHandlers:
                 f"This connection already has {in_flight} generations in flight ({setting}={limit}); "
                 "wait for one to finish.",
             )
-        new = self._prompt_tokens(r, s)
+        prompt = self._prompt(client, r, s)
+        try:
+            self._queue(client, r, s, prompt, received_at)
+        except BaseException:
+            prompt.release()
+            raise
+        return None  # the reply is the stream of chunks and the final message
+
+    def _queue(self, client: bytes, r: p.Generate, s: Session, prompt: MediaPrompt, received_at: float) -> None:
+        """The generation of ``prompt`` on ``s``, admitted and queued (or RequestRefused, nothing applied)."""
+        new = prompt.tokens
         most = self.config.max_prompt_tokens
         if most and len(new) > most:
             raise RequestRefused(
@@ -267,7 +328,8 @@ class RequestHandlers:
         params = self._sampling(r)
         replay = self._replay(r, s.tokens + new)
         text = self._text(r, s.tokens + new)  # refused (text_from out of range) before a sampler is built
-        budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at)
+        encodes = sum(self.media.expected_seconds(entry) for _, entry in prompt.media) if self.media else 0.0
+        budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at, encodes)
         try:
             sampler = self.model.new_sampler(params, s.tokens + new, replay)
         except GrammarError as exc:
@@ -280,6 +342,7 @@ class RequestHandlers:
             prompt_tokens=len(new),
             text=text,
             new_tokens=new,
+            media=prompt.media,
             arrival=received_at,
             ttft_s=budget.ttft_s,
             tpot_s=budget.tpot_s,
@@ -289,7 +352,6 @@ class RequestHandlers:
         s.last_used = g.arrival
         self.scheduler.add(g)
         self.preloader.turn(s)
-        return None  # the reply is the stream of chunks and the final message
 
     def _sampling(self, r: p.Generate) -> SamplingParams:
         self._checked_tokens([*r.logit_bias, *r.grammar_trigger_tokens])
@@ -326,7 +388,8 @@ class RequestHandlers:
                     "give the position where the answer being continued started.",
                 )
             for token in tokens[r.text_from :]:
-                text.feed(self.model.token_bytes(token))
+                if token >= 0:  # (a medium's cells stand as negative ids: they have no text)
+                    text.feed(self.model.token_bytes(token))
         return text
 
     @staticmethod
@@ -339,7 +402,14 @@ class RequestHandlers:
                 f"`grammar_from` is {r.grammar_from} but the session (with this prompt) holds {len(tokens)} tokens; "
                 "give the position where the constrained answer started.",
             )
-        return tokens[r.grammar_from :]
+        replay = tokens[r.grammar_from :]
+        if any(token < 0 for token in replay):
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                f"`grammar_from` {r.grammar_from} lies before a medium of the session; give the position where the "
+                "constrained answer started (after the prompt).",
+            )
+        return replay
 
     def _check_quota(self, s: Session) -> None:
         profile = self.config.tasks.get(s.task)  # a recovered session's task may have left the config
@@ -355,12 +425,16 @@ class RequestHandlers:
                 {"held_bytes": held, "pool_quota": quota},
             )
 
-    def _prompt_tokens(self, r: p.Generate, s: Session) -> list[int]:
+    def _prompt(self, client: bytes, r: p.Generate, s: Session) -> MediaPrompt:
+        if sum([bool(r.prompt), r.prompt_tokens is not None, r.parts is not None]) > 1:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST, "Send one of `prompt`, `prompt_tokens` and `parts`, not several."
+            )
+        if r.parts is not None:
+            return self._parts(client, r.parts, starts_session=not s.tokens)
         if r.prompt_tokens is not None:
-            if r.prompt:
-                raise RequestRefused(ErrorCode.BAD_REQUEST, "Send either `prompt` or `prompt_tokens`, not both.")
-            return self._checked_tokens(r.prompt_tokens)
-        return self.model.tokenize(r.prompt, add_bos=not s.tokens)
+            return MediaPrompt(self._checked_tokens(r.prompt_tokens))
+        return MediaPrompt(self.model.tokenize(r.prompt, add_bos=not s.tokens))
 
     def _checked_tokens(self, tokens: list[int]) -> list[int]:
         bad = [t for t in tokens if not self.model.valid_token(t)]

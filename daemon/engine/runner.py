@@ -1,4 +1,5 @@
-"""The runner: one step's work through llama.cpp, as one batch; then one token sampled per finished chunk."""
+"""The runner: one step's work through llama.cpp, as one batch; then one token sampled per finished chunk. A step
+that feeds a medium feeds its cells alone, as embeddings, after its encode (engine/step_work.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from kvpool.daemon.engine.cost_model import StepShape
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.step_work import Work
 from kvpool.daemon.llama.model import Model, Sampled
+from kvpool.daemon.llama.model.mtmd import MediaError
+from kvpool.daemon.media.media_cache import MediaCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,13 +21,18 @@ class StepOutcome:
     batch_tokens: int  # tokens fed in the batch
     shape: StepShape  # what the cost model predicts a step's time from
     seconds: float  # decode plus sampling: what the cost model predicts
+    encode_seconds: float = 0.0  # a medium's encode before its rows (the media cache keeps its own estimate)
+    medium_error: str = ""  # the medium could not be encoded (nothing was decoded): why
 
 
 class Runner:
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, media: MediaCache | None = None):
         self.model = model
+        self.media = media
 
     def run(self, step_work: list[Work[Generation]]) -> StepOutcome:
+        if len(step_work) == 1 and step_work[0].item.feeds_medium:
+            return self._run_medium(step_work[0])
         batch = self.model.batch
         batch.clear()
         rows = []
@@ -42,3 +50,27 @@ class Runner:
             w.item.sampler.sample(row) if out else None for w, row, out in zip(step_work, rows, sampling, strict=True)
         ]
         return StepOutcome(0, tokens, batch.n, shape, time.perf_counter() - started)
+
+    def _run_medium(self, work: Work[Generation]) -> StepOutcome:
+        """A step that feeds one medium's cells: its encode if it is not encoded yet, then its rows as embeddings."""
+        assert self.media is not None
+        g = work.item
+        s = g.session
+        assert s.slot is not None
+        start, entry = s.medium_ahead()
+        shape = StepShape.of([(s.n_kv, work.n_tokens, work.completes and g.samples)])
+        try:
+            encode_seconds = self.media.encode(entry)
+        except MediaError as exc:
+            return StepOutcome(0, [], 0, shape, 0.0, medium_error=str(exc))
+        assert entry.embeddings is not None
+        first = s.n_kv - start
+        samples = work.completes and g.samples
+        started = time.perf_counter()
+        rc = self.model.decode_embeddings(
+            s.slot, entry.embeddings[first : first + work.n_tokens], s.n_kv, entry.non_causal, samples
+        )
+        if rc != 0:
+            return StepOutcome(rc, [], work.n_tokens, shape, 0.0, encode_seconds)
+        token = g.sampler.sample(work.n_tokens - 1) if samples else None
+        return StepOutcome(0, [token], work.n_tokens, shape, time.perf_counter() - started, encode_seconds)

@@ -99,10 +99,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, session: Session, deadline_ms: float | None, prompt_tokens: int, received_at: float) -> Budget:
+    def admit(
+        self,
+        session: Session,
+        deadline_ms: float | None,
+        prompt_tokens: int,
+        received_at: float,
+        encode_seconds: float = 0.0,
+    ) -> Budget:
         """The budgets a new generation of ``session`` runs with, or RequestRefused: its task's queue is full, or
         (under "budgets") its first token cannot come within its budget. ``prompt_tokens``: what it will
-        compute (a shared prefix's part excluded)."""
+        compute (a shared prefix's part excluded); ``encode_seconds``: what its media's encodes are expected to
+        take."""
         task = session.task
         profile = self.config.tasks.get(task) or TaskProfile()  # a recovered session's task may have left
         stats = self.task_stats[task]
@@ -119,7 +127,7 @@ class Scheduler:
         budget = Budget(ttft_ms / 1000.0, profile.tpot_ms / 1000.0, profile.best_effort, profile.priority)
         if ttft_ms and not profile.best_effort and self.policy.checks_budgets:
             deadline = received_at + ttft_ms / 1000.0
-            estimate = self.estimate_ttft(prompt_tokens, len(session.tokens), deadline, received_at)
+            estimate = self.estimate_ttft(prompt_tokens, len(session.tokens), deadline, received_at) + encode_seconds
             if not within(estimate, ttft_ms / 1000.0):
                 stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
                 raise RequestRefused(

@@ -9,6 +9,13 @@ at first, then exactly one (the token it just sampled).
   moment). Best-effort work only gets what is left.
 - "fcfs": every decode token first, then prompts oldest first in chunks as large as the batch allows: the
   behaviour of a server without budgets, kept to measure against.
+
+A medium's cells (an image, audio) are fed whole, from its embeddings, in a decode of their own (llama.cpp takes
+tokens or embeddings in one batch, not both; a non-causal image's cells attend to each other both ways), after its
+encode: such a step feeds that medium alone. Under "budgets" it goes when it is more urgent than all the text work,
+or when no deadline-bound generation is in flight and it is the oldest prompt waiting; it cannot be cut to fit the
+step's time cap, so a deadline-bound request that arrives during it waits for it (docs/multimodal.md says how long).
+Under "fcfs" it goes when it is the oldest prompt.
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ class Schedulable(Protocol):
 
     @property
     def priority(self) -> int: ...
+
+    @property
+    def feeds_medium(self) -> bool: ...  # its next cells are a medium's, fed whole in a step of their own
+
+    @property
+    def medium_seconds(self) -> float: ...  # what that feed costs before its rows are decoded (its encode)
 
 
 T = TypeVar("T", bound=Schedulable)
@@ -83,13 +96,39 @@ class StepPolicy:
             waiting.sort(key=urgency)
 
     def work(self, ready: list[T], capacity: int, cost: CostModel, time_cap: float | None) -> list[Work[T]]:
-        if self.budgets:
-            return budgeted_work(ready, capacity, cost, time_cap)
-        return fcfs_work(ready, capacity)
+        text = [g for g in ready if not g.feeds_medium]
+        media = [g for g in ready if g.feeds_medium]
+        step_work = budgeted_work(text, capacity, cost, time_cap) if self.budgets else fcfs_work(text, capacity)
+        if media and self._medium_first(media, step_work):
+            return [medium_work(min(media, key=urgency if self.budgets else _arrival))]
+        return step_work
+
+    def _medium_first(self, media: list[T], step_work: list[Work[T]]) -> bool:
+        """Whether this step feeds a medium instead of the text work it would (see the module's docstring)."""
+        if not step_work:
+            return True
+        prompts = [w.item for w in step_work if w.item.pending_tokens > 1]
+        if not self.budgets:
+            return min(g.arrival for g in media) < min((g.arrival for g in prompts), default=float("inf"))
+        first = min(media, key=urgency)
+        if urgency(first) < min(urgency(w.item) for w in step_work):
+            return True
+        in_flight = any(not w.item.best_effort for w in step_work)
+        return not in_flight and first.arrival < min((g.arrival for g in prompts), default=float("inf"))
 
 
 def step_policy(scheduling: str) -> StepPolicy:
     return StepPolicy(budgets=scheduling != "fcfs")
+
+
+def _arrival(g: Schedulable) -> float:
+    return g.arrival
+
+
+def medium_work(g: T) -> Work[T]:
+    """The step that feeds ``g``'s medium: its cells whole (from where its computed ones end)."""
+    n = g.feedable_tokens
+    return Work(g, n, n == g.pending_tokens)
 
 
 def urgency(g: Schedulable) -> tuple[bool, float, int, float]:

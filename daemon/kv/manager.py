@@ -28,8 +28,8 @@ import contextlib
 import ctypes
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -49,6 +49,9 @@ from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
 from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
+
+if TYPE_CHECKING:
+    from kvpool.daemon.media.media_cache import MediaEntry
 
 log = logging.getLogger("kvpool.kv")
 
@@ -90,14 +93,33 @@ class KvManager:
 
     # ------------------------------------------------------------------ open, and the conversation
 
-    def open(self, session_id: str, token: str, task: str, tokens: list[int], boundary: int, n_kv: int = 0) -> Session:
+    def open(
+        self,
+        session_id: str,
+        token: str,
+        task: str,
+        tokens: list[int],
+        boundary: int,
+        n_kv: int = 0,
+        media: Sequence[tuple[int, MediaEntry]] = (),
+    ) -> Session:
         """A new session (opened here, or fetched from another node with ``n_kv`` of its tokens in the checkpoint
-        it brings); UNKNOWN_TASK or QUOTA_EXCEEDED when it may not be (new_session.py)."""
-        return create_session(self.pool, self.sessions, session_id, token, task, tokens, boundary, n_kv)
+        it brings); UNKNOWN_TASK or QUOTA_EXCEEDED when it may not be (new_session.py). ``media``: where the media
+        among ``tokens`` begin (a system prompt with an image), pinned for it."""
+        if not media:  # (fetched from another node: a medium it had not computed is lost, see recovery)
+            tokens = place.without_lost_media(tokens, n_kv)
+        s = create_session(self.pool, self.sessions, session_id, token, task, [], min(boundary, len(tokens)), n_kv)
+        place.append(s, tokens, media)
+        return s
 
-    def append(self, s: Session, tokens: list[int]) -> None:
-        """A turn's prompt, or a sampled token, joins the session's conversation (the next steps compute it)."""
-        place.append(s, tokens)
+    def append(self, s: Session, tokens: list[int], media: Sequence[tuple[int, MediaEntry]] = ()) -> None:
+        """A turn's prompt, or a sampled token, joins the session's conversation (the next steps compute it);
+        ``media``: where the media among ``tokens`` begin, each pinned for the session until its cells are computed."""
+        place.append(s, tokens, media)
+
+    def forget_uncomputed(self, s: Session) -> None:
+        """The tokens past the session's computed cells go (a medium of its prompt could not be encoded)."""
+        place.forget_uncomputed(s)
 
     def touch(self, s: Session) -> None:
         """Used now: a restarted daemon times the session out from here (the pool's record), not from its start."""

@@ -14,6 +14,7 @@ the first kind (its hot copy must stay). Pure bookkeeping: no llama.cpp, no pool
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,19 +35,54 @@ class SessionPlace:
     saved_bytes: int = 0  # what its last snapshot did not store again because it builds on a prefix
 
 
+class Medium(Protocol):
+    """What the moves need of a medium whose cells a session holds uncomputed (media/media_cache.py's entry)."""
+
+    n_tokens: int
+    pins: int
+
+
 class Session(Protocol):
-    """What the moves need of a session (kv/sessions.py): its place and its tokens."""
+    """What the moves need of a session (kv/sessions.py): its place, its tokens and its uncomputed media."""
 
     place: SessionPlace
     tokens: list[int]
+    media: dict[int, Medium]
 
 
 # ---------------------------------------------------------------------- the conversation
 
 
-def append(s: Session, tokens: list[int]) -> None:
-    """A turn's prompt, or a sampled token, joins the conversation: the next steps compute its cells."""
+def append(s: Session, tokens: list[int], media: Sequence[tuple[int, Medium]] = ()) -> None:
+    """A turn's prompt, or a sampled token, joins the conversation: the next steps compute its cells. ``media``:
+    where among ``tokens`` media cells begin (their placeholders), each medium pinned by the caller already: the
+    session holds that pin until the medium's cells are computed (``fed``) or the session goes (``detach``)."""
+    at = len(s.tokens)
     s.tokens.extend(tokens)
+    for offset, medium in media:
+        s.media[at + offset] = medium
+
+
+def forget_uncomputed(s: Session) -> None:
+    """The tokens past its computed cells go (a medium among them could not be encoded): the conversation ends
+    where its cells do, and its uncomputed media are let go of."""
+    del s.tokens[s.place.n_kv :]
+    for start in [start for start in s.media if start >= s.place.n_kv]:
+        s.media.pop(start).pins -= 1
+
+
+def without_lost_media(tokens: list[int], n_kv: int) -> list[int]:
+    """A conversation as a restarted daemon can go on with it: a medium whose cells were not computed before the
+    stop cannot be computed now (its pixels are not kept), so the tokens end before the first such cell."""
+    lost = next((i for i in range(n_kv, len(tokens)) if tokens[i] < 0), len(tokens))
+    return tokens[:lost]
+
+
+def _settle_media(s: Session) -> None:
+    """Media whose cells are all computed now: the session lets go of them."""
+    n_kv = s.place.n_kv
+    for start in [start for start, m in s.media.items() if start + m.n_tokens <= n_kv]:
+        s.media.pop(start).pins -= 1
 
 
 # ---------------------------------------------------------------------- the hot tier
@@ -66,11 +102,15 @@ def leave_slot(s: Session) -> None:
 def hold_cells(s: Session, n_kv: int) -> None:
     """Its slot's cells hold its first ``n_kv`` tokens (restored, shared from a prefix, or emptied)."""
     s.place.n_kv = n_kv
+    if s.media:
+        _settle_media(s)
 
 
 def fed(s: Session, n_tokens: int) -> None:
     """A step computed ``n_tokens`` more of its tokens into its cells."""
     s.place.n_kv += n_tokens
+    if s.media:
+        _settle_media(s)
 
 
 def take_boundary(s: Session) -> int:
@@ -163,6 +203,9 @@ def settle(s: Session) -> None:
 
 def detach(s: Session) -> None:
     """The session is gone."""
+    for medium in s.media.values():
+        medium.pins -= 1
+    s.media.clear()
     place = s.place
     if place.prefix is not None:
         place.prefix.hot_users -= int(place.shares_hot)

@@ -51,6 +51,16 @@ def recover(kv: KvManager) -> int:
                 tokens = kv.spill.read_tokens(e.session, snap.version)
             except SnapshotCorrupt:
                 tokens = placeholder
+        n_kv = snap.n_kv if snap else 0
+        kept = place.without_lost_media(tokens, n_kv)
+        if len(kept) < len(tokens):
+            log.warning(
+                "session %s: %d tokens after its computed ones held a medium that was not computed before the "
+                "stop; its conversation ends before it",
+                e.session,
+                len(tokens) - len(kept),
+            )
+            tokens = kept
         age = max(0.0, now_wall - e.last_used)
         s = kv.sessions.create(
             e.session,

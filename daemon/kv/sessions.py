@@ -16,6 +16,7 @@ from kvpool.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from kvpool.daemon.kv.prefix.index import Prefix
+    from kvpool.daemon.media.media_cache import MediaEntry
 
 
 MAX_EVICTED_REMEMBERED = 4096
@@ -35,6 +36,9 @@ class Session:
     tokens: list[int] = field(default_factory=list)
     # Where its KV is: moved by the KV manager only (kv/place.py), read here.
     place: SessionPlace = field(default_factory=SessionPlace)
+    # Media whose cells it holds but has not computed yet, by the position their cells begin at (kv/place.py
+    # keeps them): a step feeds a medium's cells from its embeddings, in one batch of their own.
+    media: dict[int, MediaEntry] = field(default_factory=dict)
     # A generation runs on it (set by the engine's scheduler): the tiers never hibernate, spill or evict it then.
     busy: bool = False
     # Time spent making it hot (a slot, hibernating an idle session if none was free, and its KV restored), in
@@ -77,11 +81,28 @@ class Session:
 
     @property
     def feedable_tokens(self) -> int:
-        """Pending tokens the next step may feed: all of them, or up to the end of the system prompt."""
-        pending = len(self.tokens) - self.n_kv
-        if self.n_kv < self.boundary < len(self.tokens):
-            return min(pending, self.boundary - self.n_kv)
+        """Pending tokens the next step may feed: all of them, or up to the end of the system prompt, or up to the
+        next medium's cells; a medium's own cells from where its computed ones end (fed whole: ``feeds_medium``)."""
+        n_kv = self.n_kv
+        pending = len(self.tokens) - n_kv
+        if self.media:
+            start, entry = self.medium_ahead()
+            if start <= n_kv:
+                return start + entry.n_tokens - n_kv
+            pending = min(pending, start - n_kv)
+        if n_kv < self.boundary < len(self.tokens):
+            return min(pending, self.boundary - n_kv)
         return pending
+
+    def medium_ahead(self) -> tuple[int, MediaEntry]:
+        """The first uncomputed medium: where its cells begin, and what it is (``media`` is not empty)."""
+        start = min(self.media)
+        return start, self.media[start]
+
+    @property
+    def feeds_medium(self) -> bool:
+        """Its next cells are a medium's: a step feeds them whole, from the medium's embeddings."""
+        return bool(self.media) and min(self.media) <= self.n_kv
 
     @property
     def pending_tokens(self) -> int:

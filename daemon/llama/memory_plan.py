@@ -22,6 +22,7 @@ from pathlib import Path
 from kvpool.daemon.config import Config, sequence_count
 from kvpool.daemon.kv.codec.kv_types import kv_type
 from kvpool.daemon.llama.gguf_meta import read_metadata, read_tensor_sizes
+from kvpool.daemon.llama.projector import plan_projector
 from kvpool.daemon.rpc.placement import LOCAL, layer_of, place_layers
 
 F32 = 4
@@ -55,10 +56,11 @@ class MemoryPlan:
     spill_cap: int
     limit: int
     remote: tuple[RemotePart, ...] = ()
+    media: int = 0  # the projector's weights and compute buffer, and the media cache (mmproj)
 
     @property
     def total(self) -> int:
-        return self.weights + self.hot_kv + self.compute + self.pool + self.runtime
+        return self.weights + self.hot_kv + self.compute + self.pool + self.runtime + self.media
 
     @property
     def fits(self) -> bool:
@@ -74,6 +76,7 @@ class MemoryPlan:
             ("compute", self.compute),
             ("pool", self.pool),
             ("runtime", self.runtime),
+            *([("media", self.media)] if self.media else []),
         ]
         lines = [f"  {name:<8} {mib(n)}" for name, n in rows]
         lines.append(
@@ -145,7 +148,11 @@ def plan_memory(
     model_path: Path, config: Config, proportions: list[float] | None = None, devices: list[str] | None = None
 ) -> MemoryPlan:
     """``proportions``: the workers' devices' shares of the offloaded layers when known (their free memory);
-    ``devices``: the endpoint of each device once registered (before: one device per rpc_servers entry)."""
+    ``devices``: the endpoint of each device once registered (before: one device per rpc_servers entry). With
+    ``mmproj``, the projector counts (its file, its encoder's buffer) and the media cache (ProjectorError when
+    the setting names no projector)."""
+    projector = plan_projector(config.mmproj)
+    media = projector.weights + projector.compute + config.media_cache_size if projector is not None else 0
     shape = model_shape(model_path)
     type_k, type_v = kv_type(config.cache_type_k), kv_type(config.cache_type_v)
     arch, n_layer, n_embd, n_head = shape.arch, shape.n_layer, shape.n_embd, shape.n_head
@@ -203,6 +210,7 @@ def plan_memory(
         spill_cap=config.spill_max_bytes,
         limit=config.memory_limit,
         remote=tuple(remote),
+        media=media,
     )
 
 

@@ -210,6 +210,35 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
             [({"endpoint": w.endpoint}, w.checked_s_ago) for w in workers],
         )
     yield from _remote_and_preload(status)
+    yield from _media(status)
+
+
+def _media(status: DaemonStatus) -> Iterator[Metric]:
+    counter, gauge = CounterMetricFamily, GaugeMetricFamily
+    yield _family(
+        counter,
+        "kvpool_received_bytes",
+        "Request bytes that crossed the socket (a frame through a frame area does not).",
+        [({}, status.counters.received_bytes)],
+    )
+    m = status.media
+    if m is None:
+        return
+    yield _family(
+        counter,
+        "kvpool_media",
+        "Media by event: prepared (read and tokenized), encoded (projector passes), cache hits (found by content).",
+        [
+            ({"event": "prepared"}, m.prepared),
+            ({"event": "encoded"}, m.encodes),
+            ({"event": "cache_hit"}, m.cache_hits),
+        ],
+    )
+    yield _family(
+        counter, "kvpool_media_encode_seconds", "Time in the projector's encodes.", [({}, m.encode_ms_total / 1000.0)]
+    )
+    yield _family(gauge, "kvpool_media_cached_bytes", "Media embeddings kept by content.", [({}, m.cached_bytes)])
+    yield _family(gauge, "kvpool_frame_areas", "Shared-memory frame areas given to connections.", [({}, m.frame_areas)])
 
 
 def _remote_and_preload(status: DaemonStatus) -> Iterator[Metric]:

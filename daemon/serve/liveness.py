@@ -111,6 +111,12 @@ class Liveness:
 
     # ------------------------------------------------------------------ engine thread
 
+    def knows(self, client: bytes) -> bool:
+        """Whether the connection is still there as far as the daemon can tell (heard lately, not gone)."""
+        with self._lock:
+            state = self._clients.get(client)
+            return state is not None and not state.gone
+
     def verdict(self, client: bytes, patience: float, now: float) -> str:
         """ "ok"; "paused" (it has replies waiting: its generations wait for it to read); "gone" (its connection
         closed); "silent" (a heartbeating client unheard for ``patience``); "not_reading" (replies waiting and none

@@ -58,6 +58,7 @@ class Server:
         self.max_message_bytes = max_message_bytes
         self.context = zmq.Context()
         self.frame_errors: Counter[str] = Counter()  # frames refused before they reached the engine
+        self.received_bytes = 0  # of request frames (their payloads): what crossed the socket towards the daemon
         self.liveness = Liveness(MAX_BACKLOG_BYTES)  # written here, read by the engine thread
         self._router: zmq.Socket | None = None
         self._outbox_in: zmq.Socket | None = None
@@ -255,6 +256,7 @@ class Server:
             except zmq.Again:
                 return
             client, payload = frames[0], frames[1:]
+            self.received_bytes += sum(len(f) for f in payload)
             if len(payload) != 1:
                 self._refuse(
                     client,

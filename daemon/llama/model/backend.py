@@ -45,6 +45,20 @@ def init_backend() -> None:
         _backend_ready = True
 
 
+_media_log_routed = False
+
+
+def route_media_log() -> None:
+    """libmtmd (the projector) logs through its own callback, everything down to debug by default: route it
+    into the daemon's log as llama.cpp's is."""
+    global _media_log_routed
+    if not _media_log_routed:
+        import llama_cpp.mtmd_cpp as mtmd  # (loads libmtmd: only a daemon with a projector needs it)
+
+        mtmd.mtmd_helper_log_set(_route_llama_log, ctypes.c_void_p(0))
+        _media_log_routed = True
+
+
 def system_info() -> str:
     """llama.cpp's compiled-in features per backend, e.g. "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 | "."""
     init_backend()

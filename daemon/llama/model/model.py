@@ -22,6 +22,7 @@ from kvpool.daemon.llama.memory_plan import sliding_window_cells
 from kvpool.daemon.llama.model.backend import init_backend
 from kvpool.daemon.llama.model.batch import Batch
 from kvpool.daemon.llama.model.loading import ModelLoadError, Placement, fingerprint, load_weights
+from kvpool.daemon.llama.model.mtmd import EmbeddingBatch, MediaEncoder
 from kvpool.daemon.llama.model.sampling import Sampler, SamplingParams
 from kvpool.daemon.llama.model.sequences import Sequences
 from kvpool.daemon.llama.model.tokenizer import Tokenizer
@@ -46,11 +47,13 @@ class Model:
         kv: KvSettings | None = None,
         placement: Placement | None = None,
         determinism: Determinism = NOT_DETERMINISTIC,
+        mmproj: Path | None = None,
     ):
         """``kv``: the hot KV's types and flash attention (default f16, on). ``determinism``: on, a sequence's
         logits depend on nothing but its own tokens (llama/deterministic_mode.py): no batch of one token or one
         output (a pad row makes two), and cells kept in position order (sequences.py); the assembly also turns
-        repacking and llama.cpp's tiled matmul off and the engine keeps batches within DETERMINISTIC_STEP_TOKENS."""
+        repacking and llama.cpp's tiled matmul off and the engine keeps batches within DETERMINISTIC_STEP_TOKENS.
+        ``mmproj``: a projector GGUF, for images and audio in sessions (mtmd.py; None: text only)."""
         init_backend()
         self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
@@ -115,6 +118,16 @@ class Model:
         self.fingerprint = fingerprint(self.path)
         # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
         self.kv_layout = self.kv.layout
+        self.media: MediaEncoder | None = None
+        self._embeddings: EmbeddingBatch | None = None
+        if mmproj is not None:
+            n_embd = lc.llama_model_n_embd_inp(self._model)
+            try:
+                self.media = MediaEncoder(mmproj, self._model, n_embd, threads, max_tokens=batch_size)
+            except ModelLoadError:
+                self.close()
+                raise
+            self._embeddings = EmbeddingBatch(batch_size, n_embd)
 
     def tune_context(self, params: lc.llama_context_params) -> None:
         """llama.cpp's context parameters, just before the context is made: the daemon changes nothing here. A
@@ -171,6 +184,25 @@ class Model:
                 batch.n = tokens
         if rc == 0:
             self.seqs.appended += tokens
+        return rc
+
+    def decode_embeddings(self, seq_id: int, rows: np.ndarray, first_pos: int, non_causal: bool, logits: bool) -> int:
+        """Decode a medium's embedding rows into ``seq_id`` at ``first_pos``, as llama.cpp takes them: a batch of
+        their own (non-causal ones in one batch, attending to each other both ways). ``logits``: the last row gives
+        them (the prompt ends with the medium); sample from row ``len(rows) - 1``. Returns llama_decode's answer."""
+        assert self._embeddings is not None, "a model without a projector decodes no embeddings"
+        # Deterministic decoding never runs one output row (another kernel than two): the row before it gives some too.
+        outputs = (2 if self.deterministic and len(rows) > 1 else 1) if logits else 0
+        self._embeddings.fill(seq_id, rows, first_pos, outputs)
+        if non_causal:
+            lc.llama_set_causal_attn(self.ctx, False)
+        try:
+            rc = lc.llama_decode(self.ctx, self._embeddings.as_llama_batch())
+        finally:
+            if non_causal:
+                lc.llama_set_causal_attn(self.ctx, True)
+        if rc == 0:
+            self.seqs.appended += len(rows)
         return rc
 
     @property
@@ -256,6 +288,12 @@ class Model:
         )
 
     def close(self) -> None:
+        if self.media is not None:
+            self.media.close()
+            self.media = None
+        if self._embeddings is not None:
+            self._embeddings.free()
+            self._embeddings = None
         if self.ctx:
             self.batch.free()
             lc.llama_free(self.ctx)

@@ -88,7 +88,8 @@ class Sampler:
         self._argmax = params.temperature == 0.0 and not params.logit_bias and not params.penalised
         if params.penalised:  # the penalties count recent tokens: the session's history, not just this turn
             for token in history[-params.repeat_last_n :]:
-                lc.llama_sampler_accept(self._chain, token)
+                if token >= 0:  # (a medium's cells stand as negative ids: no token to penalise)
+                    lc.llama_sampler_accept(self._chain, token)
         try:
             for position, token in enumerate(replay or ()):
                 if not self._allowed(token):

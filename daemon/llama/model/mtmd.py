@@ -1,0 +1,239 @@
+"""Images and audio through llama.cpp's libmtmd: a projector GGUF (``mmproj``) turns a medium into embeddings that
+are decoded into a session like a prompt chunk.
+
+A medium is prepared once when a request brings it (its bitmap made, tokenized as mtmd would: the text it puts
+around the medium, e.g. Gemma 3's ``<start_of_image>`` ... ``<end_of_image>``, and how many cells the medium
+takes), and encoded only when a step is about to feed it (``encode``: the projector's forward pass, the costly
+part). Engine thread only, as the rest of the model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as lc
+import llama_cpp.mtmd_cpp as mtmd
+import numpy as np
+
+from kvpool.daemon.llama.model.backend import route_media_log
+from kvpool.daemon.llama.model.loading import ModelLoadError
+
+IMAGE, AUDIO = "image", "audio"
+# The formats a medium's bytes come in: raw frames, PCM, or a file (JPEG, PNG, BMP, GIF; WAV, MP3, FLAC).
+RGB, RGBA, PCM_F32, ENCODED = "rgb", "rgba", "pcm_f32", "encoded"
+
+
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
+_AUDIO_MAGIC = (b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"fLaC")
+
+
+def _file_kind(data: bytes) -> str:
+    """What a file's first bytes say it is (checked before llama.cpp's decoders, whose fallback for unknown bytes
+    starts ffprobe)."""
+    if data.startswith(_IMAGE_MAGIC):
+        return IMAGE
+    if data.startswith(_AUDIO_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WAVE"):
+        return AUDIO
+    return ""
+
+
+class MediaError(Exception):
+    """A medium that cannot be read (its bytes do not match what they claim to be); the message says why."""
+
+
+@dataclass(eq=False)
+class Prepared:
+    """One medium, tokenized: the text tokens around it and its chunk (owned here until ``free``)."""
+
+    kind: str
+    before: list[int]  # tokens mtmd puts before the medium's cells
+    after: list[int]  # and after them
+    n_tokens: int  # cells the medium takes
+    non_causal: bool  # its cells attend to each other both ways (decoded in one batch)
+    chunk: ctypes.c_void_p | None
+
+    def free(self) -> None:
+        if self.chunk:
+            mtmd.mtmd_input_chunk_free(self.chunk)
+            self.chunk = None
+
+
+class MediaEncoder:
+    """The projector of one model: what it reads, and its encodes."""
+
+    def __init__(self, path: Path, model: ctypes.c_void_p, n_embd: int, threads: int, max_tokens: int):
+        """``model``: the language model's weights (the projector's output must be its embedding width);
+        ``max_tokens``: the most cells one medium may take (a non-causal medium is decoded in one batch)."""
+        route_media_log()
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = False
+        params.n_threads = threads
+        params.print_timings = False
+        params.warmup = True  # its compute buffer is reserved now, not at the first encode
+        self.path = Path(path)
+        self.ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
+        if not self.ctx:
+            raise ModelLoadError(
+                f"llama.cpp could not load the projector {path}: it is not an mmproj GGUF, is damaged, or does not "
+                "fit the model (its output width must be the model's embedding width; the log says which)."
+            )
+        self.n_embd = n_embd
+        self.vision = bool(mtmd.mtmd_support_vision(self.ctx))
+        self.audio = bool(mtmd.mtmd_support_audio(self.ctx))
+        self.sample_rate = int(mtmd.mtmd_get_audio_sample_rate(self.ctx)) if self.audio else 0
+        if mtmd.mtmd_decode_use_mrope(self.ctx):
+            self.close()
+            raise ModelLoadError(
+                f"{path.name} needs M-RoPE positions (a Qwen-VL-style model), which kvpool's KV tiers do not carry "
+                "yet; use a model whose media take plain positions (Gemma 3, LLaVA, SmolVLM, Ultravox)."
+            )
+        self.max_tokens = max_tokens
+        self.marker = mtmd.mtmd_default_marker()
+
+    # ------------------------------------------------------------------ reading a medium
+
+    def prepare(self, kind: str, fmt: str, data: bytes, width: int, height: int, digest: str) -> Prepared:
+        """The medium tokenized, or MediaError; ``digest`` names its content (llama.cpp keeps it as the chunk's
+        id)."""
+        if (kind == IMAGE and not self.vision) or (kind == AUDIO and not self.audio):
+            raise MediaError(f"the projector {self.path.name} does not read {kind}")
+        bitmap = self._bitmap(kind, fmt, data, width, height)
+        try:
+            mtmd.mtmd_bitmap_set_id(bitmap, digest.encode())
+            return self._tokenize(kind, bitmap)
+        finally:
+            mtmd.mtmd_bitmap_free(bitmap)
+
+    def _bitmap(self, kind: str, fmt: str, data: bytes, width: int, height: int) -> ctypes.c_void_p:
+        if fmt in (RGB, RGBA):
+            if kind != IMAGE:
+                raise MediaError(f"{fmt} frames are images, not {kind}")
+            channels = 3 if fmt == RGB else 4
+            if width <= 0 or height <= 0 or len(data) != width * height * channels:
+                raise MediaError(
+                    f"a {width}x{height} {fmt} frame is {max(width, 0) * max(height, 0) * channels} bytes, "
+                    f"not {len(data)}"
+                )
+            pixels = np.frombuffer(data, dtype=np.uint8)
+            if fmt == RGBA:
+                pixels = np.ascontiguousarray(pixels.reshape(-1, 4)[:, :3])
+            bitmap = mtmd.mtmd_bitmap_init(width, height, pixels.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+        elif fmt == PCM_F32:
+            if kind != AUDIO:
+                raise MediaError(f"PCM is audio, not {kind}")
+            if not data or len(data) % 4:
+                raise MediaError(f"PCM float32 is a whole number of 4-byte samples, not {len(data)} bytes")
+            samples = np.frombuffer(data, dtype=np.float32)
+            if not np.isfinite(samples).all():
+                raise MediaError("the PCM holds samples that are not finite numbers")
+            bitmap = mtmd.mtmd_bitmap_init_from_audio(
+                len(samples), samples.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            )
+        elif fmt == ENCODED:
+            if _file_kind(data) != kind:
+                raise MediaError(
+                    f"the {kind}'s bytes are no file of a kind llama.cpp decodes "
+                    f"({'JPEG, PNG, BMP, GIF' if kind == IMAGE else 'WAV, MP3, FLAC'})"
+                )
+            buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buffer, len(data), False)
+            if not bitmap:
+                raise MediaError(
+                    f"the {kind}'s bytes are no file llama.cpp decodes (JPEG, PNG, BMP, GIF; WAV, MP3, FLAC)"
+                )
+            if bool(mtmd.mtmd_bitmap_is_audio(bitmap)) != (kind == AUDIO):
+                mtmd.mtmd_bitmap_free(bitmap)
+                raise MediaError(f"the file decodes to {'audio' if kind == IMAGE else 'an image'}, not {kind}")
+        else:
+            raise MediaError(f"unknown format {fmt!r}")
+        if not bitmap:
+            raise MediaError(f"llama.cpp could not take the {kind}")
+        return bitmap
+
+    def _tokenize(self, kind: str, bitmap: ctypes.c_void_p) -> Prepared:
+        text = mtmd.mtmd_input_text()
+        text.text, text.text_len, text.add_special, text.parse_special = self.marker, len(self.marker), False, True
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            rc = mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), bitmaps, 1)
+            if rc != 0:
+                raise MediaError(f"llama.cpp could not tokenize the {kind} (mtmd_tokenize returned {rc})")
+            before: list[int] = []
+            after: list[int] = []
+            media: ctypes.c_void_p | None = None
+            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    n = ctypes.c_size_t()
+                    tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                    (after if media else before).extend(tokens[j] for j in range(n.value))
+                elif media is None:
+                    media = mtmd.mtmd_input_chunk_copy(chunk)
+            if not media:
+                raise MediaError(f"llama.cpp made no {kind} chunk of it")
+            n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(media))
+            prepared = Prepared(
+                kind, before, after, n_tokens, bool(mtmd.mtmd_decode_use_non_causal(self.ctx, media)), media
+            )
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+        if n_tokens > self.max_tokens:
+            prepared.free()
+            raise MediaError(
+                f"the {kind} takes {n_tokens} cells, more than one batch holds ({self.max_tokens}); raise batch_size"
+            )
+        return prepared
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, prepared: Prepared) -> np.ndarray:
+        """The medium's embeddings, [n_tokens, n_embd] float32 (a copy: llama.cpp's buffer is reused)."""
+        assert prepared.chunk, "a prepared medium is encoded before it is freed"
+        rc = mtmd.mtmd_encode_chunk(self.ctx, prepared.chunk)
+        if rc != 0:
+            raise MediaError(f"llama.cpp could not encode the {prepared.kind} (mtmd_encode_chunk returned {rc})")
+        out = mtmd.mtmd_get_output_embd(self.ctx)
+        return np.ctypeslib.as_array(out, shape=(prepared.n_tokens, self.n_embd)).copy()
+
+    def close(self) -> None:
+        if self.ctx:
+            mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+
+
+class EmbeddingBatch:
+    """A llama_batch of embeddings (one medium's rows): llama.cpp takes tokens or embeddings in one batch, not both."""
+
+    def __init__(self, capacity: int, n_embd: int):
+        self.capacity, self.n_embd = capacity, n_embd
+        self._batch = lc.llama_batch_init(capacity, n_embd, 1)
+        b = self._batch
+        self.embd = np.ctypeslib.as_array(b.embd, shape=(capacity, n_embd))
+        self.pos = np.ctypeslib.as_array(b.pos, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))[:] = 1
+        self._seq_rows = [b.seq_id[i] for i in range(capacity)]
+
+    def fill(self, seq_id: int, rows: np.ndarray, first_pos: int, outputs: int) -> int:
+        """The rows of one sequence at ``first_pos``; the last ``outputs`` rows give logits. Returns the row to
+        sample from (the last)."""
+        n = len(rows)
+        assert 0 < n <= self.capacity
+        self.embd[:n] = rows
+        self.pos[:n] = np.arange(first_pos, first_pos + n, dtype=np.int32)
+        self.logits[:n] = 0
+        if outputs:
+            self.logits[max(0, n - outputs) : n] = 1
+        for i in range(n):
+            self._seq_rows[i][0] = seq_id
+        self._batch.n_tokens = n
+        return n - 1
+
+    def as_llama_batch(self) -> lc.llama_batch:
+        return self._batch
+
+    def free(self) -> None:
+        lc.llama_batch_free(self._batch)
