@@ -1,13 +1,13 @@
 """Anthropic's Messages API on the same stateful sessions: ``POST /v1/messages`` and its ``count_tokens``.
 
-A Messages request is translated into a chat completion request (``system``, text, ``tool_use`` and
-``tool_result`` blocks, ``tools``, ``tool_choice``, ``stop_sequences``, ``max_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``metadata.user_id``), so every field is honoured or refused exactly as the chat route does
-and a conversation continues from its history with reuse (reported as ``cache_read_input_tokens``). The answer is
-shaped as Anthropic's: a message with ``text`` and ``tool_use`` blocks and a ``stop_reason``, or its event stream
-(``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``,
-``ping``), and errors in Anthropic's shape. Fields with no chat counterpart (``thinking``, images and documents
-until the multimodal issue lands) are refused by name.
+A Messages request is translated into a chat completion request (``system``, text, ``image`` (as an image_url
+part), ``tool_use`` and ``tool_result`` blocks, ``tools``, ``tool_choice``, ``stop_sequences``, ``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``metadata.user_id``), so every field is honoured or refused exactly as the
+chat route does and a conversation continues from its history with reuse (reported as
+``cache_read_input_tokens``). The answer is shaped as Anthropic's: a message with ``text`` and ``tool_use`` blocks
+and a ``stop_reason``, or its event stream (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``,
+``message_delta``, ``message_stop``, ``ping``), and errors in Anthropic's shape. Fields with no chat counterpart
+(``thinking``, documents) are refused by name.
 """
 
 from __future__ import annotations
@@ -176,15 +176,16 @@ def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[st
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        texts: list[str] = []
+        texts: list[Any] = []  # text, and images as OpenAI's image_url parts
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
         for k, block in enumerate(message.content):
             at = f"{where}.content[{k}]"
-            if isinstance(block, ImageBlock | DocumentBlock):
-                kind = "image" if isinstance(block, ImageBlock) else "document"
-                raise refuse(at, f"{at}: {kind} blocks are not supported here (the served model reads text).")
-            if isinstance(block, TextBlock):
+            if isinstance(block, DocumentBlock):
+                raise refuse(at, f"{at}: document blocks are not supported here (send their text).")
+            if isinstance(block, ImageBlock):
+                texts.append(image_part(block, at, message.role))
+            elif isinstance(block, TextBlock):
                 texts.append(block.text)
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
@@ -201,15 +202,35 @@ def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[st
                     content = f"Error: {content}"
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
         if message.role == "assistant":
-            assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}  # (text only)
             if calls:
                 assistant["tool_calls"] = calls
             out.append(assistant)
         else:
             out.extend(results)  # (a tool's results come right after the calls, before any text of the turn)
-            if texts or not results:
+            if any(isinstance(x, dict) for x in texts):
+                out.append(
+                    {
+                        "role": "user",
+                        "content": [x if isinstance(x, dict) else {"type": "text", "text": x} for x in texts],
+                    }
+                )
+            elif texts or not results:
                 out.append({"role": "user", "content": "".join(texts)})
     return out
+
+
+def image_part(block: ImageBlock, where: str, role: str) -> dict[str, Any]:
+    """An image block as OpenAI's image_url part (a data: URL), which the chat route reads (media_parts.py)."""
+    if role != "user":
+        raise refuse(where, f"{where}: only user messages carry images.")
+    source = block.source
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media_type = source.get("media_type", "image/png")
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{source['data']}"}}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise refuse(where, f"{where}: an image's source is base64 data (or a url), with its media_type.")
 
 
 # ---------------------------------------------------------------------- answers

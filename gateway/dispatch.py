@@ -21,6 +21,7 @@ from kvpool.client.errors import KvpoolError
 
 from .generations import ConversationGenerations, Generations, SharedPrefixGenerations
 from .http_errors import HttpError
+from .media_parts import RequestMedia
 from .middleware import unless_disconnected
 from .shaping import ChoiceFormat, ChoiceState, usage
 from .streaming import Stream, chat_events, completion_events
@@ -53,6 +54,8 @@ class Job:
     tool_results: ToolResultOpening | None = None
     # Another API's answer shape (anthropic_messages.py); None: OpenAI's.
     answer: OtherAnswer | None = None
+    # The images and audio the prompt's markers name (media_parts.py); None: the prompt is text.
+    media: RequestMedia | None = None
 
 
 class OtherAnswer(Protocol):
@@ -64,6 +67,10 @@ class OtherAnswer(Protocol):
 async def respond(request: Request, gateway: Gateway, model_id: str, job: Job) -> Response:
     """The answer to ``job``: admitted, generated and shaped; streamed or whole."""
     conversing = job.n == 1 and isinstance(job.prompt, str)
+    if job.media is not None and job.n != 1:
+        raise HttpError(
+            400, "`n` > 1 is not served with images or audio; ask for one choice.", "invalid_value", param="n"
+        )
     if job.conversation is not None and not conversing:
         # A conversation continues from one answer to a text: n choices are not kept (the client picks one, which
         # the gateway cannot know), and token ids cannot be matched against what a session holds.
@@ -88,6 +95,7 @@ async def respond(request: Request, gateway: Gateway, model_id: str, job: Job) -
             job.params,
             resume_wait=gateway.config.resume_wait,
             on_continued=lambda code: gateway.metrics.continued.labels(code).inc(),
+            media=job.media,
         )
     else:  # n choices sharing the prompt's KV, or a prompt of token ids: fresh sessions, closed after
         generations = SharedPrefixGenerations(

@@ -31,6 +31,7 @@ from kvpool.client.errors import KvpoolError
 
 from .continuation import RESUMABLE, rest_of, resume_and_generate
 from .http_errors import CANCELLED
+from .media_parts import RequestMedia
 from .shaping import FINISH
 from .turns import Turn, Turns
 
@@ -87,10 +88,12 @@ class ConversationGenerations(Generations):
         params: dict[str, Any],
         resume_wait: float = 0.0,
         on_continued: Callable[[str], None] | None = None,
+        media: RequestMedia | None = None,
     ):
         """``resume_wait``: how long an answer cut short waits for its daemon to take it back and continue it
-        (continuation.py; 0: a cut is the caller's error). ``on_continued`` is told each continuation's cause."""
-        self._context = turns.turn(client, key, text, "default", special=special, add_bos=add_bos)
+        (continuation.py; 0: a cut is the caller's error). ``on_continued`` is told each continuation's cause.
+        ``media``: the images and audio ``text``'s markers name."""
+        self._context = turns.turn(client, key, text, "default", special=special, add_bos=add_bos, media=media)
         self._client = client
         self._params = params
         self._resume_wait = resume_wait
@@ -106,7 +109,8 @@ class ConversationGenerations(Generations):
         self._entered = True
         turn = self._turn
         self.prompt_tokens, self.cached_tokens = turn.held + len(turn.tokens), turn.held
-        self._stream = turn.session.generate(turn.tokens, after=turn.held, **self._params)
+        # (a turn with media: its cells are counted once the daemon answered, from its final message)
+        self._stream = turn.session.generate(turn.parts or turn.tokens, after=turn.held, **self._params)
         self._first = await self._read()
 
     def follow_with(self, opening: Callable[[Held], str | None]) -> None:
@@ -133,6 +137,8 @@ class ConversationGenerations(Generations):
                 )
                 item = msgspec.structs.replace(item, usage=usage)
             self._turn.final = item
+            if self._turn.parts:
+                self.prompt_tokens = self._turn.held + item.usage.prompt_tokens
         return item
 
     async def _continue(self, cut: KvpoolError) -> p.Chunk | p.Final | None:

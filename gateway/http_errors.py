@@ -26,6 +26,7 @@ STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.POOL_FULL: (429, "insufficient_quota"),
     ErrorCode.QUOTA_EXCEEDED: (429, "insufficient_quota"),
     ErrorCode.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
+    ErrorCode.MEDIA_UNSUPPORTED: (400, "invalid_request_error"),
     ErrorCode.BUDGET_UNMEETABLE: (429, "rate_limit_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),

@@ -9,21 +9,28 @@ import json
 from kvpool.client.chat_template import ChatTemplate, TemplateError
 
 from .http_errors import HttpError, refuse
+from .media_parts import RequestMedia
 from .schema import ChatMessage
 from .tools import AnswerMemory, Toolbox, envelope_text
 
 MARK = "\u2063kvpool-answer\u2063"  # a text no template trims or rewrites, to find where an answer starts
 
 
-def message_text(message: ChatMessage, where: str) -> str | None:
-    """A message's content as one text (text parts joined); other parts are refused by name."""
+def message_text(message: ChatMessage, where: str, media: RequestMedia | None = None) -> str | None:
+    """A message's content as one text (text parts joined, each image or audio as its marker, media_parts.py);
+    other parts are refused by name."""
     content = message.content
     if not isinstance(content, list):
         return content
     texts = []
     for k, part in enumerate(content):
+        at = f"{where}.content[{k}]"
         if part.type == "refusal" and message.role == "assistant":
             texts.append(part.refusal or "")
+        elif part.type in ("image_url", "input_audio") and media is not None and message.role in ("user", "system"):
+            texts.append(
+                media.image(part.image_url, at) if part.type == "image_url" else media.audio(part.input_audio, at)
+            )
         elif part.type != "text":
             raise refuse(
                 f"{where}.content[{k}]",
@@ -42,7 +49,11 @@ def message_text(message: ChatMessage, where: str) -> str | None:
 
 
 def template_messages(
-    messages: list[ChatMessage], toolbox: Toolbox | None, memory: AnswerMemory, answer_format: str = ""
+    messages: list[ChatMessage],
+    toolbox: Toolbox | None,
+    memory: AnswerMemory,
+    answer_format: str = "",
+    media: RequestMedia | None = None,
 ) -> list[dict[str, str]]:
     """The conversation for the chat template. An assistant answer the gateway reshaped (a call, a response out of
     its envelope) renders as the raw text the model generated when the gateway remembers it, so the session that
@@ -72,7 +83,7 @@ def template_messages(
             raise refuse(f"{where}.tool_calls", f"{where}: only assistant messages carry tool_calls.")
         if message.tool_call_id is not None and message.role != "tool":
             raise refuse(f"{where}.tool_call_id", f"{where}: only tool messages carry tool_call_id.")
-        text = message_text(message, where)
+        text = message_text(message, where, media)
         if message.role == "assistant":
             if message.refusal is not None:
                 if text:

@@ -19,6 +19,7 @@ from kvpool.client.chat_template import TemplateError
 from . import anthropic_messages, fields
 from .dispatch import Job, OtherAnswer, respond
 from .http_errors import HttpError
+from .media_parts import RequestMedia, holds_media
 from .messages import answer_separator, template_messages
 from .middleware import decode, read_body, route
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -60,6 +61,9 @@ def build_routes(gateway: Gateway) -> list[Route]:
     def wrapped(name: str):
         return route(name, config, gateway.metrics)
 
+    def request_media() -> RequestMedia:
+        return RequestMedia(config.media_dir, config.fetch_media_urls, config.max_body_bytes)
+
     def route_with_errors(errors: Callable[[HttpError], Response]):
         return lambda name: route(name, config, gateway.metrics, errors)
 
@@ -76,14 +80,17 @@ def build_routes(gateway: Gateway) -> list[Route]:
             request, decode(await read_body(request, config.max_body_bytes), ChatCompletionRequest)
         )
 
-    async def chat_prompt(body: ChatCompletionRequest) -> tuple[Model, str, list[dict[str, str]], Toolbox | None, Any]:
-        """The chat request's rendered prompt, with what it was made from."""
+    async def chat_prompt(
+        body: ChatCompletionRequest, media: RequestMedia
+    ) -> tuple[Model, str, list[dict[str, str]], Toolbox | None, Any]:
+        """The chat request's rendered prompt (its media as markers, kept in ``media``), with what it was made
+        from."""
         fields.refuse_chat_fields(body)
         model = await gateway.model()
         response = fields.response_schema(body.response_format)
         toolbox = Toolbox.of(body, response)
         messages = template_messages(
-            body.messages, toolbox, gateway.memory, fields.format_description(body.response_format)
+            body.messages, toolbox, gateway.memory, fields.format_description(body.response_format), media
         )
         try:
             text = model.template.render(messages, add_generation_prompt=True)
@@ -93,7 +100,8 @@ def build_routes(gateway: Gateway) -> list[Route]:
 
     async def chat_answer(request: Request, body: ChatCompletionRequest, answer: OtherAnswer | None = None) -> Response:
         """The chat route's answer to ``body``, shaped as OpenAI's (or as ``answer`` shapes it)."""
-        model, text, messages, toolbox, response = await chat_prompt(body)
+        media = request_media()
+        model, text, messages, toolbox, response = await chat_prompt(body, media)
         params = fields.sampling(
             body, model.status.n_vocab, body.max_completion_tokens or body.max_tokens, fields.DEFAULT_CHAT_MAX_TOKENS
         )
@@ -130,6 +138,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
                 else None
             ),
             answer=answer,
+            media=media if media.by_digest else None,
         )
         return await respond(request, gateway, model.id, job)
 
@@ -147,7 +156,11 @@ def build_routes(gateway: Gateway) -> list[Route]:
     async def count_tokens(request: Request) -> Response:
         """The tokens a Messages request's prompt comes to, as the chat route renders it."""
         asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.CountTokensRequest)
-        model, text, *_ = await chat_prompt(as_chat_request(anthropic_messages.chat_body(asked)))
+        model, text, *_ = await chat_prompt(as_chat_request(anthropic_messages.chat_body(asked)), request_media())
+        if holds_media(text):  # (the daemon counts a medium's cells; a rendering without it would undercount)
+            raise HttpError(
+                400, "count_tokens counts text only here: leave the images out, or send the message.", "invalid_value"
+            )
         client = await gateway.client()
         tokens = await client.tokenize(text, add_bos=model.template.needs_bos(text), special=True)
         return JSONResponse({"input_tokens": len(tokens)})

@@ -34,6 +34,14 @@ class GatewayConfig:
     # The conversation map (None: kept in memory only; the command line's default is default_state_file()).
     state_file: Annotated[Path | None, Flag("where conversations are mapped to sessions", parse=path_or_default)] = None
     max_body_bytes: Annotated[int, Flag("the largest request body")] = 4 << 20
+    # Images and audio a message names by path or URL (a data: URL is always read, docs/gateway.md): local files
+    # only under this folder, http(s) URLs only when fetching them is on. Neither by default.
+    media_dir: Annotated[
+        Path | None, Flag("a folder whose image and audio files messages may name by path", parse=path_or_default)
+    ] = None
+    fetch_media_urls: Annotated[bool, Flag("fetch the http(s) image and audio URLs messages name (off: refused)")] = (
+        False
+    )
     timeout: Annotated[float, Flag("seconds to wait for each answer from kvpoold")] = 300.0
     # How long an answer the daemon cut short (it restarted, or this gateway was unresponsive past its
     # client_patience) waits for the daemon to take its session back and continue it (continuation.py); 0: never.

@@ -39,9 +39,11 @@ from kvpool.client.errors import (
     SessionEvicted,
     UnknownSession,
 )
+from kvpool.client.media import Audio, Image
 
 from .admission import Admission
 from .conversations import ConversationStore, Mapping, Standing
+from .media_parts import RequestMedia, holds_media
 from .metrics import GatewayMetrics
 from .tool_result_prefill import ToolResultPrefill
 
@@ -64,6 +66,9 @@ class Turn:
     # What the next request will begin with after this answer, from what the session then stands for (None: not
     # known): prefilled once the turn is over.
     next_opening: Callable[[Held], str | None] | None = None
+    # A turn with images or audio: what it sends in order (token ids of its text pieces, then each medium), which
+    # ``tokens`` then counts only the text of.
+    parts: list[list[int] | Image | Audio] | None = None
 
     def record(self, chunk: p.Chunk) -> None:
         self.generated.extend(chunk.tokens)
@@ -99,24 +104,33 @@ class Turns:
 
     @contextlib.asynccontextmanager
     async def turn(
-        self, client: AsyncClient, key: str | None, rendered: str, task: str, *, special: bool, add_bos: bool
+        self,
+        client: AsyncClient,
+        key: str | None,
+        rendered: str,
+        task: str,
+        *,
+        special: bool,
+        add_bos: bool,
+        media: RequestMedia | None = None,
     ) -> AsyncIterator[Turn]:
         """The session this request runs on and the tokens it must send; one turn at a time per conversation.
-        On the way out, what the session stands for is brought up to date (from the turn's final message)."""
+        On the way out, what the session stands for is brought up to date (from the turn's final message).
+        ``media``: the images and audio the rendering's markers name."""
         if not self.reuse:
-            turn = await self._fresh(client, rendered, task, special, add_bos)
+            turn = await self._fresh(client, rendered, task, special, add_bos, media)
             try:
                 yield turn
             finally:
                 await self._close_session(turn.session)
             return
         if key is None:
-            async with self._anonymous_turn(client, rendered, task, special, add_bos) as turn:
+            async with self._anonymous_turn(client, rendered, task, special, add_bos, media) as turn:
                 yield turn
             return
         release: Release | None = await self._lock(key)
         try:
-            turn = await self._named(client, key, rendered, task, special, add_bos)
+            turn = await self._named(client, key, rendered, task, special, add_bos, media)
             try:
                 yield turn
             finally:
@@ -156,19 +170,32 @@ class Turns:
         await self.prefill.close()
 
     async def _named(
-        self, client: AsyncClient, key: str, rendered: str, task: str, special: bool, add_bos: bool
+        self,
+        client: AsyncClient,
+        key: str,
+        rendered: str,
+        task: str,
+        special: bool,
+        add_bos: bool,
+        media: RequestMedia | None = None,
     ) -> Turn:
         mapping = self.store.get(key)
         if mapping is not None:
-            turn = await self._continue(client, mapping, rendered, special)
+            turn = await self._continue(client, mapping, rendered, special, media)
             if turn is not None:
                 return turn
             self.store.forget(key)
-        return await self._fresh(client, rendered, task, special, add_bos)
+        return await self._fresh(client, rendered, task, special, add_bos, media)
 
     @contextlib.asynccontextmanager
     async def _anonymous_turn(
-        self, client: AsyncClient, rendered: str, task: str, special: bool, add_bos: bool
+        self,
+        client: AsyncClient,
+        rendered: str,
+        task: str,
+        special: bool,
+        add_bos: bool,
+        media: RequestMedia | None = None,
     ) -> AsyncIterator[Turn]:
         """A request without a name continues the idle anonymous session whose text is the longest prefix of its
         rendering (a client resending its history), else starts one; the session is then known by its id."""
@@ -184,12 +211,12 @@ class Turns:
             self.anonymous.forget(matched)  # this request owns it now: nobody else matches or evicts it
             assert mapping is not None
             try:
-                turn = await self._continue(client, mapping, rendered, special)
+                turn = await self._continue(client, mapping, rendered, special, media)
             except BaseException:
                 await self._close(client, mapping)  # nobody else can reach it any more
                 raise
         if turn is None:
-            turn = await self._fresh(client, rendered, task, special, add_bos)
+            turn = await self._fresh(client, rendered, task, special, add_bos, media)
         self._busy.add(turn.session.id)
         # Recorded while in use (nothing to continue from yet): a gateway killed now leaves it findable.
         self.anonymous.put(turn.session.id, Mapping(turn.session.id, turn.session.token, None))
@@ -201,7 +228,9 @@ class Turns:
             while len(self.anonymous) > self.anonymous_max and await self._close_oldest_anonymous(client):
                 pass
 
-    async def _continue(self, client: AsyncClient, mapping: Mapping, rendered: str, special: bool) -> Turn | None:
+    async def _continue(
+        self, client: AsyncClient, mapping: Mapping, rendered: str, special: bool, media: RequestMedia | None = None
+    ) -> Turn | None:
         """The turn that continues ``mapping``'s session, or None (then its session is closed: it is not this
         conversation any more, or it is gone)."""
         rest = mapping.held.rest(rendered) if mapping.held is not None else None
@@ -210,19 +239,27 @@ class Turns:
                 session = await client.resume_session(mapping.session, mapping.token)
             except GONE:
                 return None
-            tokens = mapping.held.trim(await client.tokenize(rest, add_bos=False, special=special))
-            if tokens:
+            tokens, parts = await pieces(client, rest, False, special, mapping.held.trim, media)
+            if tokens or parts:
                 self.metrics.reused.labels("continued").inc()
-                return Turn(session, tokens, mapping.held.tokens, rendered, special, before=mapping.held)
+                return Turn(session, tokens, mapping.held.tokens, rendered, special, before=mapping.held, parts=parts)
         self.metrics.reused.labels("edited").inc()
         await self._close(client, mapping)
         return None
 
-    async def _fresh(self, client: AsyncClient, rendered: str, task: str, special: bool, add_bos: bool) -> Turn:
-        tokens = await client.tokenize(rendered, add_bos=add_bos, special=special)
+    async def _fresh(
+        self,
+        client: AsyncClient,
+        rendered: str,
+        task: str,
+        special: bool,
+        add_bos: bool,
+        media: RequestMedia | None = None,
+    ) -> Turn:
+        tokens, parts = await pieces(client, rendered, add_bos, special, lambda tokens: tokens, media)
         session = await self.open_session(client, task, "")
         self.metrics.reused.labels("new").inc()
-        return Turn(session, tokens, 0, rendered, special)
+        return Turn(session, tokens, 0, rendered, special, parts=parts)
 
     async def open_session(self, client: AsyncClient, task: str, system_prompt: str | list[int]) -> AsyncSession:
         """A new session; when the daemon holds as many sessions as it may, the least recently used anonymous one
@@ -268,3 +305,30 @@ class Turns:
     async def _close_session(session: AsyncSession) -> None:
         with contextlib.suppress(KvpoolError):
             await session.close()
+
+
+async def pieces(
+    client: AsyncClient,
+    text: str,
+    add_bos: bool,
+    special: bool,
+    trim: Callable[[list[int]], list[int]],
+    media: RequestMedia | None,
+) -> tuple[list[int], list[list[int] | Image | Audio] | None]:
+    """What a turn sends of ``text``: its tokens (``trim`` applied to the first), and, when it holds media, its
+    parts (each text piece's tokens, each medium) with the text pieces' tokens."""
+    if media is None or not holds_media(text):
+        return trim(await client.tokenize(text, add_bos=add_bos, special=special)), None
+    parts: list[list[int] | Image | Audio] = []
+    tokens: list[int] = []
+    for i, piece in enumerate(media.parts(text)):
+        if not isinstance(piece, str):
+            parts.append(piece)
+            continue
+        ids = await client.tokenize(piece, add_bos=add_bos and i == 0, special=special)
+        ids = trim(ids) if i == 0 else ids
+        tokens += ids
+        parts.append(ids)
+    if add_bos and not isinstance(parts[0], list):  # (a rendering that begins with a medium)
+        parts.insert(0, await client.tokenize("", add_bos=True, special=special))
+    return tokens, parts

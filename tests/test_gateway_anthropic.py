@@ -128,7 +128,7 @@ def test_errors_come_in_anthropics_shape(daemon: DaemonProcess, start_gateway: C
     assert text_of(ask(c, [{"role": "user", "content": "hi"}]))
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     for messages, extra, named in (
-        ([{"role": "user", "content": [image]}], {}, "messages[0].content[0]"),
+        ([{"role": "user", "content": [image]}], {}, "--mmproj"),  # (this daemon reads text only)
         ([{"role": "user", "content": "hi"}], {"extra_body": {"thinking": {"type": "enabled"}}}, "thinking"),
         ([{"role": "user", "content": "hi"}], {"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ):
