@@ -11,7 +11,8 @@ pooled to 49 image tokens (--projector tiny: the test suite's, for a quick run).
   twice      a frame seen twice: the second time is a cache hit (its time to first token, the daemon's counters)
   llama      the same image conversation on llama-server (--mmproj, the same projector), one slot shared with a
              second conversation so that each turn finds its slot taken: its next-turn time against kvpool's
-  memory     the daemon's PSS with the projector and a full embeddings cache, against the memory plan
+  memory     the daemon's PSS on configs/edge-2gb.toml with the projector and a full (16 MiB) embeddings cache,
+             against its memory plan
 
     python bench/vision.py [--seconds 40] [--projector small|tiny] [--llama-server PATH] [--skip voice llama ...]
 
@@ -47,6 +48,7 @@ from tests.test_media import png  # noqa: E402
 from tests.tiny_mmproj import build_tiny_mmproj  # noqa: E402
 
 CONFIG = ROOT / "configs" / "default.toml"
+EDGE = ROOT / "configs" / "edge-2gb.toml"
 GEMMA_WIDTH = 640  # Gemma 3 270M's embedding width: the projector's output
 PROJECTORS = {
     "small": {"width": 768, "ff": 3072, "heads": 12, "n_layer": 12, "image_size": 224, "patch_size": 16, "merge": 2},
@@ -169,8 +171,10 @@ def on_llama_server(binary: str, model: str, projector: Path, rounds: int) -> di
 
 
 def memory(model: str, projector: Path) -> dict[str, float]:
-    """PSS once the media cache is full of distinct frames' embeddings."""
-    with private_daemon(model, "--config", str(CONFIG), "--threads", "2", "--mmproj", str(projector)) as daemon:
+    """PSS on the 2 GB device's settings (configs/edge-2gb.toml) once a 16 MiB media cache is full of distinct
+    frames' embeddings."""
+    edge = ("--config", str(EDGE), "--mmproj", str(projector), "--media-cache-size", "16MiB")
+    with private_daemon(model, *edge) as daemon:
         with Client(daemon.address, timeout=300) as c:
             for i in range(400):
                 with c.open_session() as s:
@@ -181,8 +185,8 @@ def memory(model: str, projector: Path) -> dict[str, float]:
                     break
             pss = psutil.Process(daemon.proc.pid).memory_full_info().pss
         plan = subprocess.run(
-            [sys.executable, "-m", "kvpool.daemon.main", "--model", model, "--config", str(CONFIG),
-             "--mmproj", str(projector), "--check-config"], capture_output=True, text=True,
+            [sys.executable, "-m", "kvpool.daemon.main", "--model", model, *edge, "--check-config"],
+            capture_output=True, text=True,
         ).stderr  # fmt: skip
     total = next((line for line in plan.splitlines() if "total" in line), "")
     return {"pss_mib": pss / 2**20, "cached_mib": media.cached_bytes / 2**20, "frames": i + 1, "plan": total.strip()}

@@ -463,3 +463,44 @@ def test_half_the_layers_on_an_rpc_worker_answer_as_the_all_local_model(
         worker.kill()
     assert [(w.layers, w.output) for w in workers] == [(9, True)]
     assert split == local
+
+
+def test_an_image_session_on_the_default_model_comes_back_from_the_pool_bit_for_bit(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """Gemma 3 270M with a projector of Gemma 3's kind for its width of 640 (tests/tiny_mmproj.py, random weights):
+    the same image gives the same logits and another image other ones, and an image session that leaves its only
+    slot for the pool continues as the session that never left (deterministic decoding)."""
+    import numpy as np
+
+    from kvpool.client import Image
+
+    from .tiny_mmproj import build_tiny_mmproj
+
+    projector = tmp_path / "gemma3-640.gguf"
+    build_tiny_mmproj(projector, "gemma3", n_embd_lm=640)
+    daemon = start_daemon(
+        "--mmproj", str(projector), "--hot-slots", "1", "--context-size", "1024", "--threads", "2",
+        "--deterministic", model=None,
+    )  # fmt: skip
+    frame = (np.arange(48 * 64 * 3) % 241).astype(np.uint8).reshape(48, 64, 3)
+    turns = [["Look at this: ", Image(frame), " What do you see?"], " Tell me more."]
+    with daemon.client(timeout=300.0) as client:
+
+        def top(image: np.ndarray) -> dict[int, float]:
+            with client.open_session() as s:
+                done = s.complete(["Look at this: ", Image(image), " What?"], max_tokens=1, logprobs=5, temperature=0.0)
+            return {entry.token: entry.logprob for entry in done.logprobs[0].top}
+
+        same, again, other = top(frame), top(frame.copy()), top(frame[::-1].copy())
+        assert same.keys() == again.keys() and all(abs(same[k] - again[k]) < 1e-4 for k in same)
+        assert same.keys() != other.keys() or any(abs(same[k] - other[k]) > 1e-3 for k in same)
+        with client.open_session() as stay:
+            reference = [stay.complete(t, max_tokens=8, temperature=0.0).tokens for t in turns]
+        with client.open_session() as s:
+            first = s.complete(turns[0], max_tokens=8, temperature=0.0).tokens
+            with client.open_session() as other_session:
+                other_session.complete("Something else.", max_tokens=2, temperature=0.0)
+            second = s.complete(turns[1], max_tokens=8, temperature=0.0).tokens
+        assert client.status().moves.restores_pool >= 1
+    assert [first, second] == reference
