@@ -208,6 +208,10 @@ class AsyncClient:
             raise
 
     async def _frame_area(self) -> FrameArea | None:
+        """As the sync client: asked for once per connection."""
+        if self._area is not None and self._area.connection != self._core.connection and not self._area.busy:
+            self._area.close()
+            self._area, self._area_asked = None, None
         if self._area_asked is None:
             self._area_asked = asyncio.ensure_future(self._ask_frame_area())
         return await asyncio.shield(self._area_asked)
@@ -219,7 +223,7 @@ class AsyncClient:
             reply = expect(await self._call(p.FrameArea(size=AREA_BYTES)), p.FrameAreaReply)
         except BadRequest:
             return None  # (a daemon without a projector, or one that gives no areas: media go in the message)
-        self._area = FrameArea(reply.name, reply.size)
+        self._area = FrameArea(reply.name, reply.size, self._core.connection)
         return self._area
 
     def _send(self, message: p.Request, holds_media: bool = False) -> int:

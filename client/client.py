@@ -191,14 +191,20 @@ class Client:
             raise
 
     def _frame_area(self) -> FrameArea | None:
-        """The connection's frame area, asked for once (None: over tcp://, or the daemon gives none)."""
+        """The connection's frame area, asked for once per connection (a restarted daemon, or a new connection,
+        gives a new one); None: over tcp://, or the daemon gives none."""
+        with self._lock:
+            if self._area is not None and self._area.connection != self._core.connection and not self._area.busy:
+                self._area.close()
+                self._area, self._area_asked = None, False
         if self._area is None and not self._area_asked and self.address.startswith("ipc://"):
             self._area_asked = True
             try:
                 reply = expect(self._call(p.FrameArea(size=AREA_BYTES)), p.FrameAreaReply)
             except BadRequest:
                 return None  # (a daemon without a projector, or one that gives no areas: media go in the message)
-            self._area = FrameArea(reply.name, reply.size)
+            with self._lock:
+                self._area = FrameArea(reply.name, reply.size, self._core.connection)
         return self._area
 
     def _send(self, message: p.Request, holds_media: bool = False) -> int:

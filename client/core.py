@@ -115,6 +115,12 @@ class ClientCore:
         if self.connected:
             self._connections += 1
 
+    @property
+    def connection(self) -> int:
+        """Which connection to a daemon this is (each one made counts): what the daemon gave on an earlier one (a
+        frame area) went with it."""
+        return self._connections
+
     def done(self, request_id: int) -> None:
         self._sent_at.pop(request_id, None)
         self._sent_on.pop(request_id, None)

@@ -71,7 +71,8 @@ def medium_bytes(part: Image | Audio) -> tuple[dict[str, Any], bytes | memoryvie
 class FrameArea:
     """The connection's frame area, mapped; regions are taken per request and given back when it is answered."""
 
-    def __init__(self, name: str, size: int):
+    def __init__(self, name: str, size: int, connection: int = 0):
+        """``connection``: the connection it was given on (the daemon frees it when that one goes)."""
         import posix_ipc  # (a daemon dependency too: it maps its pool the same way)
 
         shm = posix_ipc.SharedMemory(name)
@@ -79,7 +80,7 @@ class FrameArea:
             self.mapping = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             shm.close_fd()
-        self.name, self.size = name, size
+        self.name, self.size, self.connection = name, size, connection
         self._held: dict[int, list[tuple[int, int]]] = {}  # request id -> its (offset, length) regions
         self._pending: list[tuple[int, int]] = []  # regions taken for a request not sent yet
 

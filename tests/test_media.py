@@ -402,3 +402,19 @@ def test_bad_media_leave_the_session_and_the_daemon_intact(media_daemon: Callabl
         assert s.complete(" still?", max_tokens=2, **GREEDY).usage.completion_tokens == 2
     with Client(daemon.address) as client:
         assert client.status().media is not None  # the daemon serves on
+
+
+def test_a_client_gets_a_new_frame_area_from_a_restarted_daemon(media_daemon: Callable[..., DaemonProcess]) -> None:
+    daemon = media_daemon()
+    with Client(daemon.address, reconnect_wait=30) as client:
+        s = client.open_session()
+        s.complete(["Look: ", Image(FRAME)], max_tokens=2, **GREEDY)
+        old = client._frame_area()
+        assert old is not None
+        daemon.stop()
+        daemon.start()
+        s = client.resume_session(s.id, s.token)  # (the first request on the new connection)
+        after = s.complete([" and: ", Image(OTHER)], max_tokens=2, **GREEDY)
+        area = client._frame_area()
+        assert area is not None and area.name != old.name  # the old one went with the old daemon
+        assert after.usage.completion_tokens == 2 and media_of(client).frame_areas == 1
