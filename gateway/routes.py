@@ -16,12 +16,13 @@ from starlette.routing import Route
 
 from kvpool.client.chat_template import TemplateError
 
-from . import anthropic_messages, fields
+from . import anthropic_messages, fields, responses_api
 from .dispatch import Job, OtherAnswer, respond
 from .http_errors import HttpError
 from .media_parts import RequestMedia, holds_media
 from .messages import answer_separator, template_messages
 from .middleware import decode, read_body, route
+from .responses_store import StoredResponse
 from .schema import ChatCompletionRequest, CompletionRequest
 from .shaping import ChoiceFormat
 from .tool_result_prefill import ToolResultOpening
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
+RESPONSES = "/v1/responses"
 
 
 def as_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
@@ -165,6 +167,59 @@ def build_routes(gateway: Gateway) -> list[Route]:
         tokens = await client.tokenize(text, add_bos=model.template.needs_bos(text), special=True)
         return JSONResponse({"input_tokens": len(tokens)})
 
+    @wrapped(RESPONSES)
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, through the chat route (responses_api.py); a chain runs as one conversation."""
+        asked = decode(await read_body(request, config.max_body_bytes), responses_api.ResponsesRequest)
+        responses_api.refuse_unserved(asked)
+        history: list[dict[str, Any]] = []
+        chain = asked.prompt_cache_key or responses_api.new_id("chain")
+        if asked.previous_response_id is not None:
+            previous = gateway.responses.get(asked.previous_response_id)
+            if previous is None:
+                raise HttpError(
+                    404,
+                    f"No stored response {asked.previous_response_id!r}: it was not stored (store: false), was "
+                    "deleted, or has expired; send the conversation as input instead.",
+                    "not_found",
+                    param="previous_response_id",
+                )
+            history, chain = previous.messages, asked.prompt_cache_key or previous.chain
+        body = as_chat_request(responses_api.chat_body(asked, history, chain))
+        model = await gateway.model()
+        items = responses_api.input_items_of(asked)
+
+        def store(response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+            gateway.responses.put(response, chain, messages, items)
+
+        conversation = [*history, *responses_api.input_messages(asked.input)]
+        answer = responses_api.ResponsesAnswer(
+            asked, model.id, conversation, store if asked.store is not False else None
+        )
+        return await chat_answer(request, body, answer)
+
+    def stored(request: Request) -> StoredResponse:
+        found = gateway.responses.get(request.path_params["response_id"])
+        if found is None:
+            raise HttpError(
+                404, "No such stored response (never stored, deleted, or expired).", "not_found", param="response_id"
+            )
+        return found
+
+    @wrapped(RESPONSES + "/{id}")
+    async def get_response(request: Request) -> Response:
+        return JSONResponse(stored(request).response)
+
+    @wrapped(RESPONSES + "/{id}/input_items")
+    async def response_input_items(request: Request) -> Response:
+        return JSONResponse(responses_api.input_item_list(stored(request).input_items))
+
+    @wrapped(RESPONSES + "/{id} DELETE")
+    async def delete_response(request: Request) -> Response:
+        response_id = stored(request).response["id"]
+        gateway.responses.delete(response_id)
+        return JSONResponse(responses_api.deleted(response_id))
+
     @wrapped(COMPLETIONS)
     async def completions(request: Request) -> Response:
         body = decode(await read_body(request, config.max_body_bytes), CompletionRequest)
@@ -236,6 +291,10 @@ def build_routes(gateway: Gateway) -> list[Route]:
         Route(CHAT, chat, methods=["POST"]),
         Route(COMPLETIONS, completions, methods=["POST"]),
         Route(MESSAGES, messages, methods=["POST"]),
+        Route(RESPONSES, responses, methods=["POST"]),
+        Route(RESPONSES + "/{response_id}", get_response, methods=["GET"]),
+        Route(RESPONSES + "/{response_id}", delete_response, methods=["DELETE"]),
+        Route(RESPONSES + "/{response_id}/input_items", response_input_items, methods=["GET"]),
         Route(COUNT_TOKENS, count_tokens, methods=["POST"]),
         Route(config.health_path, health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

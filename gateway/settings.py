@@ -42,6 +42,10 @@ class GatewayConfig:
     fetch_media_urls: Annotated[bool, Flag("fetch the http(s) image and audio URLs messages name (off: refused)")] = (
         False
     )
+    # Stored responses (the Responses API), beside the conversation map: bounded in count and bytes, expiring.
+    responses_max: Annotated[int, Flag("stored responses kept at most (the oldest go first)")] = 10_000
+    responses_max_bytes: Annotated[int, Flag("bytes of stored responses kept at most")] = 64 << 20
+    responses_ttl: Annotated[float, Flag("seconds a stored response is kept (30 days, as OpenAI's)")] = 30 * 86400.0
     timeout: Annotated[float, Flag("seconds to wait for each answer from kvpoold")] = 300.0
     # How long an answer the daemon cut short (it restarted, or this gateway was unresponsive past its
     # client_patience) waits for the daemon to take its session back and continue it (continuation.py); 0: never.

@@ -19,6 +19,7 @@ from .admission import Admission
 from .conversations import ConversationStore
 from .http_errors import HttpError
 from .metrics import GatewayMetrics
+from .responses_store import ResponseStore
 from .settings import GatewayConfig
 from .tools import AnswerMemory
 from .turns import Turns
@@ -43,6 +44,11 @@ def anonymous_file(state_file: Path | None) -> Path | None:
     return state_file.with_name(f"{state_file.stem}-anonymous{state_file.suffix}") if state_file else None
 
 
+def responses_file(state_file: Path | None) -> Path | None:
+    """Where stored responses (the Responses API) are kept, next to the conversation map."""
+    return state_file.with_name(f"{state_file.stem}-responses.sqlite") if state_file else None
+
+
 class Gateway:
     """The app's state: one asyncio client of kvpoold (connected lazily, so the gateway starts before the daemon
     and outlives its restarts), the conversation map, the queue, the raw text of reshaped answers, the metrics."""
@@ -59,6 +65,9 @@ class Gateway:
             anonymous=ConversationStore(anonymous_file(config.state_file)),
         )
         self.memory = AnswerMemory()
+        self.responses = ResponseStore(
+            responses_file(config.state_file), config.responses_max, config.responses_max_bytes, config.responses_ttl
+        )
         self._client: AsyncClient | None = None
         self._model: Model | None = None
         self._connecting = asyncio.Lock()  # concurrent first requests share one connection
@@ -114,5 +123,6 @@ class Gateway:
 
     async def close(self) -> None:
         await self.turns.close()
+        self.responses.close()
         if self._client is not None:
             await self._client.close()

@@ -1,0 +1,172 @@
+"""OpenAI's Responses API through the real openai client, against a real kvpool-gateway and kvpoold (tiny model):
+answers equal the chat route's; a previous_response_id chain computes only its new input, after the gateway and
+the daemon restart too; stored responses are read, listed and deleted; tools, text.format, streaming events; what
+cannot be honoured is refused by name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from .daemon_process import DaemonProcess
+from .gateway_process import GatewayProcess, client_of
+
+LIGHT = {
+    "type": "function",
+    "name": "set_light",
+    "description": "Switch a room's light",
+    "parameters": {
+        "type": "object",
+        "properties": {"room": {"type": "string", "enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
+        "required": ["room", "on"],
+        "additionalProperties": False,
+    },
+}
+GREEDY = {"temperature": 0.0}
+
+
+def cached(response: openai.types.responses.Response) -> int:
+    assert response.usage is not None
+    return response.usage.input_tokens_details.cached_tokens
+
+
+def test_a_response_is_the_chat_routes_answer_and_a_chain_computes_only_its_new_input(served: GatewayProcess) -> None:
+    client = client_of(served)
+    first = client.responses.create(
+        model="tiny", input="hello there", instructions="be brief", max_output_tokens=8, **GREEDY
+    )
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+        max_tokens=8,
+        **GREEDY,
+    )
+    assert first.object == "response" and first.status in ("completed", "incomplete")
+    assert first.output_text == chat.choices[0].message.content
+    assert first.usage is not None and first.usage.input_tokens == chat.usage.prompt_tokens
+    second = client.responses.create(
+        model="tiny",
+        input="and then?",
+        instructions="be brief",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        **GREEDY,
+    )
+    assert second.previous_response_id == first.id
+    # Everything the first response's conversation held was kept in the chain's session: only the new input ran.
+    assert cached(second) >= first.usage.input_tokens + first.usage.output_tokens - 1
+    again = client.responses.retrieve(second.id)
+    assert again.id == second.id and again.output_text == second.output_text
+    items = client.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "and then?"  # type: ignore[union-attr]
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(model="tiny", input="x", previous_response_id=second.id)
+    assert gone.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    unstored = client.responses.create(model="tiny", input="not kept", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_streaming_follows_the_responses_event_sequence(served: GatewayProcess) -> None:
+    client = client_of(served)
+    whole = client.responses.create(model="tiny", input="count for me", max_output_tokens=8, **GREEDY)
+    with client.responses.stream(model="tiny", input="count for me", max_output_tokens=8, **GREEDY) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    # (the tiny model never ends by itself: its answers stop at max_output_tokens, as OpenAI says, incomplete)
+    final = next(e.response for e in events if e.type == "response.incomplete")
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert "response.output_text.delta" in kinds and "response.output_text.done" in kinds
+    assert kinds[-1] == "response.incomplete" and whole.status == "incomplete"
+    assert (
+        final.output_text
+        == whole.output_text
+        == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    )
+    assert final.incomplete_details is not None and final.incomplete_details.reason == "max_output_tokens"
+    numbers = []
+    with httpx.stream(
+        "POST",
+        served.url + "/v1/responses",
+        json={"model": "t", "input": "count", "stream": True, "max_output_tokens": 4},
+    ) as raw:
+        for line in raw.iter_lines():
+            if line.startswith("data: "):
+                numbers.append(json.loads(line[6:])["sequence_number"])
+    assert numbers == list(range(len(numbers))) and len(numbers) >= 6
+
+
+def test_a_tool_loop_and_structured_text(served: GatewayProcess) -> None:
+    client = client_of(served)
+    called = client.responses.create(
+        model="tiny", input="light the kitchen", tools=[LIGHT], tool_choice="required", **GREEDY
+    )
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "set_light"
+    arguments = json.loads(calls[0].arguments)
+    assert arguments["room"] in ("kitchen", "hall") and isinstance(arguments["on"], bool)
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "done"}
+    after = client.responses.create(
+        model="tiny", input=[result], previous_response_id=called.id, tools=[LIGHT], max_output_tokens=8, **GREEDY
+    )
+    assert cached(after) > 0  # the call's turn was kept: only its result was computed
+    # The same loop sent whole (no previous_response_id), as the Agents SDK sends it, continues by its history.
+    history = [{"role": "user", "content": "light the kitchen"}, *[c.model_dump() for c in calls], result]
+    resent = client.responses.create(model="tiny", input=history, tools=[LIGHT], max_output_tokens=8, **GREEDY)
+    assert resent.output_text == after.output_text
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}
+    shaped = client.responses.create(
+        model="tiny",
+        input="one word",
+        text={"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}},
+        max_output_tokens=64,
+        **GREEDY,
+    )
+    assert isinstance(json.loads(shaped.output_text)["word"], str)
+
+
+def test_what_cannot_be_honoured_is_refused_by_name(served: GatewayProcess) -> None:
+    client = client_of(served)
+    for kwargs, named in (
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ):
+        arguments = {"model": "tiny", "input": "hi", **kwargs}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(**arguments)  # type: ignore[arg-type]
+        assert named in refused.value.message, refused.value.message
+
+
+def test_a_chain_continues_after_the_gateway_and_the_daemon_restart(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    gateway = start_gateway(daemon.address)
+    first = client_of(gateway).responses.create(
+        model="tiny", input="remember the kitchen", max_output_tokens=8, **GREEDY
+    )
+    gateway.stop()
+    daemon.stop()
+    daemon.start()
+    gateway = start_gateway(daemon.address)  # (the same state folder: its conversation map and stored responses)
+    second = client_of(gateway).responses.create(
+        model="tiny", input="what did I say?", previous_response_id=first.id, max_output_tokens=8, **GREEDY
+    )
+    assert first.usage is not None
+    assert cached(second) >= first.usage.input_tokens + first.usage.output_tokens - 1
