@@ -55,7 +55,16 @@ PROJECTORS = {
     "tiny": {},
 }
 GREEDY = {"temperature": 0.0}
-CONVERSATION = "You watch the kitchen camera of a home robot and answer in one sentence. "
+CONVERSATION = (
+    "You watch the kitchen camera of a home robot. Answer in one sentence, name the objects you see, say where "
+    "they are on the table and whether anything moved since the last frame; if a person or a pet is in view, say "
+    "so first. Never guess what you cannot see; say that the view is unclear instead. "
+)
+# The conversation before the measured turn: the picture, then two exchanges about it (~250 tokens in all).
+EARLIER = [
+    " What is on the table?",
+    " Is the cat still on the chair, and did the robot's cup move?",
+]
 
 
 def frame(i: int, height: int = 480, width: int = 640) -> np.ndarray:
@@ -110,25 +119,28 @@ def voice_under(model: str, projector: Path, load: str, seconds: float) -> dict[
 def next_turn(model: str, projector: Path, rounds: int) -> dict[str, list[float]]:
     """The next turn's time to first token: restored from the pool, against encoding and prefilling it all again."""
     picture = frame(7)
-    question, follow = [CONVERSATION, Image(picture), " What is on the table?"], " And now?"
-    pooled, redone = [], []
+    follow = " And now?"
+    pooled, redone, context = [], [], 0
     slot = ("--threads", "2", "--mmproj", str(projector), "--hot-slots", "1")
     with private_daemon(model, *slot) as daemon, Client(daemon.address, timeout=300) as client:
         for _ in range(rounds):
             with client.open_session() as s, client.open_session() as other:
-                s.complete(question, max_tokens=8, **GREEDY)
+                answers = [s.complete([CONVERSATION, Image(picture), EARLIER[0]], max_tokens=24, **GREEDY).text]
+                answers += [s.complete(turn, max_tokens=24, **GREEDY).text for turn in EARLIER[1:]]
                 other.complete("Something else.", max_tokens=4, **GREEDY)  # takes the slot: s goes to the pool
-                pooled.append(s.complete(follow, max_tokens=8, **GREEDY).ttft_ms)
+                done = s.complete(follow, max_tokens=8, **GREEDY)
+                pooled.append(done.ttft_ms)
+                context = done.usage.context_tokens
     # The same turn where nothing was kept: the image encoded and the whole conversation prefilled again.
+    history = "".join(f"{turn}{answer}" for turn, answer in zip(EARLIER, answers, strict=True))
     nothing_kept = ("--threads", "2", "--mmproj", str(projector), "--media-cache-size", "0")
     with private_daemon(model, *nothing_kept) as daemon, Client(daemon.address, timeout=300) as client:
-        with client.open_session() as s:
-            first = s.complete(question, max_tokens=8, **GREEDY).text
         for _ in range(rounds):
             with client.open_session() as s:
-                whole = [CONVERSATION, Image(picture), f" What is on the table?{first}{follow}"]
+                whole = [CONVERSATION, Image(picture), f"{history}{follow}"]
                 redone.append(s.complete(whole, max_tokens=8, **GREEDY).ttft_ms)
-    return {"pool_ms": pooled, "again_ms": redone}
+        encodes = client.status().media.encodes  # type: ignore[union-attr]
+    return {"pool_ms": pooled, "again_ms": redone, "context_tokens": context, "encodes_again": encodes}
 
 
 def seen_twice(model: str, projector: Path) -> dict[str, float]:
@@ -145,28 +157,49 @@ def seen_twice(model: str, projector: Path) -> dict[str, float]:
 def on_llama_server(binary: str, model: str, projector: Path, rounds: int) -> dict[str, list[float]]:
     """The image conversation on llama-server with one slot that a second conversation takes between its turns."""
     picture = "data:image/png;base64," + base64.b64encode(png(224, 224)).decode()
+    follow_up = "And now?"
     other = [{"role": "user", "content": "Something else."}]
     turns: list[float] = []
     computed: list[int] = []
     with llama_server(binary, model, 1, 4096, "--mmproj", str(projector)) as url:
 
-        def ask(messages: list[dict]) -> dict:
-            body = {"messages": messages, "max_tokens": 8, "temperature": 0.0}
+        def ask(messages: list[dict], max_tokens: int = 24) -> dict:
+            body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
             return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()
 
+        def first_token(messages: list[dict]) -> tuple[float, int]:
+            """Milliseconds to the first streamed text, and the prompt tokens it computed (its timings)."""
+            body = {
+                "messages": messages,
+                "max_tokens": 8,
+                "temperature": 0.0,
+                "stream": True,
+                "timings_per_token": True,
+            }
+            started, first, computed = time.perf_counter(), None, -1
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as answer:
+                for line in answer.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                        first = time.perf_counter()
+                    computed = chunk.get("timings", {}).get("prompt_n", computed)
+            return ((first or time.perf_counter()) - started) * 1000.0, computed
+
         for _ in range(rounds):
-            history = [
-                {"role": "system", "content": CONVERSATION},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
-                                             {"type": "text", "text": "What is on the table?"}]},
-            ]  # fmt: skip
-            first = ask(history)
-            ask(other)  # takes the only slot
-            history += [first["choices"][0]["message"], {"role": "user", "content": "And now?"}]
-            started = time.perf_counter()
-            answer = ask(history)
-            turns.append((time.perf_counter() - started) * 1000.0)
-            computed.append(answer.get("timings", {}).get("prompt_n", -1))
+            history: list[dict] = [{"role": "system", "content": CONVERSATION}]
+            for i, turn in enumerate(EARLIER):
+                content: str | list = turn.strip()
+                if i == 0:
+                    content = [{"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": content}]
+                history.append({"role": "user", "content": content})
+                history.append(ask(history)["choices"][0]["message"])
+            ask(other, 4)  # takes the only slot
+            history.append({"role": "user", "content": follow_up})
+            ms, n = first_token(history)
+            turns.append(ms)
+            computed.append(n)
     return {"turn_ms": turns, "prompt_computed": computed}
 
 
@@ -248,8 +281,9 @@ def main() -> int:
         r = results["next_turn"]
         assert isinstance(r, dict)
         pool, again = statistics.median(r["pool_ms"]), statistics.median(r["again_ms"])
-        print(f"\nnext turn of an image conversation: from the pool {pool:.1f} ms, encoded and prefilled again "
-              f"{again:.1f} ms: {again / pool:.1f}x (medians of {args.rounds})")  # fmt: skip
+        print(f"\nnext turn of an image conversation ({r['context_tokens']} tokens): from the pool {pool:.1f} ms, "
+              f"encoded ({r['encodes_again']} encodes) and prefilled again {again:.1f} ms: {again / pool:.1f}x "
+              f"(medians of {args.rounds}, time to first token)")  # fmt: skip
     if "twice" in results:
         r = results["twice"]
         assert isinstance(r, dict)
@@ -264,8 +298,9 @@ def main() -> int:
             pooled = results.get("next_turn")
             ours = statistics.median(pooled["pool_ms"]) if isinstance(pooled, dict) else float("nan")
             theirs = statistics.median(r["turn_ms"])
-            print(f"\nllama-server, its slot taken between turns: next turn {theirs:.0f} ms (prompt tokens "
-                  f"computed: {r['prompt_computed']}); kvpool from the pool {ours:.1f} ms to first token")  # fmt: skip
+            print(f"\nllama-server, its slot taken between turns: next turn {theirs:.0f} ms to first token (prompt "
+                  f"tokens computed: {r['prompt_computed']}); kvpool from the pool {ours:.1f} ms: "
+                  f"{theirs / ours:.1f}x")  # fmt: skip
     if "memory" in results:
         r = results["memory"]
         assert isinstance(r, dict)

@@ -1,6 +1,8 @@
 """Fuzz the gateway's HTTP endpoints the way tests/test_fuzz.py fuzzes the daemon's frames: random bytes, random
-JSON values, valid requests with one field given a random value, deep nesting and huge bodies. Every answer must
-be below 500, every 4xx must carry OpenAI's error body, and the gateway must still answer a good request after."""
+JSON values, valid requests with one field given a random value, deep nesting and huge bodies, on every generating
+route (OpenAI's chat, completions and Responses, Anthropic's Messages). Every answer must be below 500, every 4xx
+must carry the route's own error body (Anthropic's on /v1/messages, OpenAI's elsewhere), and the gateway must
+still answer a good request after."""
 
 from __future__ import annotations
 
@@ -19,9 +21,23 @@ from hypothesis import strategies as st
 from .daemon_process import DaemonProcess
 from .gateway_process import WAIT_S, GatewayProcess, client_of
 
-ROUTES = ("/v1/chat/completions", "/v1/completions")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+MESSAGES_ROUTE = "/v1/messages"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+RESPONSE = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+MESSAGE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+RESPONSE_FIELDS = [
+    *RESPONSE,
+    *("instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "temperature", "top_p", "metadata"),
+    *("store", "previous_response_id", "stream", "user", "include", "reasoning", "background", "truncation"),
+    "unknown",
+]
+MESSAGE_FIELDS = [
+    *MESSAGE,
+    *("system", "stop_sequences", "temperature", "top_p", "top_k", "stream", "tools", "tool_choice", "metadata"),
+    *("thinking", "service_tier", "unknown"),
+]
 CHAT_FIELDS = [
     *CHAT,
     "temperature",
@@ -71,6 +87,11 @@ COMPLETION_FIELDS = [
     "user",
     "unknown",
 ]
+BODIES = dict(zip(ROUTES, (CHAT, COMPLETION, RESPONSE, MESSAGE), strict=True))
+FIELDS = dict(zip(ROUTES, (CHAT_FIELDS, COMPLETION_FIELDS, RESPONSE_FIELDS, MESSAGE_FIELDS), strict=True))
+LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
 SETTINGS = settings(
     max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -102,12 +123,16 @@ def gateway(tiny_model: Path) -> Iterator[GatewayProcess]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def answered_well(reply: httpx.Response) -> None:
-    """Below 500, and a refusal says why in OpenAI's form."""
+def answered_well(reply: httpx.Response, route: str = "") -> None:
+    """Below 500, and a refusal says why in the route's form (Anthropic's on /v1/messages, else OpenAI's)."""
     assert reply.status_code < 500, (reply.status_code, reply.text[:300])
     if reply.status_code >= 400:
-        error = reply.json()["error"]
-        assert isinstance(error["message"], str) and error["message"] and error["type"] and error["code"]
+        body = reply.json()
+        error = body["error"]
+        if route == MESSAGES_ROUTE:
+            assert body["type"] == "error" and error["type"] and isinstance(error["message"], str) and error["message"]
+        else:
+            assert isinstance(error["message"], str) and error["message"] and error["type"] and error["code"]
 
 
 def post(gateway: GatewayProcess, route: str, content: bytes) -> httpx.Response:
@@ -119,25 +144,24 @@ def post(gateway: GatewayProcess, route: str, content: bytes) -> httpx.Response:
 @SETTINGS
 @given(body=st.binary(max_size=200), route=st.sampled_from(ROUTES))
 def test_random_bytes(gateway: GatewayProcess, body: bytes, route: str) -> None:
-    answered_well(post(gateway, route, body))
+    answered_well(post(gateway, route, body), route)
 
 
 @SETTINGS
 @given(value=json_values, route=st.sampled_from(ROUTES))
 def test_random_json_values(gateway: GatewayProcess, value: Any, route: str) -> None:
-    answered_well(post(gateway, route, json.dumps(value).encode()))
+    answered_well(post(gateway, route, json.dumps(value).encode()), route)
 
 
 @SETTINGS
 @given(data=st.data(), route=st.sampled_from(ROUTES))
 def test_one_field_with_a_random_value(gateway: GatewayProcess, data: st.DataObject, route: str) -> None:
-    chat = route == ROUTES[0]
-    body: dict[str, Any] = dict(CHAT if chat else COMPLETION)
-    field = data.draw(st.sampled_from(CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    body: dict[str, Any] = dict(BODIES[route])
+    field = data.draw(st.sampled_from(FIELDS[route]))
     body[field] = data.draw(json_values)
-    if field in ("max_tokens", "max_completion_tokens") and isinstance(body[field], int) and body[field] > 2:
+    if field in LENGTHS and isinstance(body[field], int) and body[field] > 2:
         body[field] = 2  # a valid length would only make the run long
-    answered_well(post(gateway, route, json.dumps(body).encode()))
+    answered_well(post(gateway, route, json.dumps(body).encode()), route)
 
 
 @SETTINGS
@@ -173,12 +197,16 @@ def test_deep_nesting_and_huge_bodies(gateway: GatewayProcess, route: str) -> No
     deep = 100_000
     arrays = b"[" * deep + b"]" * deep
     objects = b'{"a":' * deep + b"1" + b"}" * deep
-    base = CHAT if route == ROUTES[0] else COMPLETION
+    base = BODIES[route]
     for nested in (arrays, objects):
-        answered_well(post(gateway, route, nested))
-        for field in ("prompt", "messages", "tools", "stop", "unknown", "response_format", "logit_bias"):
+        answered_well(post(gateway, route, nested), route)
+        for field in ("prompt", "messages", "input", "tools", "stop", "unknown", "response_format", "logit_bias"):
             head = json.dumps({k: v for k, v in base.items() if k != field})[:-1].encode()
-            answered_well(post(gateway, route, head + b', "' + field.encode() + b'": ' + nested + b"}"))
+            answered_well(post(gateway, route, head + b', "' + field.encode() + b'": ' + nested + b"}"), route)
+    if route in (ROUTES[2], MESSAGES_ROUTE):  # (the schema, size and type checks below are the chat routes')
+        huge = post(gateway, route, b'{"input": "' + b"x" * (5 << 20) + b'"}')
+        assert huge.status_code == 413
+        return
     # a schema nested deep, but not beyond what JSON parsing takes
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(200):

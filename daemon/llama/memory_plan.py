@@ -27,7 +27,11 @@ from kvpool.daemon.rpc.placement import LOCAL, layer_of, place_layers
 
 F32 = 4
 RUNTIME_BYTES = 64 << 20  # measured: a kvpoold with the tiny test model, before its pool, is ~60 MiB PSS
-GLOBAL_LAYER_EVERY = {"gemma3": 6}  # sliding-window architectures: every Nth layer attends globally
+GLOBAL_LAYER_EVERY = {"gemma3": 6}
+# libmtmd, its warm-up encode and the frames being read and prepared, beside the projector's file, its encoder's
+# buffer and the media cache. Measured (bench/vision.py, configs/edge-2gb.toml, a SigLIP-base-sized projector):
+# PSS 954 MiB with a full 16 MiB cache, against 907 MiB planned without this.
+MEDIA_RUNTIME_BYTES = 48 << 20  # sliding-window architectures: every Nth layer attends globally
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,9 @@ def plan_memory(
     ``mmproj``, the projector counts (its file, its encoder's buffer) and the media cache (ProjectorError when
     the setting names no projector)."""
     projector = plan_projector(config.mmproj)
-    media = projector.weights + projector.compute + config.media_cache_size if projector is not None else 0
+    media = 0
+    if projector is not None:
+        media = projector.weights + projector.compute + config.media_cache_size + MEDIA_RUNTIME_BYTES
     shape = model_shape(model_path)
     type_k, type_v = kv_type(config.cache_type_k), kv_type(config.cache_type_v)
     arch, n_layer, n_embd, n_head = shape.arch, shape.n_layer, shape.n_embd, shape.n_head

@@ -76,6 +76,7 @@ class MediaCache:
     def get(self, kind: str, fmt: str, data: bytes | memoryview, width: int, height: int) -> MediaEntry:
         """The entry for this medium: found by its content, else prepared now (MediaError when it cannot be)."""
         digest = digest_of(kind, fmt, width, height, data)
+        self.trim()  # (what sessions let go of since: a cache of 0 bytes keeps nothing for the next request)
         entry = self._entries.get(digest)
         if entry is not None:
             self.hits += 1
