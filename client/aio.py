@@ -28,7 +28,7 @@ from . import core
 from .address import default_address
 from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
 from .errors import BadRequest, DaemonUnavailable, KvpoolError, NotConnected, RequestTimeout
-from .media import AREA_BYTES, FrameArea, Part, is_parts, wire_parts
+from .media import AREA_BYTES, FrameArea, Part, Placing, is_parts, wire_parts
 from .results import Collector, Completion, WirePart, expect, generate_request, open_request, raise_if_error
 
 
@@ -188,6 +188,8 @@ class AsyncClient:
             if self._area is not None and self._area.busy:
                 self._area.answered(reply.id)  # the daemon has read its media by the time it answers
                 self._area_freed.set()
+                if isinstance(reply, p.Error) and reply.detail and "frame_area" in reply.detail:
+                    self._drop_area()  # the daemon freed it (its connection went, or too many were given)
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped
                 queue.put_nowait(reply)
@@ -195,23 +197,38 @@ class AsyncClient:
     async def _send_parts(self, build: Callable[[list[WirePart]], p.Request], parts: list[Part]) -> int:
         """As the sync client: the media in the frame area (waiting for answers that free room in it), or in the
         message when the daemon gives no area."""
+        if not self._connected.is_set():  # (an area is the connection's: one given before a restart is gone)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.reconnect_wait):
+                    await self._connected.wait()
         area = await self._frame_area()
-        async with asyncio.timeout(self.timeout):
-            while (wired := wire_parts(parts, area, self._core.max_frame // 2 or AREA_BYTES)) is None:
-                self._area_freed.clear()
-                await self._area_freed.wait()
         try:
-            return self._send(build(wired), holds_media=area is not None)
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    placing = area.placing() if area is not None else None
+                    wired = wire_parts(parts, placing, self._core.max_frame // 2 or AREA_BYTES)
+                    if wired is not None:
+                        break
+                    assert area is not None and placing is not None
+                    area.abandon(placing)
+                    self._area_freed.clear()
+                    await self._area_freed.wait()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"The frame area stayed full for {self.timeout:g} s: the daemon has not answered the requests whose "
+                "frames it holds; wait for them, or send fewer frames at once."
+            ) from None
+        try:
+            return self._send(build(wired), placing)
         except BaseException:
-            if area is not None:
-                area.abandon()
+            if area is not None and placing is not None:
+                area.abandon(placing)
             raise
 
     async def _frame_area(self) -> FrameArea | None:
         """As the sync client: asked for once per connection."""
         if self._area is not None and self._area.connection != self._core.connection and not self._area.busy:
-            self._area.close()
-            self._area, self._area_asked = None, None
+            self._drop_area()
         if self._area_asked is None:
             self._area_asked = asyncio.ensure_future(self._ask_frame_area())
         return await asyncio.shield(self._area_asked)
@@ -223,17 +240,26 @@ class AsyncClient:
             reply = expect(await self._call(p.FrameArea(size=AREA_BYTES)), p.FrameAreaReply)
         except BadRequest:
             return None  # (a daemon without a projector, or one that gives no areas: media go in the message)
+        except KvpoolError:
+            self._area_asked = None  # (overloaded, or the daemon restarting: ask again next time)
+            return None
         self._area = FrameArea(reply.name, reply.size, self._core.connection)
         return self._area
 
-    def _send(self, message: p.Request, holds_media: bool = False) -> int:
+    def _drop_area(self) -> None:
+        """Forget the frame area (the daemon freed it): the next medium asks for another."""
+        if self._area is not None:
+            self._area.close()
+        self._area, self._area_asked = None, None
+
+    def _send(self, message: p.Request, placing: Placing | None = None) -> int:
         """Send now, as the sync client does (called on the event loop's thread), over a connection to the daemon;
         with none, the send waits on the loop and the first wait for its reply awaits it, for reconnect_wait at most
         (then it is not sent at all)."""
         request_id, frame = self._core.prepare(message)
         self._queues[request_id] = asyncio.Queue()
-        if holds_media and self._area is not None:
-            self._area.sent(request_id)
+        if placing is not None:
+            placing.area.hold(placing, request_id)
         if self._connected.is_set():
             sent = self._sock.send(frame)
         else:

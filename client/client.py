@@ -24,7 +24,7 @@ from . import core
 from .address import default_address
 from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
 from .errors import BadRequest, DaemonUnavailable, KvpoolError, RequestTimeout
-from .media import AREA_BYTES, FrameArea, Part, is_parts, wire_parts
+from .media import AREA_BYTES, FrameArea, Part, Placing, is_parts, wire_parts
 from .results import Collector, Completion, WirePart, expect, generate_request, open_request, raise_if_error
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
@@ -167,11 +167,15 @@ class Client:
     def _send_parts(self, build: Callable[[list[WirePart]], p.Request], parts: list[Part]) -> int:
         """Send the request ``build`` makes of ``parts``, their media in the frame area (waiting for answers that
         free room in it, within the timeout), or in the message when the daemon gives no area."""
+        self._wait_for_connection()  # (an area is the connection's: one given before a restart is gone)
         area = self._frame_area()
         deadline = time.monotonic() + self.timeout
         while True:
             with self._lock:
-                wired = wire_parts(parts, area, self._core.max_frame // 2 or AREA_BYTES)
+                placing = area.placing() if area is not None else None
+                wired = wire_parts(parts, placing, self._core.max_frame // 2 or AREA_BYTES)
+                if wired is None and placing is not None:
+                    area.abandon(placing)  # type: ignore[union-attr]
             if wired is not None:
                 break
             if time.monotonic() >= deadline:
@@ -183,38 +187,54 @@ class Client:
                 self._drain()
                 self._sock.poll(POLL_SLICE_MS)
         try:
-            return self._send(build(wired), holds_media=area is not None)
+            return self._send(build(wired), placing)
         except BaseException:
-            if area is not None:
+            if area is not None and placing is not None:
                 with self._lock:
-                    area.abandon()
+                    area.abandon(placing)
             raise
+
+    def _wait_for_connection(self) -> None:
+        deadline = time.monotonic() + self.reconnect_wait
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._watch_connection(0 if self._core.connected else POLL_SLICE_MS):
+                    return
+            time.sleep(0)  # let a thread waiting for the lock in
 
     def _frame_area(self) -> FrameArea | None:
         """The connection's frame area, asked for once per connection (a restarted daemon, or a new connection,
-        gives a new one); None: over tcp://, or the daemon gives none."""
+        gives a new one); None: over tcp://, or the daemon gives none (or none now: media go in the message)."""
         with self._lock:
             if self._area is not None and self._area.connection != self._core.connection and not self._area.busy:
-                self._area.close()
-                self._area, self._area_asked = None, False
+                self._drop_area()
         if self._area is None and not self._area_asked and self.address.startswith("ipc://"):
             self._area_asked = True
             try:
                 reply = expect(self._call(p.FrameArea(size=AREA_BYTES)), p.FrameAreaReply)
             except BadRequest:
                 return None  # (a daemon without a projector, or one that gives no areas: media go in the message)
+            except KvpoolError:
+                self._area_asked = False  # (overloaded, or the daemon restarting: ask again next time)
+                return None
             with self._lock:
                 self._area = FrameArea(reply.name, reply.size, self._core.connection)
         return self._area
 
-    def _send(self, message: p.Request, holds_media: bool = False) -> int:
+    def _drop_area(self) -> None:
+        """Forget the frame area (the daemon freed it): the next medium asks for another. Call it holding the lock."""
+        if self._area is not None:
+            self._area.close()
+        self._area, self._area_asked = None, False
+
+    def _send(self, message: p.Request, placing: Placing | None = None) -> int:
         """Send over a connection to the daemon, waiting up to reconnect_wait for one (NotConnected).
-        ``holds_media``: the frame area regions placed for it are its until it is answered."""
+        ``placing``: the frame area regions its media took, its until it is answered."""
         with self._lock:
             request_id, frame = self._core.prepare(message)
             self._inboxes[request_id] = deque()
-            if holds_media and self._area is not None:
-                self._area.sent(request_id)
+            if placing is not None:
+                placing.area.hold(placing, request_id)
         deadline = time.monotonic() + self.reconnect_wait
         while True:
             with self._lock:
@@ -258,6 +278,8 @@ class Client:
                 continue
             if self._area is not None:
                 self._area.answered(reply.id)  # the daemon has read its media by the time it answers
+                if isinstance(reply, p.Error) and reply.detail and "frame_area" in reply.detail:
+                    self._drop_area()  # the daemon freed it (its connection went, or too many were given)
             inbox = self._inboxes.get(reply.id)
             if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
                 inbox.append(reply)

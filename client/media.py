@@ -82,12 +82,15 @@ class FrameArea:
             shm.close_fd()
         self.name, self.size, self.connection = name, size, connection
         self._held: dict[int, list[tuple[int, int]]] = {}  # request id -> its (offset, length) regions
-        self._pending: list[tuple[int, int]] = []  # regions taken for a request not sent yet
+        self._placed: dict[int, list[tuple[int, int]]] = {}  # a request being built (its Placing's id) -> regions
 
-    def put(self, data: bytes | memoryview) -> int | None:
-        """Write ``data`` into a free region; its offset, or None when no region is free (wait for answers)."""
+    def placing(self) -> Placing:
+        """Regions for one request, from its first medium until it is sent (``hold``) or given up (``abandon``)."""
+        return Placing(self)
+
+    def _put(self, placing: Placing, data: bytes | memoryview) -> int | None:
         n = len(data)
-        taken = sorted(r for regions in (*self._held.values(), self._pending) for r in regions)
+        taken = sorted(r for regions in (*self._held.values(), *self._placed.values()) for r in regions)
         at = 0
         for offset, length in taken:
             if offset - at >= n:
@@ -96,18 +99,18 @@ class FrameArea:
         if at + n > self.size:
             return None
         self.mapping[at : at + n] = data
-        self._pending.append((at, n))
+        self._placed.setdefault(id(placing), []).append((at, n))
         return at
 
-    def sent(self, request_id: int) -> None:
-        """The regions placed since the last request belong to ``request_id`` now."""
-        if self._pending:
-            self._held[request_id] = self._pending
-            self._pending = []
+    def hold(self, placing: Placing, request_id: int) -> None:
+        """The request was sent: its regions are its until it is answered."""
+        regions = self._placed.pop(id(placing), None)
+        if regions:
+            self._held[request_id] = regions
 
-    def abandon(self) -> None:
-        """The request the pending regions were for was not sent."""
-        self._pending = []
+    def abandon(self, placing: Placing) -> None:
+        """The request was not sent: its regions are free."""
+        self._placed.pop(id(placing), None)
 
     def answered(self, request_id: int) -> None:
         """The daemon answered ``request_id``: it read its media, their regions are free."""
@@ -115,16 +118,30 @@ class FrameArea:
 
     @property
     def busy(self) -> bool:
-        return bool(self._held)
+        return bool(self._held or self._placed)
 
     def close(self) -> None:
         self._held.clear()
+        self._placed.clear()
         self.mapping.close()
 
 
-def wire_parts(parts: list[Part], area: FrameArea | None, max_inline: int) -> list[str | list[int] | p.Medium] | None:
-    """The parts as the protocol carries them: each medium's bytes in ``area`` (None: in the message, up to
-    ``max_inline`` bytes in all). None when a medium found no free region in the area (answers must come first)."""
+@dataclass(eq=False)
+class Placing:
+    """The regions one request's media take while it is built."""
+
+    area: FrameArea
+
+    def put(self, data: bytes | memoryview) -> int | None:
+        """Write ``data`` into a free region; its offset, or None when no region is free (wait for answers)."""
+        return self.area._put(self, data)
+
+
+def wire_parts(parts: list[Part], placing: Placing | None, max_inline: int) -> list[str | list[int] | p.Medium] | None:
+    """The parts as the protocol carries them: each medium's bytes in the frame area ``placing`` takes regions of
+    (None: in the message, up to ``max_inline`` bytes in all). None when a medium found no free region in the area
+    (answers must come first; the caller abandons the placing)."""
+    area = placing.area if placing is not None else None
     out: list[str | list[int] | p.Medium] = []
     inline = 0
     for i, part in enumerate(parts):
@@ -134,8 +151,8 @@ def wire_parts(parts: list[Part], area: FrameArea | None, max_inline: int) -> li
         if not isinstance(part, Image | Audio):
             raise BadRequest(f"parts[{i}] is a str, token ids, an Image or an Audio, not {type(part).__name__}.")
         fields, data = medium_bytes(part)
-        if area is not None and len(data) <= area.size:
-            offset = area.put(data)
+        if placing is not None and area is not None and len(data) <= area.size:
+            offset = placing.put(data)
             if offset is None:
                 return None
             out.append(p.Medium(**fields, area=area.name, offset=offset, length=len(data)))

@@ -148,6 +148,8 @@ class ConversationGenerations(Generations):
         if not self._resume_wait or not cut.cut or cut.code not in RESUMABLE:
             return None
         start = turn.held + len(turn.tokens)
+        if turn.parts:  # (its media's cells are counted by the daemon only: the cut's detail says where it began)
+            start = cut.detail["context_tokens"] - cut.detail["completion_tokens"]
         kept, seen = cut.detail["context_tokens"], start + len(turn.generated)
         params = rest_of(self._params, start, len(turn.generated))
         if params is None or kept != seen:

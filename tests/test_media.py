@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import signal
 import struct
 import wave
@@ -395,10 +396,28 @@ def test_bad_media_leave_the_session_and_the_daemon_intact(media_daemon: Callabl
         area.mapping[: FRAME.nbytes] = OTHER.tobytes()  # where the last frame was
         b = s.complete([" and ", Image(FRAME)], max_tokens=2, **GREEDY)
         assert a.usage.prompt_tokens == b.usage.prompt_tokens
-        # The task unlinks its area's name and unmaps it: the daemon keeps its own mapping until the task goes.
+        # The task shrinks its area under the daemon: a refusal, never a SIGBUS; the client then asks for another.
         import posix_ipc
 
-        posix_ipc.unlink_shared_memory(area.name)
+        segment = posix_ipc.SharedMemory(area.name)
+        os.ftruncate(segment.fd, 4096)
+        segment.close_fd()
+        placed = p.Medium(
+            kind="image", format="rgb", width=48, height=40, area=area.name, offset=0, length=FRAME.nbytes
+        )
+        with pytest.raises(BadRequest) as refused:  # (named by hand: writing there would be the task's own SIGBUS)
+            s.complete([" and ", placed], max_tokens=2)
+        assert "truncated" in refused.value.message
+        assert s.complete([" again ", Image(FRAME)], max_tokens=2, **GREEDY).usage.completion_tokens == 2
+        assert client._frame_area() is not area  # a new one
+        with pytest.raises(BadRequest) as refused:  # audio over 30 s is split by the projector: refused, not cut
+            s.complete([Audio(tone(31.0))], max_tokens=2)
+        assert "splits" in refused.value.message
+        bomb = bytearray(png(4, 4))
+        bomb[16:24] = (60000).to_bytes(4, "big") * 2  # a PNG whose header says 60000 x 60000 pixels
+        with pytest.raises(BadRequest) as refused:
+            s.complete([Image(bytes(bomb))], max_tokens=2)
+        assert "60000x60000" in refused.value.message
         assert s.complete(" still?", max_tokens=2, **GREEDY).usage.completion_tokens == 2
     with Client(daemon.address) as client:
         assert client.status().media is not None  # the daemon serves on
@@ -418,3 +437,30 @@ def test_a_client_gets_a_new_frame_area_from_a_restarted_daemon(media_daemon: Ca
         area = client._frame_area()
         assert area is not None and area.name != old.name  # the old one went with the old daemon
         assert after.usage.completion_tokens == 2 and media_of(client).frame_areas == 1
+
+
+def test_threads_sharing_a_client_each_get_the_answer_to_their_own_frame(
+    media_daemon: Callable[..., DaemonProcess],
+) -> None:
+    import threading
+
+    daemon = media_daemon("--hot-slots", "4")
+    frames = [np.ascontiguousarray(np.roll(FRAME, 7 * i, axis=1)) for i in range(4)]
+    with Client(daemon.address) as client:
+        alone = []
+        for f in frames:
+            with client.open_session() as s:
+                alone.append(s.complete(["Look: ", Image(f)], max_tokens=6, **GREEDY).tokens)
+        together: dict[int, list[int]] = {}
+
+        def ask(i: int) -> None:
+            for _ in range(3):
+                with client.open_session() as s:
+                    together[i] = s.complete(["Look: ", Image(frames[i])], max_tokens=6, **GREEDY).tokens
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    assert [together[i] for i in range(4)] == alone

@@ -213,3 +213,14 @@ def test_fcfs_feeds_a_medium_when_it_is_the_oldest_prompt() -> None:
     assert work_of(schedule(view([], running=[text, image], policy=FCFS))) == [("image", 16)]
     earlier = Gen("earlier", 0.5, session=hot(1), pending_tokens=30)
     assert work_of(schedule(view([], running=[earlier, image], policy=FCFS))) == [("earlier", 30)]
+
+
+def test_a_best_effort_medium_goes_beside_deadline_bound_work_when_its_step_fits_the_cap() -> None:
+    voice = Gen("voice", 5.0, session=hot(0), pending_tokens=1, deadline=6.0)
+    quick = Gen(
+        "quick", 1.0, session=hot(1), pending_tokens=40, feeds_medium=True, best_effort=True, medium_seconds=0.01
+    )
+    slow = Gen("slow", 1.0, session=hot(1), pending_tokens=40, feeds_medium=True, best_effort=True, medium_seconds=0.5)
+    # (the cost model's prior: 10 ms a step and 2 ms a token, so 16 cells take 42 ms, and the cap is 0.2 s)
+    assert work_of(schedule(view([], running=[voice, quick], time_cap=0.2))) == [("quick", 16)]
+    assert work_of(schedule(view([], running=[voice, slow], time_cap=0.2))) == [("voice", 1)]

@@ -29,12 +29,13 @@ A_PROJ_HIDDEN = 128  # ultravox mm.a.mlp.1 output; SwiGLU halves it
 
 
 class _Rng:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, f16: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
+        self.dtype = np.float16 if f16 else np.float32  # of the weight matrices (real projector files are F16)
 
     def w(self, *shape: int, scale: float = 1.0) -> np.ndarray:
         fan_in = shape[-1] if len(shape) > 1 else 1
-        return (self.rng.standard_normal(shape) * scale / np.sqrt(fan_in)).astype(np.float32)
+        return (self.rng.standard_normal(shape, dtype=np.float32) * scale / np.sqrt(fan_in)).astype(self.dtype)
 
     def b(self, *shape: int) -> np.ndarray:
         return (self.rng.standard_normal(shape) * 0.02).astype(np.float32)
@@ -122,7 +123,9 @@ def add_gemma3(
     w.add_bool("clip.use_gelu", True)  # optional; default is gelu_quick
     w.add_tensor("v.patch_embd.weight", r.w(width, 3, patch_size, patch_size))  # conv2d kernel, ne [p, p, 3, n_embd]
     w.add_tensor("v.patch_embd.bias", r.b(width))
-    w.add_tensor("v.position_embd.weight", r.w(side * side, width, scale=0.02))  # optional for gemma3
+    w.add_tensor(
+        "v.position_embd.weight", r.w(side * side, width, scale=0.02).astype(np.float32)
+    )  # (added: F32)  # optional for gemma3
     _vit_layers(w, r, "v", n_layer, width, ff)
     w.add_tensor("v.post_ln.weight", _ones(width))  # optional
     w.add_tensor("v.post_ln.bias", _zeros(width))
@@ -148,7 +151,9 @@ def add_mlp(
     assert side * patch_size == image_size
     _vision_keys(w, image_size, patch_size, n_layer, n_embd_lm)
     w.add_tensor("v.patch_embd.weight", r.w(V_EMBD, 3, patch_size, patch_size))
-    w.add_tensor("v.position_embd.weight", r.w(side * side, V_EMBD, scale=0.02))  # required: get_rows(positions)
+    w.add_tensor(
+        "v.position_embd.weight", r.w(side * side, V_EMBD, scale=0.02).astype(np.float32)
+    )  # required: get_rows(positions)
     w.add_tensor("v.pre_ln.weight", _ones(V_EMBD))  # optional
     w.add_tensor("v.pre_ln.bias", _zeros(V_EMBD))
     _vit_layers(w, r, "v", n_layer, V_EMBD, V_FF)
@@ -171,7 +176,7 @@ def add_ultravox(w: gguf.GGUFWriter, r: _Rng, n_embd_lm: int, *, n_layer: int = 
     w.add_tensor("a.conv1d.1.bias", r.b(A_EMBD, 1))
     w.add_tensor("a.conv1d.2.weight", r.w(A_EMBD, A_EMBD, 3))
     w.add_tensor("a.conv1d.2.bias", r.b(A_EMBD, 1))
-    w.add_tensor("a.position_embd.weight", r.w(1500, A_EMBD, scale=0.02))  # ne[1] >= 1500 asserted
+    w.add_tensor("a.position_embd.weight", r.w(1500, A_EMBD, scale=0.02).astype(np.float32))  # ne[1] >= 1500 asserted
     _vit_layers(w, r, "a", n_layer, A_EMBD, A_FF, k_bias=False)  # whisper-enc asserts: ln1/ln2 w+b, q_b, v_b, no k_b
     w.add_tensor("a.post_ln.weight", _ones(A_EMBD))  # optional
     w.add_tensor("a.post_ln.bias", _zeros(A_EMBD))
@@ -183,11 +188,16 @@ def add_ultravox(w: gguf.GGUFWriter, r: _Rng, n_embd_lm: int, *, n_layer: int = 
 
 
 def build_tiny_mmproj(
-    path: Path, kind: str = "gemma3", n_embd_lm: int = 64, seed: int = 0, vision: dict[str, int] | None = None
+    path: Path,
+    kind: str = "gemma3",
+    n_embd_lm: int = 64,
+    seed: int = 0,
+    vision: dict[str, int] | None = None,
+    f16: bool = False,
 ) -> dict[str, int]:
     """Write the projector; returns {"image_tokens": n} and/or {"audio_tokens_per_chunk": n}. ``vision``: the
-    gemma3 ViT's shape (add_gemma3's keywords) instead of the tiny one."""
-    r = _Rng(seed)
+    gemma3 ViT's shape (add_gemma3's keywords) instead of the tiny one; ``f16``: weight matrices in F16."""
+    r = _Rng(seed, f16)
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_name(f"kvpool-tiny-mmproj-{kind}")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)

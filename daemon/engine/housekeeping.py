@@ -51,13 +51,14 @@ class Housekeeping:
         self.release_frame_areas()
 
     def release_frame_areas(self) -> None:
-        """The frame areas of connections that are gone (or long unheard, as liveness forgets them)."""
+        """The frame areas of connections that are gone (one merely quiet keeps its area: at the most areas, the
+        least recently used goes instead)."""
         now = time.monotonic()
         if self.frame_areas is None or not len(self.frame_areas) or now < self._next_area_check:
             return
         self._next_area_check = now + 1.0
         for client in self.frame_areas.clients():
-            if not self.liveness.knows(client):
+            if self.liveness.gone(client):
                 self.frame_areas.release(client)
 
     def watch_clients(self) -> None:

@@ -191,7 +191,7 @@ class RequestHandlers:
         return prompt
 
     def _parts(self, client: bytes, parts: list[str | list[int] | p.Medium], starts_session: bool) -> MediaPrompt:
-        def area_bytes(name: str, offset: int, length: int) -> memoryview:
+        def area_bytes(name: str, offset: int, length: int) -> bytes:
             if self.frame_areas is None:
                 raise RequestRefused(ErrorCode.BAD_REQUEST, "This daemon gives no frame areas; send media as `data`.")
             return self.frame_areas.read(client, name, offset, length)

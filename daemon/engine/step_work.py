@@ -13,8 +13,9 @@ at first, then exactly one (the token it just sampled).
 A medium's cells (an image, audio) are fed whole, from its embeddings, in a decode of their own (llama.cpp takes
 tokens or embeddings in one batch, not both; a non-causal image's cells attend to each other both ways), after its
 encode: such a step feeds that medium alone. Under "budgets" it goes when it is more urgent than all the text work,
-or when no deadline-bound generation is in flight and it is the oldest prompt waiting; it cannot be cut to fit the
-step's time cap, so a deadline-bound request that arrives during it waits for it (docs/multimodal.md says how long).
+or when it is the oldest prompt waiting and either no deadline-bound generation is in flight or its step (its
+encode and its rows) stays within the step's time cap; it cannot be cut to fit that cap, so a deadline-bound
+request that arrives during a longer one waits for it (docs/multimodal.md says how long).
 Under "fcfs" it goes when it is the oldest prompt.
 """
 
@@ -99,22 +100,29 @@ class StepPolicy:
         text = [g for g in ready if not g.feeds_medium]
         media = [g for g in ready if g.feeds_medium]
         step_work = budgeted_work(text, capacity, cost, time_cap) if self.budgets else fcfs_work(text, capacity)
-        if media and self._medium_first(media, step_work):
+        if media and self._medium_first(media, step_work, cost, time_cap):
             return [medium_work(min(media, key=urgency if self.budgets else _arrival))]
         return step_work
 
-    def _medium_first(self, media: list[T], step_work: list[Work[T]]) -> bool:
+    def _medium_first(self, media: list[T], step_work: list[Work[T]], cost: CostModel, time_cap: float | None) -> bool:
         """Whether this step feeds a medium instead of the text work it would (see the module's docstring)."""
         if not step_work:
             return True
         prompts = [w.item for w in step_work if w.item.pending_tokens > 1]
+        oldest = min((g.arrival for g in prompts), default=float("inf"))
         if not self.budgets:
-            return min(g.arrival for g in media) < min((g.arrival for g in prompts), default=float("inf"))
+            return min(g.arrival for g in media) < oldest
         first = min(media, key=urgency)
         if urgency(first) < min(urgency(w.item) for w in step_work):
             return True
-        in_flight = any(not w.item.best_effort for w in step_work)
-        return not in_flight and first.arrival < min((g.arrival for g in prompts), default=float("inf"))
+        if first.arrival >= oldest:
+            return False
+        if not any(not w.item.best_effort for w in step_work):
+            return True
+        # Deadline-bound work is in flight: the medium goes only in a step that stays within the cap it keeps.
+        n = first.feedable_tokens
+        seconds = cost.predict(StepShape.of([(first.position, n, n == first.pending_tokens)])) + first.medium_seconds
+        return time_cap is not None and within(seconds, time_cap)
 
 
 def step_policy(scheduling: str) -> StepPolicy:

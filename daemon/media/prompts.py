@@ -33,7 +33,7 @@ class MediaPrompt:
 
 
 Tokenize = Callable[[str, bool], list[int]]  # (text, add_bos) -> tokens
-AreaBytes = Callable[[str, int, int], memoryview]  # (area, offset, length) -> a view of them, or RequestRefused
+AreaBytes = Callable[[str, int, int], bytes]  # (area, offset, length) -> the bytes, or RequestRefused
 
 
 def media_prompt(
@@ -94,8 +94,8 @@ def _entry(part: p.Medium, i: int, cache: MediaCache, area_bytes: AreaBytes, max
     if part.data is not None:
         data: bytes | memoryview = part.data
     elif part.area is not None:
-        # Copied first: the task may write its area again at any time; what is hashed is what is read.
-        data = bytes(area_bytes(part.area, part.offset, part.length))
+        # Read (copied) once: the task may write its area again at any time; what is hashed is what is read.
+        data = area_bytes(part.area, part.offset, part.length)
     else:
         raise RequestRefused(ErrorCode.BAD_REQUEST, f"parts[{i}] has no bytes: send `data`, or an `area` with a place.")
     if len(data) > max_bytes:

@@ -111,11 +111,11 @@ class Liveness:
 
     # ------------------------------------------------------------------ engine thread
 
-    def knows(self, client: bytes) -> bool:
-        """Whether the connection is still there as far as the daemon can tell (heard lately, not gone)."""
+    def gone(self, client: bytes) -> bool:
+        """Whether the connection closed (a reply to it failed): nobody is there any more."""
         with self._lock:
             state = self._clients.get(client)
-            return state is not None and not state.gone
+            return state is not None and state.gone
 
     def verdict(self, client: bytes, patience: float, now: float) -> str:
         """ "ok"; "paused" (it has replies waiting: its generations wait for it to read); "gone" (its connection

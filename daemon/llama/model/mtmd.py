@@ -29,6 +29,30 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"B
 _AUDIO_MAGIC = (b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"fLaC")
 
 
+MAX_DECODED_PIXELS = 1 << 24  # a file that decodes to more (4096 x 4096) is refused before it is decoded
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """An image file's width and height from its header (PNG, GIF, BMP, JPEG), None when it does not say: checked
+    before decoding, so that a small file that would decode to gigabytes is refused."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    if data.startswith(b"BM") and len(data) >= 26:
+        return abs(int.from_bytes(data[18:22], "little", signed=True)), abs(
+            int.from_bytes(data[22:26], "little", signed=True)
+        )
+    if data.startswith(b"\xff\xd8"):
+        at = 2
+        while at + 9 <= len(data) and data[at] == 0xFF:
+            marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4], "big")
+            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame: its size
+                return int.from_bytes(data[at + 7 : at + 9], "big"), int.from_bytes(data[at + 5 : at + 7], "big")
+            at += 2 + length
+    return None
+
+
 def _file_kind(data: bytes) -> str:
     """What a file's first bytes say it is (checked before llama.cpp's decoders, whose fallback for unknown bytes
     starts ffprobe)."""
@@ -137,6 +161,12 @@ class MediaEncoder:
                     f"the {kind}'s bytes are no file of a kind llama.cpp decodes "
                     f"({'JPEG, PNG, BMP, GIF' if kind == IMAGE else 'WAV, MP3, FLAC'})"
                 )
+            size = image_size(data) if kind == IMAGE else None
+            if size is not None and size[0] * size[1] > MAX_DECODED_PIXELS:
+                raise MediaError(
+                    f"the image is {size[0]}x{size[1]} pixels, more than {MAX_DECODED_PIXELS} once decoded; send a "
+                    "smaller one (the projector reads it at its own size anyway)"
+                )
             buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
             bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buffer, len(data), False)
             if not bitmap:
@@ -164,7 +194,17 @@ class MediaEncoder:
             before: list[int] = []
             after: list[int] = []
             media: ctypes.c_void_p | None = None
-            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            count = mtmd.mtmd_input_chunks_size(chunks)
+            pieces = sum(
+                mtmd.mtmd_input_chunk_get_type(mtmd.mtmd_input_chunks_get(chunks, i)) != mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT
+                for i in range(count)
+            )
+            if pieces > 1:
+                raise MediaError(
+                    f"the projector splits this {kind} into {pieces} pieces (a tiled image, or audio longer than "
+                    "30 s), which kvpool does not feed yet; send a smaller image, or audio of at most 30 s"
+                )
+            for i in range(count):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, i)
                 if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
                     n = ctypes.c_size_t()
