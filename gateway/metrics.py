@@ -74,3 +74,14 @@ class GatewayMetrics:
             buckets=BUCKETS_S,
             registry=self.registry,
         )
+
+    def requests_by_route(self, routes: dict[str, str]) -> dict[str, int]:
+        """Requests answered so far per API (whatever their status), for the status page."""
+        counts = dict.fromkeys(routes, 0)
+        by_path = {path: name for name, path in routes.items()}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                name = by_path.get(sample.labels.get("route", ""))
+                if name is not None and sample.name.endswith("_total"):
+                    counts[name] += int(sample.value)
+        return counts

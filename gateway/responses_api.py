@@ -5,8 +5,9 @@ A request is translated into the chat route's (``instructions`` as the system me
 call, ``function_call_output`` as its tool result; function ``tools``, ``tool_choice``, ``parallel_tool_calls``,
 ``text.format``, ``max_output_tokens``, ``temperature``, ``top_p``, ``user``), so each field is honoured or refused
 as the chat route does. ``previous_response_id`` puts the stored conversation of that response before the new
-input, and every response of one chain is one named conversation of the gateway (turns.py): its session holds the
-chain's KV, so a chained request computes only its new input, after a gateway or a daemon restart too. A response
+input, and the chain continues its conversation's session (a named one with ``prompt_cache_key``, else found by its
+history, turns.py): the session holds the chain's KV, so a chained request computes only its new input, after a
+gateway or a daemon restart too. A response
 is stored (``store``, default true) with the conversation it ends, in responses_store.py: bounded, persisted,
 expiring. What it cannot honour (built-in tools, ``background``, ``reasoning``, ``conversation`` objects, stored
 ``prompt`` templates) is refused by name.
@@ -173,13 +174,14 @@ def _text(item: dict[str, Any], key: str, where: str) -> str:
 
 def chat_body(request: ResponsesRequest, history: list[dict[str, Any]], conversation: str) -> dict[str, Any]:
     """The chat completion request (as JSON) that asks what ``request`` asks, after ``history`` (its previous
-    response's stored conversation), as conversation ``conversation``."""
+    response's stored conversation), as conversation ``conversation`` ("": unnamed, continued by its history)."""
     messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
     body: dict[str, Any] = {
         "model": request.model or "default",
         "messages": [*messages, *history, *input_messages(request.input)],
-        "prompt_cache_key": conversation,
     }
+    if conversation:
+        body["prompt_cache_key"] = conversation
     if request.tools:
         body["tools"] = [_tool(tool, i) for i, tool in enumerate(request.tools)]
     if request.tool_choice is not None:

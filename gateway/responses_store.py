@@ -20,7 +20,7 @@ log = logging.getLogger("kvpool.gateway")
 @dataclass(frozen=True)
 class StoredResponse:
     response: dict[str, Any]
-    chain: str  # the conversation (turns.py) its chain runs as: its session holds the chain's KV
+    chain: str  # the named conversation (turns.py) its chain runs as ("": unnamed, found by its history)
     messages: list[dict[str, Any]]  # the conversation up to and with this response, as chat messages
     input_items: list[dict[str, Any]]
 

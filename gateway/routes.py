@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
 RESPONSES = "/v1/responses"
+API_ROUTES = {"chat": CHAT, "completions": COMPLETIONS, "responses": RESPONSES, "messages": MESSAGES}
 
 
 def as_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
@@ -173,7 +174,10 @@ def build_routes(gateway: Gateway) -> list[Route]:
         asked = decode(await read_body(request, config.max_body_bytes), responses_api.ResponsesRequest)
         responses_api.refuse_unserved(asked)
         history: list[dict[str, Any]] = []
-        chain = asked.prompt_cache_key or responses_api.new_id("chain")
+        # A chain runs as the conversation its client names, else as an unnamed one, continued by its history as
+        # the chat route continues any (so a client that resends the whole history, as the Agents SDK does, and one
+        # that chains by previous_response_id both reach the session that holds it).
+        chain = asked.prompt_cache_key or ""
         if asked.previous_response_id is not None:
             previous = gateway.responses.get(asked.previous_response_id)
             if previous is None:
@@ -278,6 +282,8 @@ def build_routes(gateway: Gateway) -> list[Route]:
             "aliases": list(config.aliases),
             "conversations": len(gateway.turns.store),
             "queue": gateway.admission.status(),
+            "apis": gateway.metrics.requests_by_route(API_ROUTES),
+            "stored_responses": len(gateway.responses),
             "daemon": msgspec.to_builtins(daemon_status),
         }
         return JSONResponse(body)

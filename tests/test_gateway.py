@@ -392,9 +392,10 @@ def test_restarted_gateways_never_strand_the_sessions_of_requests_without_a_name
     start_daemon: Start, short_tmp: Path
 ) -> None:
     """Each gateway, stopped or killed, leaves its sessions recorded next to its conversation map: the next one
-    continues or closes them, so the daemon never fills up with sessions nobody can reach."""
+    continues or closes them, so the daemon never fills up with sessions nobody can reach. 100 gateways, with
+    traffic in between; the 101st answers at once."""
     daemon = start_daemon("--max-sessions", "8")  # a gateway keeps 2 (a quarter) for requests without a name
-    for i in range(12):
+    for i in range(100):
         gateway = GatewayProcess(short_tmp / "gw", daemon.address)
         try:
             gateway.start()

@@ -504,3 +504,66 @@ def test_an_image_session_on_the_default_model_comes_back_from_the_pool_bit_for_
             second = s.complete(turns[1], max_tokens=8, temperature=0.0).tokens
         assert client.status().moves.restores_pool >= 1
     assert [first, second] == reference
+
+
+def test_the_agents_sdk_runs_a_tool_loop_through_the_responses_api(
+    start_daemon: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    """OpenAI's Agents SDK with its default model (the Responses API) against the gateway and the default model:
+    it must call the tool (tool_choice required on the first turn), send the result back and go on; the request with
+    the result continues the session the call's turn left (cached tokens). (Gemma 3 270M, left to choose after the
+    first call, may call the tool again until max_turns: the loop is what is tested, not the model's judgement.)"""
+    import asyncio
+    import json
+    import re
+
+    import httpx
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.exceptions import MaxTurnsExceeded
+    from openai import AsyncOpenAI
+
+    from .gateway_process import GatewayProcess
+
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "4096", "--threads", "2", model=None)
+    gateway = GatewayProcess(short_tmp / "gw", daemon.address).start()
+    calls: list[tuple[str, bool]] = []
+
+    @function_tool
+    def set_light(room: str, on: bool) -> str:
+        """Switch the light of a room (kitchen, hall or bedroom) on or off."""
+        calls.append((room, on))
+        return json.dumps({"room": room, "light": "on" if on else "off"})
+
+    async def run() -> str:
+        client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        agent = Agent(
+            name="home",
+            instructions="You control the lights of a house. Use the tool, then say in one sentence what you did.",
+            tools=[set_light],
+            model=OpenAIResponsesModel(model="gemma", openai_client=client),
+            model_settings=ModelSettings(
+                tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=200
+            ),
+        )
+        try:
+            result = await Runner.run(agent, "Please turn on the kitchen light.", max_turns=3)
+        except MaxTurnsExceeded:
+            return ""
+        return str(result.final_output)
+
+    try:
+        set_tracing_disabled(True)
+        answer = asyncio.run(run())
+        metrics = httpx.get(gateway.url + "/metrics", timeout=30).text
+    finally:
+        gateway.stop()
+    assert calls and calls[0][0] in ("kitchen", "hall", "bedroom") and isinstance(calls[0][1], bool)
+    assert answer.strip() or len(calls) >= 2  # an answer, or the loop went round again
+    requests = sum(
+        float(n)
+        for n in re.findall(
+            r'^kvpool_gateway_requests_total\{route="/v1/responses",status="200"\} (\S+)$', metrics, re.M
+        )
+    )
+    cached = float(re.search(r"^kvpool_gateway_cached_tokens_total (\S+)$", metrics, re.M).group(1))  # type: ignore[union-attr]
+    assert requests >= 2 and cached > 0  # the result went back, and its request continued the call's session

@@ -444,7 +444,8 @@ def test_threads_sharing_a_client_each_get_the_answer_to_their_own_frame(
 ) -> None:
     import threading
 
-    daemon = media_daemon("--hot-slots", "4")
+    # (deterministic: batched together, the sessions answer bit for bit as alone, so any difference is a mixup)
+    daemon = media_daemon("--hot-slots", "4", "--deterministic", "--threads", "2")
     frames = [np.ascontiguousarray(np.roll(FRAME, 7 * i, axis=1)) for i in range(4)]
     with Client(daemon.address) as client:
         alone = []

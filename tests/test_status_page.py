@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from .daemon_process import DaemonProcess
@@ -76,6 +77,9 @@ def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
             driver.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
             return wait.until(lambda d: (u := d.find_element(By.ID, "chat-usage").text) != before and u)
 
+        httpx.post(gateway.url + "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2})
+        apis = wait.until(lambda d: "responses 1" in (t := d.find_element(By.ID, "apis-detail").text) and t)
+        assert "chat 0" in apis and "1 stored responses" in apis and "messages 0" in apis
         first = say("hello page")
         assert re.match(r"\d+ prompt tokens, 0 cached, \d+ generated", first)
         second = say("and once more")
@@ -86,7 +90,7 @@ def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
         # the latency plot is drawn from the daemon's per-task histogram once the chat's turns are counted
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#plot rect.bar"))
         count = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#tasks tbody").text or False)
-        assert re.search(r"default\s+2\b", count)
+        assert re.search(r"default\s+3\b", count)  # (the two chat turns and the response)
     finally:
         gateway.stop()
 
