@@ -465,3 +465,34 @@ def test_threads_sharing_a_client_each_get_the_answer_to_their_own_frame(
         for th in threads:
             th.join(60)
     assert [together[i] for i in range(4)] == alone
+
+
+def test_the_vision_example_sends_frames_when_the_daemon_sees_and_says_when_it_does_not(
+    media_daemon: Callable[..., DaemonProcess], start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    scenes = tmp_path / "scenes.jsonl"
+    scenes.write_text('{"scene": "a cat on a chair"}\n{"scene": "a cup on the table"}\n')
+
+    def run(address: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, str(root / "examples" / "vision_captioner.py"), "--address", address,
+               "--scenes", str(scenes), "--max-tokens", "8", "--task", "default"]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+    seeing = media_daemon()
+    sent = run(seeing.address)
+    assert sent.returncode == 0, sent.stderr
+    assert "sending synthetic frames as images" in sent.stdout and sent.stdout.count("[vision] frame") == 2
+    with Client(seeing.address) as client:
+        media = media_of(client)
+        assert media.encodes == 2 and media.frame_areas >= 1  # two frames, through shared memory
+    blind = start_daemon(name="blind")
+    fallback = run(blind.address)
+    assert (
+        fallback.returncode == 0
+        and "reads text only" in fallback.stdout
+        and "describing the scenes as text" in fallback.stdout
+    )
