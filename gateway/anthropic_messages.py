@@ -21,12 +21,11 @@ import msgspec
 from msgspec import Meta, Struct
 from starlette.responses import JSONResponse
 
-from kvpool import protocol as p
 from kvpool.client.errors import KvpoolError
 
 from .http_errors import RETRY_AFTER_S, HttpError, refuse
 from .shaping import ChoiceState
-from .streaming import Stream
+from .streaming import Stream, first_choice_deltas
 
 # Anthropic's error types, by HTTP status (its API uses 529 for overloaded; a gateway's 503 is that).
 ERROR_TYPES = {
@@ -313,18 +312,10 @@ class AnthropicAnswer:
         yield event("message_start", {"type": "message_start", "message": opening})
         yield event("ping", {"type": "ping"})
         blocks = Blocks()
-        first = True
         try:
-            async for _, item in stream.generations.events():
-                if isinstance(item, p.Final):
-                    state.final = item
-                    continue
-                for choice in state.chat_deltas(item):
-                    if first:
-                        stream.on_first_text()
-                        first = False
-                    for out in blocks.add(choice["delta"]):
-                        yield out
+            async for delta in first_choice_deltas(stream):
+                for out in blocks.add(delta):
+                    yield out
             reason, sequence = stop_reason(state, self.stop_sequences)
             for out in blocks.close():
                 yield out

@@ -23,12 +23,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from kvpool import protocol as p
 from kvpool.client.errors import KvpoolError
 
 from .http_errors import HttpError, refuse
 from .shaping import ChoiceState
-from .streaming import Stream
+from .streaming import Stream, first_choice_deltas
 
 UNSERVED = {  # field -> why it is refused when set
     "background": "responses are answered while the request waits (no background mode)",
@@ -343,18 +342,10 @@ class ResponsesAnswer:
         yield events.emit("response.created", response=self.head("in_progress"))
         yield events.emit("response.in_progress", response=self.head("in_progress"))
         items = OutputItems(events, self.message_id)
-        first = True
         try:
-            async for _, item in stream.generations.events():
-                if isinstance(item, p.Final):
-                    state.final = item
-                    continue
-                for choice in state.chat_deltas(item):
-                    if first:
-                        stream.on_first_text()
-                        first = False
-                    for out in items.add(choice["delta"]):
-                        yield out
+            async for delta in first_choice_deltas(stream):
+                for out in items.add(delta):
+                    yield out
             response = self.finished(state, stream.generations.prompt_tokens, stream.generations.cached_tokens)
             for out in items.close(response["output"]):
                 yield out

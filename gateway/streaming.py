@@ -38,6 +38,22 @@ class Stream:
     on_first_text: Callable[[], None]
 
 
+async def first_choice_deltas(stream: Stream) -> AsyncIterator[dict[str, Any]]:
+    """The deltas of the stream's one choice as chat chunks carry them (text, tool calls), for another API's events
+    (anthropic_messages.py, responses_api.py); its final message is kept in its state."""
+    state = stream.states[0]
+    first = True
+    async for _, item in stream.generations.events():
+        if isinstance(item, p.Final):
+            state.final = item
+            continue
+        for choice in state.chat_deltas(item):
+            if first:
+                stream.on_first_text()
+                first = False
+            yield choice["delta"]
+
+
 async def chat_events(stream: Stream) -> AsyncIterator[bytes]:
     """The chat stream's events."""
     states, head = stream.states, stream.head
