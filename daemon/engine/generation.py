@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Sampler
-from kvpool.daemon.media.media_cache import MediaEntry
+from kvpool.daemon.media.media_cache import MediaPiece
 from kvpool.protocol import Final, FinishReason, Generate, Timings, Usage
 
 
@@ -24,7 +24,7 @@ class Generation:
     new_tokens: list[int] = field(default_factory=list)  # the prompt, appended to the session once it runs
     # Where the prompt's media begin among new_tokens, each pinned in the media cache: the session takes them over
     # with the prompt (a generation that never starts lets go of them).
-    media: list[tuple[int, MediaEntry]] = field(default_factory=list)
+    media: list[tuple[int, MediaPiece]] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     completion_tokens: int = 0
     first_step_at: float | None = None
@@ -75,8 +75,8 @@ class Generation:
 
     def release_media(self) -> None:
         """The generation ends without having started: its prompt's media are not held for it any more."""
-        for _, entry in self.media:
-            entry.pins -= 1
+        for _, piece in self.media:
+            piece.pins -= 1
         self.media = []
 
     @property

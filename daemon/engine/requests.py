@@ -328,7 +328,7 @@ class RequestHandlers:
         params = self._sampling(r)
         replay = self._replay(r, s.tokens + new)
         text = self._text(r, s.tokens + new)  # refused (text_from out of range) before a sampler is built
-        encodes = sum(self.media.expected_seconds(entry) for _, entry in prompt.media) if self.media else 0.0
+        encodes = sum(self.media.expected_seconds(piece) for _, piece in prompt.media) if self.media else 0.0
         budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at, encodes)
         try:
             sampler = self.model.new_sampler(params, s.tokens + new, replay)

@@ -57,18 +57,18 @@ class Runner:
         g = work.item
         s = g.session
         assert s.slot is not None
-        start, entry = s.medium_ahead()
+        start, piece = s.medium_ahead()
         shape = StepShape.of([(s.n_kv, work.n_tokens, work.completes and g.samples)])
         try:
-            encode_seconds = self.media.encode(entry)
+            encode_seconds = self.media.encode(piece)
         except MediaError as exc:
             return StepOutcome(0, [], 0, shape, 0.0, medium_error=str(exc))
-        assert entry.embeddings is not None
+        assert piece.embeddings is not None
         first = s.n_kv - start
         samples = work.completes and g.samples
         started = time.perf_counter()
         rc = self.model.decode_embeddings(
-            s.slot, entry.embeddings[first : first + work.n_tokens], s.n_kv, entry.non_causal, samples
+            s.slot, piece.embeddings[first : first + work.n_tokens], s.n_kv, piece.non_causal, samples
         )
         if rc != 0:
             return StepOutcome(rc, [], work.n_tokens, shape, 0.0, encode_seconds)

@@ -51,7 +51,7 @@ from kvpool.daemon.llama.model import Model
 from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 
 if TYPE_CHECKING:
-    from kvpool.daemon.media.media_cache import MediaEntry
+    from kvpool.daemon.media.media_cache import MediaPiece
 
 log = logging.getLogger("kvpool.kv")
 
@@ -101,7 +101,7 @@ class KvManager:
         tokens: list[int],
         boundary: int,
         n_kv: int = 0,
-        media: Sequence[tuple[int, MediaEntry]] = (),
+        media: Sequence[tuple[int, MediaPiece]] = (),
     ) -> Session:
         """A new session (opened here, or fetched from another node with ``n_kv`` of its tokens in the checkpoint
         it brings); UNKNOWN_TASK or QUOTA_EXCEEDED when it may not be (new_session.py). ``media``: where the media
@@ -112,7 +112,7 @@ class KvManager:
         place.append(s, tokens, media)
         return s
 
-    def append(self, s: Session, tokens: list[int], media: Sequence[tuple[int, MediaEntry]] = ()) -> None:
+    def append(self, s: Session, tokens: list[int], media: Sequence[tuple[int, MediaPiece]] = ()) -> None:
         """A turn's prompt, or a sampled token, joins the session's conversation (the next steps compute it);
         ``media``: where the media among ``tokens`` begin, each pinned for the session until its cells are computed."""
         place.append(s, tokens, media)

@@ -36,7 +36,7 @@ class SessionPlace:
 
 
 class Medium(Protocol):
-    """What the moves need of a medium whose cells a session holds uncomputed (media/media_cache.py's entry)."""
+    """What the moves need of a medium (a piece of one) whose cells a session holds uncomputed (media_cache.py)."""
 
     n_tokens: int
     pins: int

@@ -16,7 +16,7 @@ from kvpool.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from kvpool.daemon.kv.prefix.index import Prefix
-    from kvpool.daemon.media.media_cache import MediaEntry
+    from kvpool.daemon.media.media_cache import MediaPiece
 
 
 MAX_EVICTED_REMEMBERED = 4096
@@ -38,7 +38,7 @@ class Session:
     place: SessionPlace = field(default_factory=SessionPlace)
     # Media whose cells it holds but has not computed yet, by the position their cells begin at (kv/place.py
     # keeps them): a step feeds a medium's cells from its embeddings, in one batch of their own.
-    media: dict[int, MediaEntry] = field(default_factory=dict)
+    media: dict[int, MediaPiece] = field(default_factory=dict)
     # A generation runs on it (set by the engine's scheduler): the tiers never hibernate, spill or evict it then.
     busy: bool = False
     # Time spent making it hot (a slot, hibernating an idle session if none was free, and its KV restored), in
@@ -94,7 +94,7 @@ class Session:
             return min(pending, self.boundary - n_kv)
         return pending
 
-    def medium_ahead(self) -> tuple[int, MediaEntry]:
+    def medium_ahead(self) -> tuple[int, MediaPiece]:
         """The first uncomputed medium: where its cells begin, and what it is (``media`` is not empty)."""
         start = min(self.media)
         return start, self.media[start]

@@ -1,10 +1,11 @@
 """Media by content: each medium a request brings is prepared once (tokenized by the projector) and encoded once
 while its embeddings stay here, so the same camera frame or the same picture in two sessions costs one encode.
 
-An entry is pinned while a session holds its cells uncomputed (kv/place.py counts them): its prepared chunk, or
-its embeddings once encoded, stay until they are fed. Unpinned entries keep their embeddings in a least recently
-used cache of ``max_bytes``; a prepared chunk is freed once encoded (the embeddings are what a later feed needs).
-Engine thread only.
+A medium is one piece or several (a tiled image, audio over 30 s: the projector splits them), with the text the
+projector puts around and between them. A piece is pinned while a session holds its cells uncomputed (kv/place.py
+counts them): its prepared chunk, or its embeddings once encoded, stay until they are fed. Media no session pins
+keep their embeddings in a least recently used cache of ``max_bytes``; a prepared chunk is freed once encoded (the
+embeddings are what a later feed needs). Engine thread only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from kvpool.daemon.llama.model.mtmd import MediaEncoder, Prepared
+from kvpool.daemon.llama.model.mtmd import MediaEncoder, Piece
 from kvpool.protocol.status import MediaStatus
 
 PLACEHOLDER_SPAN = 1 << 30
@@ -32,36 +33,75 @@ def digest_of(kind: str, fmt: str, width: int, height: int, data: bytes | memory
     return h.hexdigest()
 
 
-def placeholders(digest: str, n_tokens: int) -> list[int]:
-    """The token ids a medium's cells stand as in a session's tokens: negative (no vocabulary id is), one per cell,
-    derived from its content, so that sessions holding the same medium at the same place match token for token
-    (prefix sharing, a conversation continued) and sessions holding another do not."""
-    base = int(digest[:8], 16) % PLACEHOLDER_SPAN
+def placeholders(key: str, n_tokens: int) -> list[int]:
+    """The token ids a piece's cells stand as in a session's tokens: negative (no vocabulary id is), one per cell,
+    derived from its medium's content and its place in it, so that sessions holding the same medium at the same
+    place match token for token (prefix sharing, a conversation continued) and sessions holding another do not."""
+    base = xxhash.xxh3_64_intdigest(key.encode()) % PLACEHOLDER_SPAN
     return [-1 - (base + j) % PLACEHOLDER_SPAN for j in range(n_tokens)]
 
 
 @dataclass(eq=False)
-class MediaEntry:
-    digest: str
+class MediaPiece:
+    """One piece of a medium, as a session feeds it: its cells from its embeddings, in a decode of their own."""
+
+    key: str  # its medium's digest and its place in it
     kind: str
-    before: list[int]  # the text tokens the projector puts around the medium
-    after: list[int]
     n_tokens: int
     non_causal: bool
-    prepared: Prepared | None  # until encoded
+    prepared: Piece | None  # until encoded
     embeddings: np.ndarray | None = None
     pins: int = 0  # sessions holding its cells uncomputed
-    last_used: float = field(default_factory=time.monotonic)
     expected_seconds: float = PRIOR_ENCODE_S  # what feeding it costs before its rows: its encode (0 once encoded)
-
-    @property
-    def tokens(self) -> list[int]:
-        """What the medium adds to a prompt: its text around its placeholder cells."""
-        return [*self.before, *placeholders(self.digest, self.n_tokens), *self.after]
 
     @property
     def bytes(self) -> int:
         return self.embeddings.nbytes if self.embeddings is not None else 0
+
+
+@dataclass(eq=False)
+class MediaEntry:
+    """A medium: the text the projector puts around (and between) its pieces, and its pieces, in order."""
+
+    digest: str
+    kind: str
+    segments: list[list[int] | MediaPiece]
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def pieces(self) -> list[MediaPiece]:
+        return [s for s in self.segments if isinstance(s, MediaPiece)]
+
+    def prompt(self, at: int) -> tuple[list[int], list[tuple[int, MediaPiece]]]:
+        """What the medium adds to a prompt whose tokens so far are ``at``: its tokens (text and placeholder
+        cells), and where each piece's cells begin."""
+        tokens: list[int] = []
+        starts: list[tuple[int, MediaPiece]] = []
+        for segment in self.segments:
+            if isinstance(segment, MediaPiece):
+                starts.append((at + len(tokens), segment))
+                tokens += placeholders(segment.key, segment.n_tokens)
+            else:
+                tokens += segment
+        return tokens, starts
+
+    @property
+    def pinned(self) -> bool:
+        return any(piece.pins for piece in self.pieces)
+
+    @property
+    def encoded(self) -> bool:
+        return all(piece.embeddings is not None for piece in self.pieces)
+
+    @property
+    def bytes(self) -> int:
+        return sum(piece.bytes for piece in self.pieces)
+
+    def free(self) -> None:
+        for piece in self.pieces:
+            if piece.prepared is not None:
+                piece.prepared.free()
+                piece.prepared = None
 
 
 class MediaCache:
@@ -69,12 +109,13 @@ class MediaCache:
         self.encoder = encoder
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, MediaEntry] = OrderedDict()  # least recently used first
-        self._encode_s: dict[str, float] = {}  # kind -> expected encode seconds
+        self._encode_s: dict[str, float] = {}  # kind -> expected encode seconds (of one piece)
         self.prepared = self.hits = self.encodes = 0
         self.encode_seconds = 0.0
 
     def get(self, kind: str, fmt: str, data: bytes | memoryview, width: int, height: int) -> MediaEntry:
-        """The entry for this medium: found by its content, else prepared now (MediaError when it cannot be)."""
+        """The entry for this medium: found by its content, else prepared now (MediaError when it cannot be). The
+        caller pins its pieces (a trim drops a medium never encoded that no session pins)."""
         digest = digest_of(kind, fmt, width, height, data)
         self.trim()  # (what sessions let go of since: a cache of 0 bytes keeps nothing for the next request)
         entry = self._entries.get(digest)
@@ -86,35 +127,41 @@ class MediaCache:
         prepared = self.encoder.prepare(
             kind, fmt, data if isinstance(data, bytes) else bytes(data), width, height, digest
         )
-        entry = MediaEntry(
-            digest, kind, prepared.before, prepared.after, prepared.n_tokens, prepared.non_causal, prepared
-        )
-        entry.expected_seconds = self._encode_s.get(kind, PRIOR_ENCODE_S)
-        self._entries[digest] = entry  # (the caller pins it: a trim drops an unpinned entry never encoded)
+        expected = self._encode_s.get(kind, PRIOR_ENCODE_S)
+        segments: list[list[int] | MediaPiece] = []
+        for i, segment in enumerate(prepared.segments):
+            if isinstance(segment, Piece):
+                piece = MediaPiece(f"{digest}:{i}", kind, segment.n_tokens, segment.non_causal, segment)
+                piece.expected_seconds = expected
+                segments.append(piece)
+            else:
+                segments.append(segment)
+        entry = MediaEntry(digest, kind, segments)
+        self._entries[digest] = entry
         self.prepared += 1
         return entry
 
-    def encode(self, entry: MediaEntry) -> float:
-        """Encode ``entry`` if it is not yet; the seconds it took (0 when it was)."""
-        if entry.embeddings is not None:
+    def encode(self, piece: MediaPiece) -> float:
+        """Encode ``piece`` if it is not yet; the seconds it took (0 when it was)."""
+        if piece.embeddings is not None:
             return 0.0
-        assert entry.prepared is not None
+        assert piece.prepared is not None
         started = time.perf_counter()
-        entry.embeddings = self.encoder.encode(entry.prepared)
+        piece.embeddings = self.encoder.encode(piece.prepared)
         seconds = time.perf_counter() - started
-        entry.prepared.free()
-        entry.prepared = None
-        entry.expected_seconds = 0.0
+        piece.prepared.free()
+        piece.prepared = None
+        piece.expected_seconds = 0.0
         self.encodes += 1
         self.encode_seconds += seconds
-        known = self._encode_s.get(entry.kind)
-        self._encode_s[entry.kind] = seconds if known is None else (1 - LEARN) * known + LEARN * seconds
+        known = self._encode_s.get(piece.kind)
+        self._encode_s[piece.kind] = seconds if known is None else (1 - LEARN) * known + LEARN * seconds
         self.trim()
         return seconds
 
-    def expected_seconds(self, entry: MediaEntry) -> float:
-        """What feeding ``entry`` costs before its rows are decoded: its encode, unless it is encoded."""
-        return entry.expected_seconds
+    def expected_seconds(self, piece: MediaPiece) -> float:
+        """What feeding ``piece`` costs before its rows are decoded: its encode, unless it is encoded."""
+        return piece.expected_seconds
 
     def warm_up(self) -> None:
         """Encode a blank image and a second of silence (what the projector reads), timed, so that scheduling and
@@ -126,32 +173,32 @@ class MediaCache:
             samples.append(("audio", "pcm_f32", bytes(4 * max(1, self.encoder.sample_rate)), 0, 0))
         for kind, fmt, data, width, height in samples:
             entry = self.get(kind, fmt, data, width, height)
-            entry.pins += 1
+            for piece in entry.pieces:
+                piece.pins += 1
             try:
-                self.encode(entry)
+                for piece in entry.pieces:
+                    self.encode(piece)
             finally:
-                entry.pins -= 1
+                for piece in entry.pieces:
+                    piece.pins -= 1
                 if entry.digest in self._entries:
                     self._drop(entry.digest)
         self.prepared = self.encodes = 0
         self.encode_seconds = 0.0
 
     def trim(self) -> None:
-        """Drop the least recently used unpinned entries beyond ``max_bytes`` (and any unpinned entry never
-        encoded: a prepared chunk is kept only for a session that will feed it)."""
+        """Drop the least recently used media no session pins beyond ``max_bytes`` (and any such medium not
+        encoded whole: a prepared chunk is kept only for a session that will feed it)."""
         total = sum(e.bytes for e in self._entries.values())
         for digest, entry in list(self._entries.items()):
-            if entry.pins:
+            if entry.pinned:
                 continue
-            if entry.embeddings is None or total > self.max_bytes:
+            if not entry.encoded or total > self.max_bytes:
                 total -= entry.bytes
                 self._drop(digest)
 
     def _drop(self, digest: str) -> None:
-        entry = self._entries.pop(digest)
-        if entry.prepared is not None:
-            entry.prepared.free()
-            entry.prepared = None
+        self._entries.pop(digest).free()
 
     def close(self) -> None:
         for digest in list(self._entries):

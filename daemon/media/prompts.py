@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvpool import protocol as p
 from kvpool.daemon.llama.model.mtmd import MediaError
-from kvpool.daemon.media.media_cache import MediaCache, MediaEntry
+from kvpool.daemon.media.media_cache import MediaCache, MediaEntry, MediaPiece
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
@@ -24,11 +24,11 @@ NO_PROJECTOR = (
 @dataclass
 class MediaPrompt:
     tokens: list[int] = field(default_factory=list)
-    media: list[tuple[int, MediaEntry]] = field(default_factory=list)  # where each medium's cells begin, pinned
+    media: list[tuple[int, MediaPiece]] = field(default_factory=list)  # where each piece's cells begin, pinned
 
     def release(self) -> None:
-        for _, entry in self.media:
-            entry.pins -= 1
+        for _, piece in self.media:
+            piece.pins -= 1
         self.media.clear()
 
 
@@ -69,9 +69,11 @@ def media_prompt(
             if first:
                 prompt.tokens += tokenize("", True)  # the BOS a session starts with, before the medium
             entry = _entry(part, i, cache, area_bytes, max_bytes)
-            entry.pins += 1
-            prompt.media.append((len(prompt.tokens) + len(entry.before), entry))
-            prompt.tokens += entry.tokens
+            tokens, starts = entry.prompt(len(prompt.tokens))
+            for _, piece in starts:
+                piece.pins += 1
+            prompt.media += starts
+            prompt.tokens += tokens
     except BaseException:
         prompt.release()
         raise

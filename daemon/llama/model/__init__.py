@@ -8,7 +8,7 @@ from kvpool.daemon.llama.model.backend import register_workers, supports_rpc, sy
 from kvpool.daemon.llama.model.grammar import Grammar, GrammarError, json_schema_grammar
 from kvpool.daemon.llama.model.loading import ModelLoadError, Placement
 from kvpool.daemon.llama.model.model import Model
-from kvpool.daemon.llama.model.mtmd import MediaEncoder, MediaError, Prepared
+from kvpool.daemon.llama.model.mtmd import MediaEncoder, MediaError, Piece, Prepared
 from kvpool.daemon.llama.model.sampling import SAMPLER_FIELDS, Sampled, Sampler, SamplingParams
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "MediaError",
     "Model",
     "ModelLoadError",
+    "Piece",
     "Placement",
     "Prepared",
     "Sampled",

@@ -68,13 +68,12 @@ class MediaError(Exception):
 
 
 @dataclass(eq=False)
-class Prepared:
-    """One medium, tokenized: the text tokens around it and its chunk (owned here until ``free``)."""
+class Piece:
+    """One piece of a medium as the projector splits it (most media are one; a tiled image or audio over 30 s are
+    several): its cells, and its chunk (owned here until ``free``), which ``encode`` turns into embeddings."""
 
     kind: str
-    before: list[int]  # tokens mtmd puts before the medium's cells
-    after: list[int]  # and after them
-    n_tokens: int  # cells the medium takes
+    n_tokens: int  # cells it takes
     non_causal: bool  # its cells attend to each other both ways (decoded in one batch)
     chunk: ctypes.c_void_p | None
 
@@ -82,6 +81,23 @@ class Prepared:
         if self.chunk:
             mtmd.mtmd_input_chunk_free(self.chunk)
             self.chunk = None
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A medium tokenized: what the projector makes of it, in order: text tokens it puts around and between (e.g.
+    Gemma 3's ``<start_of_image>``, a tiling projector's row separators) and its pieces."""
+
+    kind: str
+    segments: list[list[int] | Piece]
+
+    @property
+    def pieces(self) -> list[Piece]:
+        return [s for s in self.segments if isinstance(s, Piece)]
+
+    def free(self) -> None:
+        for piece in self.pieces:
+            piece.free()
 
 
 class MediaEncoder:
@@ -186,57 +202,55 @@ class MediaEncoder:
         text = mtmd.mtmd_input_text()
         text.text, text.text_len, text.add_special, text.parse_special = self.marker, len(self.marker), False, True
         chunks = mtmd.mtmd_input_chunks_init()
+        segments: list[list[int] | Piece] = []
+        prepared = Prepared(kind, segments)
         try:
             bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
             rc = mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), bitmaps, 1)
             if rc != 0:
                 raise MediaError(f"llama.cpp could not tokenize the {kind} (mtmd_tokenize returned {rc})")
-            before: list[int] = []
-            after: list[int] = []
-            media: ctypes.c_void_p | None = None
-            count = mtmd.mtmd_input_chunks_size(chunks)
-            pieces = sum(
-                mtmd.mtmd_input_chunk_get_type(mtmd.mtmd_input_chunks_get(chunks, i)) != mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT
-                for i in range(count)
-            )
-            if pieces > 1:
-                raise MediaError(
-                    f"the projector splits this {kind} into {pieces} pieces (a tiled image, or audio longer than "
-                    "30 s), which kvpool does not feed yet; send a smaller image, or audio of at most 30 s"
-                )
-            for i in range(count):
+            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, i)
                 if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
                     n = ctypes.c_size_t()
                     tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                    (after if media else before).extend(tokens[j] for j in range(n.value))
-                elif media is None:
-                    media = mtmd.mtmd_input_chunk_copy(chunk)
-            if not media:
+                    if segments and isinstance(segments[-1], list):
+                        segments[-1].extend(tokens[j] for j in range(n.value))
+                    else:
+                        segments.append([tokens[j] for j in range(n.value)])
+                    continue
+                copy = mtmd.mtmd_input_chunk_copy(chunk)
+                piece = Piece(
+                    kind,
+                    int(mtmd.mtmd_input_chunk_get_n_tokens(copy)),
+                    bool(mtmd.mtmd_decode_use_non_causal(self.ctx, copy)),
+                    copy,
+                )
+                segments.append(piece)
+                if piece.n_tokens > self.max_tokens:
+                    raise MediaError(
+                        f"a piece of the {kind} takes {piece.n_tokens} cells, more than one batch holds "
+                        f"({self.max_tokens}); raise batch_size"
+                    )
+            if not prepared.pieces:
                 raise MediaError(f"llama.cpp made no {kind} chunk of it")
-            n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(media))
-            prepared = Prepared(
-                kind, before, after, n_tokens, bool(mtmd.mtmd_decode_use_non_causal(self.ctx, media)), media
-            )
+        except BaseException:
+            prepared.free()
+            raise
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
-        if n_tokens > self.max_tokens:
-            prepared.free()
-            raise MediaError(
-                f"the {kind} takes {n_tokens} cells, more than one batch holds ({self.max_tokens}); raise batch_size"
-            )
         return prepared
 
     # ------------------------------------------------------------------ encoding
 
-    def encode(self, prepared: Prepared) -> np.ndarray:
-        """The medium's embeddings, [n_tokens, n_embd] float32 (a copy: llama.cpp's buffer is reused)."""
-        assert prepared.chunk, "a prepared medium is encoded before it is freed"
-        rc = mtmd.mtmd_encode_chunk(self.ctx, prepared.chunk)
+    def encode(self, piece: Piece) -> np.ndarray:
+        """The piece's embeddings, [n_tokens, n_embd] float32 (a copy: llama.cpp's buffer is reused)."""
+        assert piece.chunk, "a piece is encoded before it is freed"
+        rc = mtmd.mtmd_encode_chunk(self.ctx, piece.chunk)
         if rc != 0:
-            raise MediaError(f"llama.cpp could not encode the {prepared.kind} (mtmd_encode_chunk returned {rc})")
+            raise MediaError(f"llama.cpp could not encode the {piece.kind} (mtmd_encode_chunk returned {rc})")
         out = mtmd.mtmd_get_output_embd(self.ctx)
-        return np.ctypeslib.as_array(out, shape=(prepared.n_tokens, self.n_embd)).copy()
+        return np.ctypeslib.as_array(out, shape=(piece.n_tokens, self.n_embd)).copy()
 
     def close(self) -> None:
         if self.ctx:
