@@ -84,6 +84,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     media_cache_size: Annotated[
         int, Meta(ge=0), Flag("bytes of media embeddings kept by content, e.g. 64MiB (0: none kept)", parse=str)
     ] = 64 << 20
+    # Where the projector encodes: "beside" the decode steps, on a thread of its own with one CPU thread while the
+    # steps take the others (a voice turn is not held behind a vision encode); "inline": on the engine thread, as a
+    # step of its own with every thread (deterministic decoding, and a daemon with one thread, encode inline).
+    media_encode: Annotated[
+        one_of("beside", "inline"), Flag("encode media beside the decode steps, or inline as steps of their own")
+    ] = "beside"
     # The most bytes one medium may have (a frame, a file, PCM), and the frame area one connection may ask for.
     max_media_bytes: Annotated[int, Meta(ge=1 << 10, le=1 << 28)] = 32 << 20
     # ZeroMQ address; empty means ipc://<runtime dir>/kvpoold.sock (see kvpool.client.address).

@@ -123,7 +123,7 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
         stack.callback(remote.close)  # pending writes first (bounded), then the pool they read from
     kv = KvManager(model, pool, spill, SessionTable(config, model.context_size), config, mirror=remote)
     recover_sessions(kv)
-    media = MediaCache(model.media, config.media_cache_size) if model.media is not None else None
+    media = MediaCache(model.media, config.media_cache_size, beside=encodes_beside(config)) if model.media else None
     if media is not None:
         stack.callback(media.close)
     # Frame areas are shared memory: for local connections only (a tcp:// client sends its media as bytes).
@@ -188,9 +188,17 @@ def load_model(plan: StartPlan, placement: Placement | None) -> Model:
             placement=placement,
             determinism=plan.determinism,
             mmproj=plan.projector.path if plan.projector is not None else None,
+            media_threads=1 if encodes_beside(config) else 0,
         )
     except ModelLoadError as exc:
         raise StartFailed(str(exc), 1) from None
+
+
+def encodes_beside(config: Config) -> bool:
+    """Whether the projector encodes on a thread of its own (media_encode = "beside", with a thread to spare, and
+    not deterministic: the decode's thread count changes while it runs)."""
+    threads = config.threads or os.cpu_count() or 1
+    return config.media_encode == "beside" and threads >= 2 and not config.deterministic
 
 
 def open_pool(config: Config, model: Model, name: str, reset: bool) -> Pool:

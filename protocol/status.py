@@ -299,6 +299,7 @@ class MediaStatus(Struct, kw_only=True):
     vision: bool
     audio: bool
     audio_sample_rate: int = 0  # what pcm_f32 audio must be sampled at
+    encode: str = "inline"  # where the projector encodes: "beside" the decode steps, or "inline" (media_encode)
     prepared: int = 0  # media read and tokenized (each new content once while cached)
     encodes: int = 0  # projector passes
     cache_hits: int = 0  # media found by their content: no read, no encode if encoded

@@ -44,6 +44,7 @@ class Gen:
     paused: bool = False
     feeds_medium: bool = False  # its next cells are a medium's (fed whole, alone)
     medium_seconds: float = 0.0
+    medium_ready: bool = True
 
     @property
     def feedable_tokens(self) -> int:
@@ -224,3 +225,10 @@ def test_a_best_effort_medium_goes_beside_deadline_bound_work_when_its_step_fits
     # (the cost model's prior: 10 ms a step and 2 ms a token, so 16 cells take 42 ms, and the cap is 0.2 s)
     assert work_of(schedule(view([], running=[voice, quick], time_cap=0.2))) == [("quick", 16)]
     assert work_of(schedule(view([], running=[voice, slow], time_cap=0.2))) == [("voice", 1)]
+
+
+def test_a_medium_waiting_for_its_encode_beside_the_steps_lets_the_text_go() -> None:
+    image = Gen("image", 1.0, hot(0), pending_tokens=40, feeds_medium=True, best_effort=True, medium_ready=False)
+    voice = Gen("voice", 5.0, session=hot(1), pending_tokens=12, deadline=6.0)
+    assert work_of(schedule(view([], running=[image, voice]))) == [("voice", 12)]
+    assert work_of(schedule(view([], running=[image]))) == []  # (nothing to do but wait for it)

@@ -44,6 +44,7 @@ class Item:
     feedable: int | None = None  # None: every pending token
     feeds_medium: bool = False
     medium_seconds: float = 0.0
+    medium_ready: bool = True
 
     @property
     def feedable_tokens(self) -> int:

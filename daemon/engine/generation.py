@@ -67,6 +67,11 @@ class Generation:
         return self.session.feeds_medium
 
     @property
+    def medium_ready(self) -> bool:
+        """Its next medium can be fed now (not waiting for its encode beside the steps)."""
+        return not self.session.feeds_medium or self.session.medium_ahead()[1].ready
+
+    @property
     def medium_seconds(self) -> float:
         """What its next feed costs before its rows are decoded: the medium's encode, unless it is encoded."""
         if not self.session.feeds_medium:

@@ -153,12 +153,16 @@ class Engine:
             self.workers.check(idle=self.scheduler.idle)
         self.preloader.predict()
         self.remote.between_steps()
+        if self.media is not None:
+            self.media.poll()  # encodes beside the steps that ended: their media can be fed now
         step_work = next_work(self.scheduler, self.kv, self._refused_admission)
         if not step_work:
             if not self.scheduler.idle:  # its generations wait for their clients (or a slot): do not spin
                 self._take_requests(PAUSED_WAIT_S)
             return
         self.kv.room_for_step(sum(w.n_tokens for w in step_work))
+        if self.media is not None:  # an encode beside the steps takes one of the threads while it runs
+            self.model.decode_with(self.model.threads - 1 if self.media.busy else self.model.threads)
         started = time.monotonic()
         outcome = self.runner.run(step_work)
         self._postprocess(step_work, outcome, started)

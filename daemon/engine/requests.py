@@ -158,6 +158,9 @@ class RequestHandlers:
             raise
         if system.tokens:
             self.kv.record_tokens(s)
+        for _, piece in system.media:
+            assert self.media is not None
+            self.media.start(piece)
         log.info("session %s opened for task %s", s.id, s.task)
         return session_opened(r.id, s)
 
@@ -351,6 +354,9 @@ class RequestHandlers:
         )
         s.last_used = g.arrival
         self.scheduler.add(g)
+        for _, piece in prompt.media:  # (beside the steps, from now on; the step that feeds it waits for it)
+            assert self.media is not None
+            self.media.start(piece)
         self.preloader.turn(s)
 
     def _sampling(self, r: p.Generate) -> SamplingParams:

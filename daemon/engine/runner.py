@@ -59,8 +59,10 @@ class Runner:
         assert s.slot is not None
         start, piece = s.medium_ahead()
         shape = StepShape.of([(s.n_kv, work.n_tokens, work.completes and g.samples)])
+        if piece.error:  # (its encode beside the steps failed)
+            return StepOutcome(0, [], 0, shape, 0.0, medium_error=piece.error)
         try:
-            encode_seconds = self.media.encode(piece)
+            encode_seconds = self.media.encode(piece)  # (0 when it was encoded beside the steps)
         except MediaError as exc:
             return StepOutcome(0, [], 0, shape, 0.0, medium_error=str(exc))
         assert piece.embeddings is not None

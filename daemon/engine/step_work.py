@@ -58,6 +58,9 @@ class Schedulable(Protocol):
     @property
     def medium_seconds(self) -> float: ...  # what that feed costs before its rows are decoded (its encode)
 
+    @property
+    def medium_ready(self) -> bool: ...  # that feed can go now (not waiting for an encode beside the steps)
+
 
 T = TypeVar("T", bound=Schedulable)
 
@@ -98,7 +101,7 @@ class StepPolicy:
 
     def work(self, ready: list[T], capacity: int, cost: CostModel, time_cap: float | None) -> list[Work[T]]:
         text = [g for g in ready if not g.feeds_medium]
-        media = [g for g in ready if g.feeds_medium]
+        media = [g for g in ready if g.feeds_medium and g.medium_ready]  # (the others wait for their encode)
         step_work = budgeted_work(text, capacity, cost, time_cap) if self.budgets else fcfs_work(text, capacity)
         if media and self._medium_first(media, step_work, cost, time_cap):
             return [medium_work(min(media, key=urgency if self.budgets else _arrival))]

@@ -5,13 +5,16 @@ A medium is one piece or several (a tiled image, audio over 30 s: the projector 
 projector puts around and between them. A piece is pinned while a session holds its cells uncomputed (kv/place.py
 counts them): its prepared chunk, or its embeddings once encoded, stay until they are fed. Media no session pins
 keep their embeddings in a least recently used cache of ``max_bytes``; a prepared chunk is freed once encoded (the
-embeddings are what a later feed needs). Engine thread only.
+embeddings are what a later feed needs). With ``beside``, a piece is encoded on a thread of its own as soon as a
+request brings it (``start``), one at a time, while the engine's steps go on (``poll`` takes in what is done);
+else the step that feeds it encodes it first, on the engine thread. The rest runs on the engine thread only.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,10 +56,17 @@ class MediaPiece:
     embeddings: np.ndarray | None = None
     pins: int = 0  # sessions holding its cells uncomputed
     expected_seconds: float = PRIOR_ENCODE_S  # what feeding it costs before its rows: its encode (0 once encoded)
+    encoding: Future[tuple[np.ndarray, float]] | None = None  # its encode beside the steps, while it runs
+    error: str = ""  # why it could not be encoded
 
     @property
     def bytes(self) -> int:
         return self.embeddings.nbytes if self.embeddings is not None else 0
+
+    @property
+    def ready(self) -> bool:
+        """A step may feed it now: encoded, or to be encoded by that step (not waiting for an encode beside)."""
+        return self.encoding is None
 
 
 @dataclass(eq=False)
@@ -105,9 +115,11 @@ class MediaEntry:
 
 
 class MediaCache:
-    def __init__(self, encoder: MediaEncoder, max_bytes: int):
+    def __init__(self, encoder: MediaEncoder, max_bytes: int, beside: bool = False):
         self.encoder = encoder
         self.max_bytes = max_bytes
+        self._beside = ThreadPoolExecutor(1, thread_name_prefix="kvpool-encode") if beside else None
+        self._started: list[MediaPiece] = []  # encodes beside the steps, in the order they go
         self._entries: OrderedDict[str, MediaEntry] = OrderedDict()  # least recently used first
         self._encode_s: dict[str, float] = {}  # kind -> expected encode seconds (of one piece)
         self.prepared = self.hits = self.encodes = 0
@@ -142,13 +154,19 @@ class MediaCache:
         return entry
 
     def encode(self, piece: MediaPiece) -> float:
-        """Encode ``piece`` if it is not yet; the seconds it took (0 when it was)."""
+        """Encode ``piece`` if it is not yet, here (the engine thread); the seconds it took (0 when it was)."""
         if piece.embeddings is not None:
             return 0.0
-        assert piece.prepared is not None
+        assert piece.prepared is not None and piece.encoding is None
         started = time.perf_counter()
-        piece.embeddings = self.encoder.encode(piece.prepared)
+        embeddings = self.encoder.encode(piece.prepared)
         seconds = time.perf_counter() - started
+        self._encoded(piece, embeddings, seconds)
+        return seconds
+
+    def _encoded(self, piece: MediaPiece, embeddings: np.ndarray, seconds: float) -> None:
+        piece.embeddings = embeddings
+        assert piece.prepared is not None
         piece.prepared.free()
         piece.prepared = None
         piece.expected_seconds = 0.0
@@ -157,7 +175,42 @@ class MediaCache:
         known = self._encode_s.get(piece.kind)
         self._encode_s[piece.kind] = seconds if known is None else (1 - LEARN) * known + LEARN * seconds
         self.trim()
-        return seconds
+
+    # ------------------------------------------------------------------ beside the steps
+
+    @property
+    def beside(self) -> bool:
+        return self._beside is not None
+
+    def start(self, piece: MediaPiece) -> None:
+        """Begin encoding ``piece`` beside the steps (with ``beside``; else it is encoded by the step that feeds it)."""
+        if self._beside is None or piece.embeddings is not None or piece.encoding is not None or piece.error:
+            return
+        assert piece.prepared is not None
+        piece.encoding = self._beside.submit(self._timed, piece.prepared)
+        self._started.append(piece)
+
+    def _timed(self, prepared: Piece) -> tuple[np.ndarray, float]:
+        """(On the encoding thread.) The embeddings, and what the encode itself took."""
+        started = time.perf_counter()
+        return self.encoder.encode(prepared), time.perf_counter() - started
+
+    @property
+    def busy(self) -> bool:
+        """An encode runs beside the steps now (they take one thread fewer meanwhile)."""
+        return bool(self._started)
+
+    def poll(self) -> None:
+        """Take in the encodes that ended: their embeddings, or why they failed (the step that feeds the piece ends
+        its generation with it)."""
+        while self._started and self._started[0].encoding.done():  # type: ignore[union-attr]
+            piece = self._started.pop(0)  # (one worker: they end in the order they began)
+            assert piece.encoding is not None
+            future, piece.encoding = piece.encoding, None
+            try:
+                self._encoded(piece, *future.result())
+            except Exception as exc:  # (MediaError, or llama.cpp's): the piece cannot be fed
+                piece.error = str(exc)
 
     def expected_seconds(self, piece: MediaPiece) -> float:
         """What feeding ``piece`` costs before its rows are decoded: its encode, unless it is encoded."""
@@ -191,7 +244,7 @@ class MediaCache:
         encoded whole: a prepared chunk is kept only for a session that will feed it)."""
         total = sum(e.bytes for e in self._entries.values())
         for digest, entry in list(self._entries.items()):
-            if entry.pinned:
+            if entry.pinned or any(piece.encoding is not None for piece in entry.pieces):
                 continue
             if not entry.encoded or total > self.max_bytes:
                 total -= entry.bytes
@@ -201,6 +254,9 @@ class MediaCache:
         self._entries.pop(digest).free()
 
     def close(self) -> None:
+        if self._beside is not None:
+            self._beside.shutdown(wait=True, cancel_futures=True)  # (before the projector is freed)
+            self._started.clear()
         for digest in list(self._entries):
             self._drop(digest)
 
@@ -211,6 +267,7 @@ class MediaCache:
             vision=encoder.vision,
             audio=encoder.audio,
             audio_sample_rate=encoder.sample_rate,
+            encode="beside" if self.beside else "inline",
             prepared=self.prepared,
             encodes=self.encodes,
             cache_hits=self.hits,

@@ -48,12 +48,14 @@ class Model:
         placement: Placement | None = None,
         determinism: Determinism = NOT_DETERMINISTIC,
         mmproj: Path | None = None,
+        media_threads: int = 0,
     ):
         """``kv``: the hot KV's types and flash attention (default f16, on). ``determinism``: on, a sequence's
         logits depend on nothing but its own tokens (llama/deterministic_mode.py): no batch of one token or one
         output (a pad row makes two), and cells kept in position order (sequences.py); the assembly also turns
         repacking and llama.cpp's tiled matmul off and the engine keeps batches within DETERMINISTIC_STEP_TOKENS.
-        ``mmproj``: a projector GGUF, for images and audio in sessions (mtmd.py; None: text only)."""
+        ``mmproj``: a projector GGUF, for images and audio in sessions (mtmd.py; None: text only), encoding with
+        ``media_threads`` CPU threads (0: ``threads``)."""
         init_backend()
         self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
@@ -118,12 +120,13 @@ class Model:
         self.fingerprint = fingerprint(self.path)
         # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
         self.kv_layout = self.kv.layout
+        self.threads = self._decode_threads = threads
         self.media: MediaEncoder | None = None
         self._embeddings: EmbeddingBatch | None = None
         if mmproj is not None:
             n_embd = lc.llama_model_n_embd_inp(self._model)
             try:
-                self.media = MediaEncoder(mmproj, self._model, n_embd, threads, max_tokens=batch_size)
+                self.media = MediaEncoder(mmproj, self._model, n_embd, media_threads or threads, max_tokens=batch_size)
             except ModelLoadError:
                 self.close()
                 raise
@@ -204,6 +207,13 @@ class Model:
         if rc == 0:
             self.seqs.appended += len(rows)
         return rc
+
+    def decode_with(self, threads: int) -> None:
+        """The CPU threads the next decodes take (fewer while an encode runs beside them, media_cache.py)."""
+        threads = max(1, min(threads, self.threads))
+        if threads != self._decode_threads:
+            lc.llama_set_n_threads(self.ctx, threads, threads)
+            self._decode_threads = threads
 
     @property
     def step_tokens(self) -> int:
