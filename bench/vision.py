@@ -4,8 +4,9 @@ like a small device's vision encoder: a SigLIP-base-shaped ViT (12 layers of 768
 pooled to 49 image tokens (--projector tiny: the test suite's, for a quick run).
 
   voice      a voice turn every 1-2 s (task "voice", 300 ms first-token budget) while the vision task sends a
-             640x480 frame every second through shared memory, against the text vision load of bench/latency.py
-             (~1,100-token scene descriptions back to back): voice TTFT p50/p99, and the frame's encode time
+             640x480 frame every second through shared memory, its encodes beside the steps (the default) and
+             inline, against the text vision load of bench/latency.py (~1,100-token scene descriptions back to
+             back): voice TTFT p50/p99, and the frame's encode time
   next turn  an image conversation's next turn when it comes back from the pool, against the same turn on a daemon
              that must encode the image and prefill the conversation again (media cache off, session gone)
   twice      a frame seen twice: the second time is a cache hit (its time to first token, the daemon's counters)
@@ -93,8 +94,9 @@ def role_frames(address: str, seconds: float) -> None:
     print(json.dumps({"frames": done, "encode_ms": media.encode_ms_total / max(1, media.encodes) if media else 0}))
 
 
-def voice_under(model: str, projector: Path, load: str, seconds: float) -> dict[str, object]:
-    with private_daemon(model, "--config", str(CONFIG), "--threads", "2", "--mmproj", str(projector)) as daemon:
+def voice_under(model: str, projector: Path, load: str, seconds: float, *args: str) -> dict[str, object]:
+    setup = ("--config", str(CONFIG), "--threads", "2", "--mmproj", str(projector), *args)
+    with private_daemon(model, *setup) as daemon:
         me = [sys.executable, str(Path(__file__))]
         vision = subprocess.Popen(
             [*me, "--role", load, daemon.address, str(seconds)], stdout=subprocess.PIPE, text=True
@@ -254,6 +256,9 @@ def main() -> int:
     if "voice" not in args.skip:
         results["voice_text"] = voice_under(model, projector, "vision", args.seconds)
         results["voice_frames"] = voice_under(model, projector, "frames", args.seconds)
+        results["voice_frames_inline"] = voice_under(
+            model, projector, "frames", args.seconds, "--media-encode", "inline"
+        )
     if "next" not in args.skip:
         results["next_turn"] = next_turn(model, projector, args.rounds)
     if "twice" not in args.skip:
@@ -270,13 +275,18 @@ def main() -> int:
     if "voice_text" in results:
         print(f"\nVoice TTFT under a vision load, {args.seconds:.0f} s each (budget {VOICE_BUDGET_MS:.0f} ms)")
         print(f"{'vision load':>28} | {'turns':>5} | {'p50 ms':>6} | {'p99 ms':>6} | {'late':>4} | {'refused':>7}")
-        for name, key in (("~1,100-token text prompts", "voice_text"), ("a 640x480 frame a second", "voice_frames")):
+        for name, key in (
+            ("~1,100-token text prompts", "voice_text"),
+            ("a 640x480 frame a second", "voice_frames"),
+            ("the same, encoded inline", "voice_frames_inline"),
+        ):
             r = results[key]
             assert isinstance(r, dict)
             print(f"{name:>28} | {r['turns']:>5} | {pct(r['ttft_ms'], 50):>6.0f} | {pct(r['ttft_ms'], 99):>6.0f} | "
                   f"{r['late']:>4} | {r['refused']:>7}")  # fmt: skip
-        frames = results["voice_frames"]["vision"]  # type: ignore[index]
-        print(f"frames sent: {frames['frames']}, one encode: {frames['encode_ms']:.0f} ms")
+        for key in ("voice_frames", "voice_frames_inline"):
+            frames = results[key]["vision"]  # type: ignore[index]
+            print(f"{key}: frames sent {frames['frames']}, one encode {frames['encode_ms']:.0f} ms")
     if "next_turn" in results:
         r = results["next_turn"]
         assert isinstance(r, dict)
