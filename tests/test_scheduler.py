@@ -215,6 +215,26 @@ def test_cost_model_learns_a_linear_machine() -> None:
         assert math.isclose(model.predict(shape), expected, rel_tol=0.05), (start, n)
 
 
+@pytest.mark.parametrize("rows", [1, 4])  # a shape calibration measured, and one it did not
+def test_predictions_follow_a_step_that_slows_down_within_a_few_steps_and_come_back(rows: int) -> None:
+    # A neighbour process takes a core: every step takes three times as long as calibrated, at once.
+    def run(start: int, n: int) -> float:
+        return 0.02 + 0.0015 * n
+
+    model = CostModel()
+    calibrate(model, run, repeat=20)
+    frozen = model.calibrated()
+    decode = StepShape.of([(100, 1, True)] * rows)
+    before = model.predict(decode)
+    for _ in range(8):
+        model.update(decode, 3 * before)
+    assert 2.5 * before < model.predict(decode) < 3.3 * before  # budgets see the slow steps after 8 of them
+    assert frozen.predict(decode) == before  # what the thread count measures slowdowns against stays
+    for _ in range(30):  # the neighbour left
+        model.update(decode, before)
+    assert math.isclose(model.predict(decode), before, rel_tol=0.15)
+
+
 # ---------------------------------------------------------------- the Scheduler, on the fake model's tiers
 
 

@@ -5,11 +5,15 @@ A step's time is modelled as linear in four features: a fixed cost (reading the 
 the batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens) and the
 attention work (each token attends to its position's context). The coefficients are calibrated by a few
 synthetic decodes at start and then follow every measured step (recursive least squares that slowly
-forgets, so they track thermal throttling and a busy neighbour).
+forgets, so they track thermal throttling). A change of speed within seconds (a neighbour process taking a core,
+the thread count following it) is followed at once by a second, fast factor: how the last few steps' times
+compared with the fit's predictions, which multiplies the predictions until the fit has caught up. Admission and
+the voice task's deadline so use the step times as measured now, not at start.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +23,8 @@ from kvpool.protocol.status import CalibrationPoint, CostFit, CostModelStatus
 
 FORGET = 0.995  # weight of the past per update: about the last 200 steps count
 SMALL_STEP = 32  # tokens: steps up to this size use the small-step fit
+RECENT_WEIGHT = 0.25  # of the latest step in the fast factor: about the last 4 steps count
+RECENT_RANGE = (0.2, 10.0)  # one step's measured / predicted is clipped to this before it counts
 # A prediction is a sum of products, and whether numpy's dot fuses a multiply-add depends on the CPU: the last bit
 # of a prediction differs between machines (0.010 + 140 x 0.001 is 0.15 with FMA, 0.15000000000000002 without).
 # Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
@@ -61,6 +67,10 @@ class _LinearFit:
         self.theta = np.array([0.010, 0.002, 0.0, 0.0])
         self.usable = self.theta.copy()
         self._p = np.eye(4) * 1e3
+        self.recent = 1.0  # the last steps' measured time over the fit's prediction
+
+    def predict(self, x: np.ndarray) -> float:
+        return max(1e-4, dot(x, self.usable) * self.recent)
 
     def update(self, x: np.ndarray, seconds: float) -> None:
         px = self._p @ x
@@ -69,6 +79,10 @@ class _LinearFit:
         self._p = (self._p - np.outer(gain, px)) / FORGET
         # Noise can push a marginal cost below zero; predictions must still grow with the work.
         self.usable = np.concatenate([self.theta[:1], np.maximum(self.theta[1:], 0.0)])
+        # What the fit has not caught up with, measured after its update: a shape it knew little of moves the fit
+        # itself, and counting that step's surprise twice would overshoot.
+        ratio = seconds / max(1e-4, dot(x, self.usable))
+        self.recent += RECENT_WEIGHT * (min(max(ratio, RECENT_RANGE[0]), RECENT_RANGE[1]) - self.recent)
 
     def status(self) -> CostFit:
         fixed, per_token, per_output, per_attention = (float(x) for x in self.theta)
@@ -77,6 +91,7 @@ class _LinearFit:
             per_token_ms=round(per_token * 1e3, 4),
             per_output_ms=round(per_output * 1e3, 4),
             per_10k_attention_ms=round(per_attention * 1e3, 4),
+            recent=round(self.recent, 3),
         )
 
 
@@ -96,7 +111,11 @@ class CostModel:
 
     def predict(self, shape: StepShape) -> float:
         """Seconds; never below a small floor (a step always costs something)."""
-        return max(1e-4, dot(shape.features(), self._fit(shape).usable))
+        return self._fit(shape).predict(shape.features())
+
+    def calibrated(self) -> CostModel:
+        """A frozen copy: what steps cost when the daemon started (the thread count measures slowdowns by it)."""
+        return copy.deepcopy(self)
 
     def update(self, shape: StepShape, seconds: float) -> None:
         self._fit(shape).update(shape.features(), seconds)
@@ -128,3 +147,4 @@ def calibrate(model: CostModel, run: Callable[[int, int], float], repeat: int = 
             model.update(StepShape.of([(start, n, True)]), seconds)
             model.calibration.append(CalibrationPoint(context=start, tokens=n, ms=round(seconds * 1e3, 3)))
     model.calibration = model.calibration[-len(CALIBRATION) :]
+    model.small.recent = model.large.recent = 1.0  # calibration's steps vary on purpose: no recent drift
