@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from kvpool import protocol as p
-from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, DaemonStatus, PrefixStatus, TierSnapshots
+from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, CpuStatus, DaemonStatus, PrefixStatus, TierSnapshots
 
 from .client import Client, Session
 from .curve import CurveKeyError, curve_from_files
@@ -140,6 +140,18 @@ def _compression(tier: TierSnapshots, when: str) -> str:
     return f"kv {tier.kv_type}{' when full' if when == 'when_full' else ''}: {done}"
 
 
+def _cpu(cpu: CpuStatus) -> str:
+    slowdown = f", steps {cpu.slowdown:.2f}x their time at start" if cpu.slowdown is not None else ""
+    if cpu.cores is not None:
+        slowdown += f" on {cpu.cores:.1f} cores"
+    if not cpu.adaptive:
+        return f"{cpu.threads} threads, fixed ({cpu.fixed_because}){slowdown}"
+    return (
+        f"{cpu.threads} of {cpu.most_threads} threads, following the free cores{slowdown} "
+        f"({cpu.probes} probes, {cpu.switches} switches)"
+    )
+
+
 def format_status(status: DaemonStatus) -> str:
     """The status as a person reads it: daemon, tiers and counters, then one latency row per task."""
     out: list[str] = []
@@ -204,6 +216,8 @@ def format_status(status: DaemonStatus) -> str:
                 f"{m.cache_hits} found by content, {m.cached} cached ({_bytes(m.cached_bytes)})",
             )
         )
+    if status.cpu is not None:
+        rows.append(("cpu", _cpu(status.cpu)))
     for name, value in rows:
         out.append(f"{name:>9}  {value}")
     scheduler = status.scheduler

@@ -211,8 +211,17 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
         one_of("auto", "on", "off"),
         Flag("llama.cpp's weight repacking (auto: on unless a probe shows this CPU's AMX cannot run it)"),
     ] = "auto"
-    # CPU threads for decoding; 0 means one per core.
-    threads: Annotated[int, Meta(ge=0, le=1024), Flag("CPU threads for decoding (0: one per core)")] = 0
+    # CPU threads for decoding; 0 means one per core this process may use (its CPU affinity, capped by a cgroup
+    # CPU quota: systemd's CPUAffinity= and CPUQuota=).
+    threads: Annotated[
+        int, Meta(ge=0, le=1024), Flag("CPU threads for decoding (0: one per core the daemon may use)")
+    ] = 0
+    # Decode with fewer threads while other processes take cores, and with all of them again when they are free
+    # (engine/thread_count.py measures which count is faster now; docs/operations.md). Off: always `threads`.
+    # Deterministic decoding and rpc workers keep the count fixed.
+    adapt_threads: Annotated[
+        bool, Flag("decode with fewer threads while other processes take cores (docs/operations.md)")
+    ] = True
     # A session's tokens and logits, bit for bit, whatever else runs beside it, wherever its cells sit and however
     # its prompt was chunked (docs/determinism.md): one kernel per matrix whatever a batch's row count (no weight
     # repacking, no tiled K-quant matmul), batches of 2 to 63 tokens and never one output row (a pad row), and a KV
@@ -270,6 +279,15 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     def determinism(self) -> Determinism:
         """What ``deterministic`` takes (llama/deterministic_mode.py): decided here, read by the rest."""
         return Determinism(self.deterministic)
+
+    @property
+    def threads_fixed_because(self) -> str:
+        """Why the decode's thread count does not follow the free cores ("" when it does)."""
+        if self.deterministic:
+            return "deterministic decoding"  # a reduction's order follows the thread count
+        if self.rpc_servers:
+            return "rpc workers"
+        return "" if self.adapt_threads else "adapt_threads = false"
 
 
 class ConfigError(Exception):

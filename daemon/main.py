@@ -21,6 +21,7 @@ from kvpool.client import __version__
 from kvpool.client.address import default_address
 from kvpool.client.flags import add_flags, given
 from kvpool.daemon.config import Config
+from kvpool.daemon.engine.cpu_share import usable_cores
 from kvpool.daemon.engine.loop import Engine
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.pool.pool import Pool
@@ -181,7 +182,7 @@ def load_model(plan: StartPlan, placement: Placement | None) -> Model:
             context_size=config.context_size,
             hot_slots=config.hot_slots,
             batch_size=config.batch_size,
-            threads=config.threads or os.cpu_count() or 1,
+            threads=decode_threads(config),
             prefix_slots=config.prefix_slots,
             repack=plan.repack.enabled,
             kv=plan.kv,
@@ -194,10 +195,15 @@ def load_model(plan: StartPlan, placement: Placement | None) -> Model:
         raise StartFailed(str(exc), 1) from None
 
 
+def decode_threads(config: Config) -> int:
+    """The threads setting, or one per core this process may use (affinity and cgroup quota)."""
+    return config.threads or usable_cores()
+
+
 def encodes_beside(config: Config) -> bool:
     """Whether the projector encodes on a thread of its own (media_encode = "beside", with a thread to spare, and
     not deterministic: the decode's thread count changes while it runs)."""
-    threads = config.threads or os.cpu_count() or 1
+    threads = decode_threads(config)
     return config.media_encode == "beside" and threads >= 2 and not config.deterministic
 
 
@@ -293,7 +299,7 @@ def serve(d: Daemon, stack: contextlib.ExitStack) -> None:
         d.model.description,
         config.hot_slots,
         d.model.context_size,
-        config.threads or os.cpu_count() or 1,
+        decode_threads(config),
     )
     while engine_thread.is_alive():
         engine_thread.join(0.5)  # a timed join keeps the main thread responsive to signals

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.daemon.config import Config, ConfigError, load_config
+from kvpool.daemon.engine.cpu_share import describe_cores
 from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
 from kvpool.daemon.llama.cpu_repack import RepackChoice
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
@@ -72,6 +73,7 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         print(f"kvpoold: {repack.describe()}", file=sys.stderr)
         print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
         print(f"kvpoold: {projector.describe() if projector else 'no projector (mmproj): text only'}", file=sys.stderr)
+        print(f"kvpoold: {describe_cores(config.threads, config.threads_fixed_because)}", file=sys.stderr)
     if check_only or not memory.fits:
         plan.print_memory()
     if not memory.fits:
@@ -105,6 +107,7 @@ def place_layers(plan: StartPlan, watch: WorkerWatch) -> Placement | None:
 
 def log_plan(plan: StartPlan) -> None:
     m = plan.memory
+    log.info("%s", describe_cores(plan.config.threads, plan.config.threads_fixed_because))
     log.info("%s", plan.repack.describe())
     log.info("%s; %s", plan.kv.describe(), plan.kv_why)
     log.info(

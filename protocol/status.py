@@ -86,6 +86,7 @@ class CostFit(Struct, kw_only=True):
     per_token_ms: float
     per_output_ms: float
     per_10k_attention_ms: float
+    recent: float = 1.0  # the last few steps' time over the fit's: multiplies its predictions (a fast change)
 
 
 class CalibrationPoint(Struct, kw_only=True):
@@ -311,6 +312,19 @@ class MediaStatus(Struct, kw_only=True):
     frame_areas: int = 0  # shared-memory areas given to connections
 
 
+class CpuStatus(Struct, kw_only=True):
+    """The decode's CPU threads: fewer while other processes take cores (adapt_threads; docs/operations.md)."""
+
+    threads: int  # what the steps decode with now
+    most_threads: int  # the ceiling: the threads setting, or the cores the daemon may use
+    adaptive: bool
+    fixed_because: str = ""  # why the count does not adapt, when it does not
+    slowdown: float | None = None  # the recent steps' time over their time at start (None: no step yet)
+    cores: float | None = None  # the CPU the recent steps' threads got, in cores (below threads: they waited)
+    probes: int = 0  # steps run at another count to measure it
+    switches: int = 0  # times the count changed
+
+
 class DaemonStatus(Struct, kw_only=True):
     daemon_version: str
     protocol_version: int
@@ -337,6 +351,7 @@ class DaemonStatus(Struct, kw_only=True):
     remote: RemoteStatus | None = None  # None: no remote tier configured
     preload: PreloadStatus | None = None
     media: MediaStatus | None = None  # None: no projector, text only
+    cpu: CpuStatus | None = None
 
     def stepping(self, max_silence: float = MAX_ENGINE_SILENCE_S) -> bool:
         """The engine loop passed within ``max_silence`` seconds: the daemon is healthy."""

@@ -109,6 +109,8 @@ def test_sessions_at_once_answer_as_each_alone(start_daemon: Start) -> None:
     with daemon.client() as client:
         status = client.status()
     assert status.model.deterministic and not status.model.cpu_repack
+    assert status.cpu is not None and not status.cpu.adaptive and status.cpu.threads == 2
+    assert status.cpu.fixed_because == "deterministic decoding"  # the thread count changes a reduction's order
 
 
 def test_the_default_mode_differs_on_the_same_workload(start_daemon: Start) -> None:

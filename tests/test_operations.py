@@ -127,12 +127,45 @@ def test_metrics_parse_and_move_with_traffic(start_daemon: Start) -> None:
     assert sample(after, "kvpool_ttft_seconds_count", task="default") == 3
     assert sample(after, "kvpool_ttft_seconds_bucket", task="default", le="+Inf") == 3
     assert sample(after, "kvpool_pool_bytes", state="used") > 0
+    most = sample(after, "kvpool_decode_threads_max")
+    assert 1 <= sample(after, "kvpool_decode_threads") <= most == min(len(os.sched_getaffinity(0)), most)
+    assert sample(after, "kvpool_step_slowdown") > 0
+    assert sample(after, "kvpool_thread_count_total", event="switch") >= 0
     assert fetch(f"http://127.0.0.1:{port}/nothing")[0] == 404
     # kvpool health: exit 0 while the daemon answers, 3 once it is gone
     health = [sys.executable, "-m", "kvpool.client.cli", "--address", daemon.address, "health"]
     assert run_until_exit(health).returncode == 0
     daemon.stop()
     assert run_until_exit(health).returncode == 3
+
+
+def test_the_decode_thread_count_follows_the_cores_unless_fixed(start_daemon: Start) -> None:
+    adaptive = start_daemon("--threads", "2", name="adaptive")
+    fixed = start_daemon("--threads", "2", "--no-adapt-threads", name="fixed")
+    for daemon in (adaptive, fixed):
+        with daemon.client() as client, client.open_session() as s:
+            s.complete("count the threads", max_tokens=4, temperature=0.0)
+            cpu = client.status().cpu
+        assert cpu is not None and cpu.most_threads == 2 and 1 <= cpu.threads <= 2
+        assert cpu.slowdown is not None and cpu.slowdown > 0  # the steps were measured against their start
+        shown = run_until_exit([sys.executable, "-m", "kvpool.client.cli", "--address", daemon.address, "status"])
+        assert re.search(r"^\s+cpu  .*threads", shown.stdout, re.M), shown.stdout
+        if daemon is adaptive:
+            assert cpu.adaptive and cpu.fixed_because == "" and "following the free cores" in shown.stdout
+        else:
+            assert not cpu.adaptive and cpu.threads == 2 and cpu.probes == 0
+            assert cpu.fixed_because == "adapt_threads = false" and "fixed (adapt_threads = false)" in shown.stdout
+
+
+def test_check_config_counts_the_cores_the_daemon_may_use(short_tmp: Path, tiny_model: Path) -> None:
+    address = f"ipc://{short_tmp}/k.sock"
+    one = run_until_exit(["taskset", "-c", "0", *kvpoold_command(tiny_model, address, "--check-config")])
+    assert one.returncode == 0, one.stderr
+    assert "decode threads: 1 (one per core it may use; 1 CPUs in its affinity" in one.stderr
+    assert "one thread: nothing to adapt" in one.stderr
+    fixed = run_until_exit(kvpoold_command(tiny_model, address, "--threads", "2", "--deterministic", "--check-config"))
+    assert "decode threads: 2 (the threads setting;" in fixed.stderr
+    assert "fixed (deterministic decoding)" in fixed.stderr
 
 
 def test_json_logs_and_log_file(start_daemon: Start, short_tmp: Path) -> None:

@@ -21,6 +21,7 @@ import msgspec
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.calibration import calibrate_on_slot
+from kvpool.daemon.engine.cpu_share import IdleSampler, process_cpu_seconds
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.housekeeping import Housekeeping
 from kvpool.daemon.engine.moves import next_work
@@ -28,6 +29,7 @@ from kvpool.daemon.engine.requests import RequestHandlers
 from kvpool.daemon.engine.runner import Runner, StepOutcome
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.step_work import Work
+from kvpool.daemon.engine.thread_count import ThreadCount
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Model, Sampled
@@ -51,6 +53,12 @@ log = logging.getLogger("kvpool.engine")
 Send = Callable[[bytes, p.Reply], None]
 IDLE_WAIT_S = 0.25  # how long an idle engine blocks for new work before checking timeouts and stop
 PAUSED_WAIT_S = 0.01  # how long it waits when every generation is paused for its client (or waits for a slot)
+
+
+def thread_count(config: Config, most: int, idle: IdleSampler) -> ThreadCount:
+    """The decode's thread count: adaptive unless a setting needs it fixed."""
+    fixed_because = config.threads_fixed_because
+    return ThreadCount(most, adaptive=not fixed_because, fixed_because=fixed_because, idle_cores=idle)
 
 
 class Engine:
@@ -84,6 +92,9 @@ class Engine:
         self.media, self.frame_areas = media, frame_areas
         self.received_bytes = received_bytes or (lambda: 0)  # counted by the I/O thread
         self.runner = Runner(model, media)
+        self.idle_cores = IdleSampler()
+        self.threads = thread_count(config, model.threads, self.idle_cores)
+        self.calibrated = self.scheduler.cost.calibrated()  # what steps cost at start; _calibrate measures it
         self.last_step_seconds = 0.0
         self.heartbeat = time.monotonic()
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
@@ -147,6 +158,8 @@ class Engine:
 
     def step(self) -> None:
         self.heartbeat = time.monotonic()  # the watchdog pings systemd only while this keeps moving
+        if self.scheduler.idle:
+            self.idle_cores.engine_waited()
         self._take_requests(IDLE_WAIT_S if self.scheduler.idle else 0.0)
         self.housekeeping.run()
         if self.workers is not None:
@@ -158,14 +171,27 @@ class Engine:
         step_work = next_work(self.scheduler, self.kv, self._refused_admission)
         if not step_work:
             if not self.scheduler.idle:  # its generations wait for their clients (or a slot): do not spin
+                self.idle_cores.engine_waited()
                 self._take_requests(PAUSED_WAIT_S)
             return
         self.kv.room_for_step(sum(w.n_tokens for w in step_work))
-        if self.media is not None:  # an encode beside the steps takes one of the threads while it runs
-            self.model.decode_with(self.model.threads - 1 if self.media.busy else self.model.threads)
-        started = time.monotonic()
+        threads = self.threads.for_next_step(may_probe=not self.scheduler.first_token_due())
+        lent = self.media is not None and self.media.busy  # an encode beside the steps takes a thread while it runs
+        self.model.decode_with(threads - 1 if lent else threads)
+        started, cpu = time.monotonic(), process_cpu_seconds()
         outcome = self.runner.run(step_work)
+        if outcome.rc == 0 and not outcome.medium_error:
+            cores = (process_cpu_seconds() - cpu) / max(time.monotonic() - started, 1e-6)
+            self._note_speed(threads, lent, outcome, cores)
         self._postprocess(step_work, outcome, started)
+
+    def _note_speed(self, threads: int, lent: bool, outcome: StepOutcome, cores: float) -> None:
+        """The thread count learns the step's slowdown and the CPU its threads got; the cost model learns its time,
+        unless it was a probe of another count (budgets plan for the count the steps run with)."""
+        probe = self.threads.probing
+        self.threads.observe(threads, outcome.seconds / self.calibrated.predict(outcome.shape), lent, cores)
+        if not probe:
+            self.scheduler.cost.update(outcome.shape, outcome.seconds)
 
     def _postprocess(self, step_work: list[Work[Generation]], outcome: StepOutcome, started: float) -> None:
         """Account for what the step fed, then stream each sampled token and end what must end."""
@@ -179,7 +205,6 @@ class Engine:
         if outcome.rc != 0:
             self._decode_failed(step_work, outcome.rc)
             return
-        self.scheduler.cost.update(outcome.shape, outcome.seconds)
         self.counters.decode_calls += 1
         if self.workers is not None:
             self.workers.note_step()
@@ -223,6 +248,7 @@ class Engine:
         with self.kv.scratch_slot() as slot:
             if slot is not None:
                 calibrate_on_slot(self.model, slot, self.scheduler.cost)
+        self.calibrated = self.scheduler.cost.calibrated()
 
     def _take_requests(self, wait: float) -> None:
         try:
@@ -483,6 +509,7 @@ class Engine:
         status.counters.received_bytes = self.received_bytes()
         status.preload = self.preloader.status()
         status.remote = self.remote.status()
+        status.cpu = self.threads.status()
         if self.media is not None:
             status.media = msgspec.structs.replace(
                 self.media.status(), frame_areas=len(self.frame_areas) if self.frame_areas is not None else 0

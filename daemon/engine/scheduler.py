@@ -144,6 +144,10 @@ class Scheduler:
                 )
         return budget
 
+    def first_token_due(self) -> bool:
+        """A generation with a first-token budget waits for its first token (no step should be slower than it must)."""
+        return any(g.ttft_s and g.first_token_at is None for g in self.generations())
+
     def step_time_cap(self) -> float | None:
         """The longest a step may take: the tightest per-token budget in flight, and a share (HEADROOM) of the
         tightest first-token budget of the tasks with open sessions (one of them may ask at any moment, and

@@ -8,17 +8,17 @@ kills this process, not the daemon.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
+from kvpool.daemon.engine.cpu_share import usable_cores
 from kvpool.daemon.llama.model import Model, system_info
 
 PROBE_PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
 def decode_a_few_tokens(path: Path) -> None:
-    model = Model(path, context_size=256, hot_slots=1, batch_size=64, threads=os.cpu_count() or 1, repack=True)
+    model = Model(path, context_size=256, hot_slots=1, batch_size=64, threads=usable_cores(), repack=True)
     try:
         tokens = model.tokenize(PROBE_PROMPT, add_bos=True)[:48]
         model.batch.clear()

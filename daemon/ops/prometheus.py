@@ -211,6 +211,36 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
         )
     yield from _remote_and_preload(status)
     yield from _media(status)
+    yield from _cpu(status)
+
+
+def _cpu(status: DaemonStatus) -> Iterator[Metric]:
+    cpu = status.cpu
+    if cpu is None:
+        return
+    counter, gauge = CounterMetricFamily, GaugeMetricFamily
+    yield _family(gauge, "kvpool_decode_threads", "CPU threads the steps decode with now.", [({}, cpu.threads)])
+    yield _family(gauge, "kvpool_decode_threads_max", "The most threads the steps may take.", [({}, cpu.most_threads)])
+    if cpu.slowdown is not None:
+        yield _family(
+            gauge,
+            "kvpool_step_slowdown",
+            "The recent steps' time over their time at start (above 1: other processes take the CPU).",
+            [({}, cpu.slowdown)],
+        )
+    if cpu.cores is not None:
+        yield _family(
+            gauge,
+            "kvpool_step_cores",
+            "The CPU the recent steps' threads got, in cores (below the thread count: they waited for a core).",
+            [({}, cpu.cores)],
+        )
+    yield _family(
+        counter,
+        "kvpool_thread_count",
+        "The thread count's events: probes (steps run at another count to measure it) and switches.",
+        [({"event": "probe"}, cpu.probes), ({"event": "switch"}, cpu.switches)],
+    )
 
 
 def _media(status: DaemonStatus) -> Iterator[Metric]:

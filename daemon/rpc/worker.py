@@ -9,12 +9,12 @@ local, no RPC backend in this build); 2 bad usage.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvpool.daemon.engine.cpu_share import usable_cores
 from kvpool.daemon.llama.default_model import model_cache_dir
 from kvpool.daemon.llama.ggml_rpc import RpcUnavailable, serve
 from kvpool.daemon.rpc.endpoints import is_private, parse_endpoint
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "memory it serves. Listen on loopback and reach it through an SSH or WireGuard tunnel (docs/rpc.md).",
             file=sys.stderr,
         )
-    threads = args.threads or os.cpu_count() or 1
+    threads = args.threads or usable_cores()
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir() if args.cache else None
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
