@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -27,8 +28,11 @@ class BenchDaemon:
 
 
 @contextlib.contextmanager
-def private_daemon(model: str, *args: str, python: str = sys.executable) -> Iterator[BenchDaemon]:
-    """kvpoold run by ``python`` (its install's kvpool), on a private address, pool and spill directory."""
+def private_daemon(
+    model: str, *args: str, python: str = sys.executable, env: dict[str, str] | None = None
+) -> Iterator[BenchDaemon]:
+    """kvpoold run by ``python`` (its install's kvpool), on a private address, pool and spill directory; ``env``
+    adds environment variables."""
     workdir = tempfile.mkdtemp(prefix="kvpool-bench-")
     address = f"ipc://{workdir}/kvpoold.sock"
     pool_name = f"/kvpool-bench-{workdir.rsplit('-', 1)[-1]}"
@@ -48,7 +52,7 @@ def private_daemon(model: str, *args: str, python: str = sys.executable) -> Iter
         "warning",
         *args,
     ]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env} if env else None)
     daemon = BenchDaemon(address, pool_name, workdir, proc)
     try:
         wait_ready(daemon)
