@@ -50,6 +50,7 @@ class FakeModel:
     n_vocab = N_VOCAB
     deterministic = False  # (the real model's deterministic KV is tested on the real model)
     determinism = NOT_DETERMINISTIC
+    threads = 1  # (one thread: the engine's thread count has nothing to adapt)
 
     def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):
         self.context_size = context_size
@@ -69,6 +70,9 @@ class FakeModel:
     @property
     def step_tokens(self) -> int:
         return self.batch.capacity
+
+    def decode_with(self, threads: int) -> None:
+        """The real model's thread count for the next decodes: the fake computes the same whatever it is."""
 
     def fail_next_decodes(self, *outcomes: int | BaseException) -> None:
         """The next decodes return these codes (1: no room in the KV; -1 or 2: llama.cpp failed) or raise these."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool import protocol as p
 from kvpool.client import Client
 from kvpool.client.cli import format_status
 from kvpool.daemon.ops.prometheus import render
@@ -40,6 +41,37 @@ def turns(client: Client, n: int, rounds: int, first: int = 380) -> tuple[dict[i
             prompt = long_prompt(i)[:first] if r == 0 else f" turn {r}"
             out[i].append(s.complete(prompt, max_tokens=4, **GREEDY).tokens)
     return out, sessions
+
+
+# How far apart (in nats) the exact run's two most likely tokens may be where a compressed snapshot picks the second:
+# q8_0 moves the tiny model's logits by hundredths, so a flip further apart than this is a broken snapshot.
+NEAR_TIE = 0.5
+
+
+def logprob_turns(client: Client, n: int, rounds: int, first: int = 380) -> dict[int, list[p.TokenLogprob]]:
+    """turns(), with each session's tokens and their two most likely alternatives, all its turns in a row."""
+    sessions = [client.open_session() for _ in range(n)]
+    out: dict[int, list[p.TokenLogprob]] = {i: [] for i in range(n)}
+    for r in range(rounds):
+        for i, s in enumerate(sessions):
+            prompt = long_prompt(i)[:first] if r == 0 else f" turn {r}"
+            out[i].extend(s.complete(prompt, max_tokens=4, logprobs=2, **GREEDY).logprobs)
+    return out
+
+
+def agree_but_at_near_ties(approx: dict[int, list[p.TokenLogprob]], exact: dict[int, list[p.TokenLogprob]]) -> None:
+    """The compressed run's greedy tokens are the exact run's, up to a place where the exact run's top two were
+    within NEAR_TIE and the compressed one took the other (which no float tolerance can rule out); from there that
+    session's context differs, so the comparison ends for it."""
+    assert approx.keys() == exact.keys()
+    for i, tokens in exact.items():
+        assert len(approx[i]) == len(tokens)
+        for a, e in zip(approx[i], tokens, strict=True):
+            if a.token != e.token:
+                gap = e.top[0].logprob - e.top[1].logprob
+                assert gap < NEAR_TIE and a.token == e.top[1].token, (i, a, e)
+                break
+            assert abs(a.logprob - e.logprob) < NEAR_TIE, (i, a, e)
 
 
 def config(**keys: str) -> str:
@@ -81,7 +113,7 @@ def test_a_kv_type_the_model_cannot_hold_is_refused_at_start(
 def test_pool_snapshots_compressed_as_written_come_back_at_the_hot_types(start_daemon: Start) -> None:
     daemon = start_daemon("--hot-slots", "1", config=config(pool_kv_type="q8_0", pool_kv_policy="always"))
     with daemon.client() as client:
-        compressed, _ = turns(client, 3, 3)
+        compressed = logprob_turns(client, 3, 3)
         status = client.status()
         assert status.moves.compressions >= 6 and status.moves.restores_decompressed >= 6
         pool = status.pool
@@ -95,10 +127,9 @@ def test_pool_snapshots_compressed_as_written_come_back_at_the_hot_types(start_d
         assert stored in exposition and 'kvpool_tier_compressed_snapshots{tier="pool"} 3.0' in exposition
     exact = start_daemon("--hot-slots", "1", name="exact")
     with exact.client() as client:
-        uncompressed, _ = turns(client, 3, 3)
+        uncompressed = logprob_turns(client, 3, 3)
         assert client.status().moves.compressions == 0
-    # The tiny model's logits are far apart (tests/tinymodel.py), so q8_0's error changes no greedy token.
-    assert compressed == uncompressed
+    agree_but_at_near_ties(compressed, uncompressed)
 
 
 def fill(daemon: DaemonProcess, n: int) -> object:
@@ -148,14 +179,14 @@ def test_shared_prefixes_keep_working_with_compressed_suffixes(start_daemon: Sta
     toml = config(pool_kv_type="q8_0", pool_kv_policy="always") + f'[tasks.default]\nsystem_prompt = "{system}"\n'
     daemon = start_daemon("--hot-slots", "1", config=toml)
     with daemon.client() as client:
-        compressed, _ = turns(client, 3, 3, first=40)
+        compressed = logprob_turns(client, 3, 3, first=40)
         status = client.status()
         assert status.prefixes.hits >= 2 and status.moves.restores_decompressed >= 4
         assert all(info.shared_tokens > 0 for info in client.sessions())
         assert status.pool.compressed_snapshots == 3  # the sessions' own cells; the prefix stays exact
     exact = start_daemon("--hot-slots", "1", config=f'[tasks.default]\nsystem_prompt = "{system}"\n', name="exact")
     with exact.client() as client:
-        assert turns(client, 3, 3, first=40)[0] == compressed
+        agree_but_at_near_ties(compressed, logprob_turns(client, 3, 3, first=40))
 
 
 def test_a_restart_with_another_kv_layout_refuses_the_pool_and_loses_nothing(start_daemon: Start) -> None:
