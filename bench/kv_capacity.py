@@ -80,7 +80,7 @@ def prefill(m: Model, tokens: list[int]) -> float:
     for first in range(0, len(tokens), 512):
         chunk = tokens[first : first + 512]
         m.batch.clear()
-        m.batch.add(0, chunk, first, want_last_logits=first + len(chunk) == len(tokens))
+        m.batch.add(0, chunk, first, outputs=first + len(chunk) == len(tokens))
         assert m.decode() == 0
     return time.perf_counter() - started
 

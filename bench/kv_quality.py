@@ -163,7 +163,7 @@ def main() -> None:
             m = s.model
             assert m is not None
             m.batch.clear()
-            m.batch.add(0, chunk, first, want_last_logits=True)
+            m.batch.add(0, chunk, first, outputs=True)
             m.batch.logits[: len(chunk)] = 1  # every position scored (ScoringModel sized its outputs for it)
             assert m.decode() == 0, f"{s.name}: decode failed"
             logp = log_softmax(m.output_logits(len(chunk)).astype(np.float32))

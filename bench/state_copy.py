@@ -44,7 +44,7 @@ def prefill(model: Model, tokens: list[int]) -> None:
     for start in range(0, len(tokens), 512):
         chunk = tokens[start : start + 512]
         model.batch.clear()
-        model.batch.add(0, chunk, start, want_last_logits=True)
+        model.batch.add(0, chunk, start, outputs=True)
         if model.decode() != 0:
             raise RuntimeError("llama_decode failed")
 

@@ -18,7 +18,14 @@ from typing import Any
 import msgspec
 
 from kvpool import protocol as p
-from kvpool.protocol.status import MAX_ENGINE_SILENCE_S, CpuStatus, DaemonStatus, PrefixStatus, TierSnapshots
+from kvpool.protocol.status import (
+    MAX_ENGINE_SILENCE_S,
+    CpuStatus,
+    DaemonStatus,
+    DraftStatus,
+    PrefixStatus,
+    TierSnapshots,
+)
 
 from .client import Client, Session
 from .curve import CurveKeyError, curve_from_files
@@ -140,6 +147,15 @@ def _compression(tier: TierSnapshots, when: str) -> str:
     return f"kv {tier.kv_type}{' when full' if when == 'when_full' else ''}: {done}"
 
 
+def _drafts(d: DraftStatus) -> str:
+    if not d.most_tokens:
+        return "off (draft_tokens = 0)"
+    return (
+        f"up to {d.most_tokens} a step, matched by up to {d.ngram} tokens: "
+        f"{d.accepted_tokens} of {d.drafted_tokens} guessed tokens taken"
+    )
+
+
 def _cpu(cpu: CpuStatus) -> str:
     slowdown = f", steps {cpu.slowdown:.2f}x their time at start" if cpu.slowdown is not None else ""
     if cpu.cores is not None:
@@ -218,6 +234,8 @@ def format_status(status: DaemonStatus) -> str:
         )
     if status.cpu is not None:
         rows.append(("cpu", _cpu(status.cpu)))
+    if status.drafts is not None:
+        rows.append(("guesses", _drafts(status.drafts)))
     for name, value in rows:
         out.append(f"{name:>9}  {value}")
     scheduler = status.scheduler

@@ -29,6 +29,8 @@ Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 ENDPOINT_WORDS = "must be HOST:PORT, e.g. 127.0.0.1:50052"
 
 
+DRAFT_TOKENS_MAX = 16  # guessed tokens per session and step
+DRAFT_ROWS_MAX = 16  # guessed rows per step, all sessions together
 REMOTE_URL = 'must be a redis:// or rediss:// URL, e.g. "redis://:password@10.0.0.2:6379/0" (or be empty)'
 
 
@@ -229,6 +231,16 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     deterministic: Annotated[
         bool, Flag("a session's answer depends on its tokens alone, whoever else runs (docs/determinism.md)")
     ] = False
+    # Draftless speculation (docs/speculative.md): a decoding session may feed up to this many guessed tokens
+    # beside its own each step, taken from where its context last had the same draft_ngram tokens (its prompt,
+    # earlier turns, its answer so far); sampling keeps those it would have given anyway, one per row, so greedy
+    # answers and seeded draws stay what they are. How many a guess gets follows its measured acceptance against
+    # the step cost model (none when it does not pay). 0: off.
+    draft_tokens: Annotated[
+        int, Meta(ge=0, le=DRAFT_TOKENS_MAX), Flag("guessed tokens a decoding session may feed a step (0: off)")
+    ] = 0
+    # The longest run of a context's last tokens looked for earlier in it (down to 2); the longest match wins.
+    draft_ngram: Annotated[int, Meta(ge=2, le=8), Flag("the longest n-gram a guess is matched by")] = 3
     log_level: Annotated[one_of("debug", "info", "warning", "error"), Flag("")] = "info"
     # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"
     # each; empty: the whole model on this machine. Unauthenticated: loopback or a private link (docs/rpc.md).
@@ -279,6 +291,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     def determinism(self) -> Determinism:
         """What ``deterministic`` takes (llama/deterministic_mode.py): decided here, read by the rest."""
         return Determinism(self.deterministic)
+
+    @property
+    def draft_rows(self) -> int:
+        """Output rows a step may have beyond one per sequence, for guesses: llama.cpp reserves its logits buffer
+        for them (a row is n_vocab floats: 1 MiB for Gemma 3), so at most DRAFT_ROWS_MAX."""
+        return min(DRAFT_ROWS_MAX, self.draft_tokens * self.hot_slots)
 
     @property
     def threads_fixed_because(self) -> str:

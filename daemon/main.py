@@ -190,6 +190,7 @@ def load_model(plan: StartPlan, placement: Placement | None) -> Model:
             determinism=plan.determinism,
             mmproj=plan.projector.path if plan.projector is not None else None,
             media_threads=1 if encodes_beside(config) else 0,
+            draft_rows=config.draft_rows,
         )
     except ModelLoadError as exc:
         raise StartFailed(str(exc), 1) from None

@@ -67,6 +67,8 @@ class Counters(Struct, kw_only=True):
     batch_tokens: int = 0  # tokens fed through those calls (prompt chunks + decode tokens)
     prompt_tokens: int = 0  # prompt tokens computed (system prompts included; tokens a shared prefix held are not)
     generated_tokens: int = 0  # tokens sampled and sent to clients
+    drafted_tokens: int = 0  # guessed tokens fed beside the decode tokens (engine/drafts.py)
+    accepted_tokens: int = 0  # of those, the ones sampling took (each saved a step)
     busy_seconds: float = 0.0  # wall time spent inside engine steps that decoded something
     kv_full_events: int = 0  # llama_decode found no room in the unified KV
     # Generations stopped (CLIENT_UNRESPONSIVE) because their client's connection closed or it sent nothing for
@@ -325,6 +327,15 @@ class CpuStatus(Struct, kw_only=True):
     switches: int = 0  # times the count changed
 
 
+class DraftStatus(Struct, kw_only=True):
+    """Draftless speculation (draft_tokens; docs/speculative.md): guesses from each session's own tokens."""
+
+    most_tokens: int  # guessed tokens a session may feed a step (0: off)
+    ngram: int  # the longest n-gram a guess is matched by
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class DaemonStatus(Struct, kw_only=True):
     daemon_version: str
     protocol_version: int
@@ -352,6 +363,7 @@ class DaemonStatus(Struct, kw_only=True):
     preload: PreloadStatus | None = None
     media: MediaStatus | None = None  # None: no projector, text only
     cpu: CpuStatus | None = None
+    drafts: DraftStatus | None = None
 
     def stepping(self, max_silence: float = MAX_ENGINE_SILENCE_S) -> bool:
         """The engine loop passed within ``max_silence`` seconds: the daemon is healthy."""

@@ -36,7 +36,7 @@ class FakeBatch:
     def clear(self) -> None:
         self.rows, self.n = [], 0
 
-    def add(self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool) -> int:
+    def add(self, seq_id: int, tokens: list[int], first_pos: int, outputs: int) -> int:
         self.rows.append((seq_id, first_pos, len(tokens)))
         self.n += len(tokens)
         return self.n - 1
@@ -51,6 +51,7 @@ class FakeModel:
     deterministic = False  # (the real model's deterministic KV is tested on the real model)
     determinism = NOT_DETERMINISTIC
     threads = 1  # (one thread: the engine's thread count has nothing to adapt)
+    draft_rows = 16
 
     def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):
         self.context_size = context_size
@@ -128,6 +129,13 @@ class FakeModel:
                 if not cell[1]:
                     self.cells[i] = None
 
+    def forget_from(self, seq: int, first: int) -> None:
+        for i, cell in enumerate(self.cells):
+            if cell is not None and seq in cell[1] and cell[0] >= first:
+                cell[1].discard(seq)
+                if not cell[1]:
+                    self.cells[i] = None
+
     def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
         for cell in self.cells:
             if cell is not None and src in cell[1] and cell[0] >= first and (end < 0 or cell[0] < end):
@@ -190,6 +198,9 @@ class FakeModel:
 class FakeSampler:
     def sample(self, row: int) -> Sampled:
         return Sampled(SAMPLED)
+
+    def admitted(self, guess: list[int]) -> int:
+        return len(guess)
 
     def free(self) -> None:
         pass

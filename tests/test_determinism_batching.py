@@ -61,3 +61,17 @@ def test_one_token_steps_compact_in_time_for_their_pad_row(start_daemon: Start) 
                 done = s.complete(f"session {i}", max_tokens=60, temperature=0.0, logit_bias={2: -100.0})
                 assert (done.finish_reason, done.usage.completion_tokens) == ("length", 60), i
         assert client.status().moves.compactions > 0
+
+
+def test_deterministic_sessions_with_guesses_equal_each_alone_without(start_daemon: Start) -> None:
+    """Guessed rows (draft_tokens) ride in the same steps as the other sessions' and are verified row by row: each
+    session's tokens and log-probabilities stay bit for bit those it gives alone, without guesses."""
+    common = ("--deterministic", "--hot-slots", "4", "--context-size", "2048", "--threads", "2")
+    plain = start_daemon(*common, name="plain")
+    alone = [conversation(plain, i) for i in range(len(PROMPTS))]
+    guessing = start_daemon(*common, "--draft-tokens", "6", name="guessing")
+    assert [conversation(guessing, i) for i in range(len(PROMPTS))] == alone
+    assert together(guessing) == alone
+    with guessing.client() as client:
+        counters = client.status().counters
+    assert counters.accepted_tokens > 0 and counters.drafted_tokens > counters.accepted_tokens

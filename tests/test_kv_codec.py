@@ -44,7 +44,7 @@ def load(path: Path, k: str = "f16", v: str = "f16", flash_attn: str = "auto") -
 def prefill(model: Model, text: str = PROMPT) -> list[int]:
     tokens = model.tokenize(text, add_bos=True)
     model.batch.clear()
-    model.batch.add(0, tokens, 0, want_last_logits=True)
+    model.batch.add(0, tokens, 0, outputs=True)
     assert model.decode() == 0
     return tokens
 
@@ -196,7 +196,7 @@ def test_numpy_blocks_match_llama_cpps_quantized_kv(wide_heads_model: Path) -> N
 def step(model: Model) -> np.ndarray:
     pos = model.highest_position(0) + 1
     model.batch.clear()
-    model.batch.add(0, [ord("x") + 3], pos, want_last_logits=True)
+    model.batch.add(0, [ord("x") + 3], pos, outputs=True)
     assert model.decode() == 0
     return logits(model)
 

@@ -48,10 +48,10 @@ class StepShape:
     attention: int  # sum over the fed tokens of the context each attends to
 
     @staticmethod
-    def of(chunks: list[tuple[int, int, bool]]) -> StepShape:
-        """From (first position, token count, samples) per sequence in the step."""
+    def of(chunks: list[tuple[int, int, int]]) -> StepShape:
+        """From (first position, token count, output rows) per sequence in the step (a bool: one row or none)."""
         tokens = sum(n for _, n, _ in chunks)
-        outputs = sum(1 for _, _, out in chunks if out)
+        outputs = sum(int(out) for _, _, out in chunks)
         attention = sum(n * start + n * (n + 1) // 2 for start, n, _ in chunks)
         return StepShape(tokens, outputs, attention)
 

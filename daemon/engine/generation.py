@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from kvpool.daemon.engine.drafts import Drafter
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Sampler
@@ -41,6 +42,7 @@ class Generation:
     restore_ms: float = 0.0  # what of its time to first token went into making the session hot
     started: bool = False  # its prompt went into the session (an end now is a cut, not a refusal)
     paused: bool = False  # its client has replies waiting (serve/liveness.py): no step feeds it until it reads
+    drafter: Drafter | None = None  # guesses its next tokens from its context (None: it decodes one a step)
 
     def __post_init__(self) -> None:
         self.restore_seconds_at = self.session.restore_seconds
@@ -61,6 +63,18 @@ class Generation:
     @property
     def position(self) -> int:
         return self.session.n_kv
+
+    @property
+    def draft_room(self) -> int:
+        """Guessed tokens a step may feed after its pending one: the step samples one token more than it guesses,
+        within the answer's token limit and the session's context."""
+        s = self.session
+        left = min(self.request.max_tokens - self.completion_tokens, s.context_limit - len(s.tokens))
+        return max(0, left - 1)
+
+    def admitted(self, guess: list[int]) -> list[int]:
+        """The part of a guess its grammar admits (a guess past it would be refused by sampling anyway)."""
+        return guess[: self.sampler.admitted(guess)]
 
     @property
     def feeds_medium(self) -> bool:

@@ -22,6 +22,7 @@ from kvpool import protocol as p
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.calibration import calibrate_on_slot
 from kvpool.daemon.engine.cpu_share import IdleSampler, process_cpu_seconds
+from kvpool.daemon.engine.drafts import with_drafts
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.housekeeping import Housekeeping
 from kvpool.daemon.engine.moves import next_work
@@ -43,7 +44,7 @@ from kvpool.daemon.remote.interface import CrossNode, NoRemote
 from kvpool.daemon.rpc.workers import Workers
 from kvpool.daemon.serve.liveness import Liveness
 from kvpool.protocol import ErrorCode, FinishReason
-from kvpool.protocol.status import Counters, DaemonStatus
+from kvpool.protocol.status import Counters, DaemonStatus, DraftStatus
 
 if TYPE_CHECKING:  # the tier needs redis-py (the `remote` extra)
     from kvpool.daemon.remote.tier import RemoteTier
@@ -174,7 +175,15 @@ class Engine:
                 self.idle_cores.engine_waited()
                 self._take_requests(PAUSED_WAIT_S)
             return
-        self.kv.room_for_step(sum(w.n_tokens for w in step_work))
+        if self.config.draft_tokens:
+            step_work = with_drafts(
+                step_work,
+                self.model.step_tokens,
+                self.model.draft_rows,
+                self.scheduler.cost,
+                self.scheduler.step_time_cap(),
+            )
+        self.kv.room_for_step(sum(w.n_tokens + len(w.draft) for w in step_work))
         threads = self.threads.for_next_step(may_probe=not self.scheduler.first_token_due())
         lent = self.media is not None and self.media.busy  # an encode beside the steps takes a thread while it runs
         self.model.decode_with(threads - 1 if lent else threads)
@@ -219,9 +228,9 @@ class Engine:
             session = work.item.session
             if session.boundary and session.n_kv >= session.boundary:
                 self._make_prefix(session)
-        for work, sampled in zip(step_work, outcome.tokens, strict=True):
-            if sampled is not None:
-                self._accept(work.item, sampled, now)
+        for work, run in zip(step_work, outcome.tokens, strict=True):
+            if run:
+                self._accept_run(work, run, now)
             elif work.completes and not work.item.samples:  # a prefill: its prompt is in the KV, nothing more
                 self.finish(work.item, FinishReason.LENGTH, now)
         self.last_step_seconds = time.monotonic() - started
@@ -307,8 +316,28 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
 
-    def _accept(self, g: Generation, sampled: Sampled, now: float) -> None:
-        """A token was sampled for ``g``: append it to the session, stream it, and check the stop conditions."""
+    def _accept_run(self, work: Work[Generation], run: list[Sampled], now: float) -> None:
+        """The tokens sampled for one work item, in order: each after the first was sampled from the row of the
+        guessed token before it, which equals the token accepted before it, so that row's cell is computed. Cells
+        past what the session holds then go, whatever happens (a stop, an error)."""
+        g = work.item
+        try:
+            for i, sampled in enumerate(run):
+                if i:
+                    self.kv.fed(g.session, 1)
+                if not self._accept(g, sampled, now):
+                    break
+        finally:
+            if work.draft:
+                self.kv.trim(g.session)
+        if work.draft and g.drafter is not None:
+            g.drafter.observe(len(work.draft), len(run) - 1)
+            self.counters.drafted_tokens += len(work.draft)
+            self.counters.accepted_tokens += len(run) - 1
+
+    def _accept(self, g: Generation, sampled: Sampled, now: float) -> bool:
+        """A token was sampled for ``g``: append it to the session, stream it, and check the stop conditions.
+        False when the generation ended with it."""
         token = sampled.token
         logprobs = [sampled.logprob] if sampled.logprob is not None else None
         self.kv.append(g.session, [token])
@@ -320,7 +349,7 @@ class Engine:
             g.ended_by_eog = True
             self.send(g.client, p.Chunk(id=g.request.id, text=g.text.flush(), tokens=[token], logprobs=logprobs))
             self.finish(g, FinishReason.STOP, now, flushed=True)
-            return
+            return False
         text = g.text.feed(self.model.token_bytes(token))
         reason = g.stop_reason()
         if reason is not None:
@@ -328,6 +357,8 @@ class Engine:
         self.send(g.client, p.Chunk(id=g.request.id, text=text, tokens=[token], logprobs=logprobs))
         if reason is not None:
             self.finish(g, reason, now, flushed=True)
+            return False
+        return True
 
     def finish(
         self, g: Generation, reason: FinishReason, now: float, flushed: bool = False, checkpoint: bool = True
@@ -354,6 +385,7 @@ class Engine:
         self.reply_error(g.client, g.request.id, code, message, detail)
 
     def _end(self, g: Generation, now: float, flushed: bool, checkpoint: bool) -> None:
+        self.kv.trim(g.session)  # a guess's rows past its last token: its checkpoint must not hold them
         if not flushed and (rest := g.text.flush()):
             self.send(g.client, p.Chunk(id=g.request.id, text=rest, tokens=[]))
         self._release(g)
@@ -510,6 +542,13 @@ class Engine:
         status.preload = self.preloader.status()
         status.remote = self.remote.status()
         status.cpu = self.threads.status()
+        c = self.counters
+        status.drafts = DraftStatus(
+            most_tokens=self.config.draft_tokens,
+            ngram=self.config.draft_ngram,
+            drafted_tokens=c.drafted_tokens,
+            accepted_tokens=c.accepted_tokens,
+        )
         if self.media is not None:
             status.media = msgspec.structs.replace(
                 self.media.status(), frame_areas=len(self.frame_areas) if self.frame_areas is not None else 0

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
+from kvpool.daemon.engine.drafts import Drafter
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.engine.scheduler import Scheduler
@@ -351,6 +352,7 @@ class RequestHandlers:
             tpot_s=budget.tpot_s,
             best_effort=budget.best_effort,
             priority=budget.priority,
+            drafter=self._drafter(s) if self.config.draft_tokens else None,
         )
         s.last_used = g.arrival
         self.scheduler.add(g)
@@ -358,6 +360,10 @@ class RequestHandlers:
             assert self.media is not None
             self.media.start(piece)
         self.preloader.turn(s)
+
+    def _drafter(self, s: Session) -> Drafter:
+        """Guesses from the session's whole conversation, this turn's prompt included once it joins it."""
+        return Drafter(s.tokens, self.config.draft_ngram, self.config.draft_tokens, self.model.is_end_of_generation)
 
     def _sampling(self, r: p.Generate) -> SamplingParams:
         self._checked_tokens([*r.logit_bias, *r.grammar_trigger_tokens])

@@ -1,5 +1,6 @@
-"""The runner: one step's work through llama.cpp, as one batch; then one token sampled per finished chunk. A step
-that feeds a medium feeds its cells alone, as embeddings, after its encode (engine/step_work.py)."""
+"""The runner: one step's work through llama.cpp, as one batch; then one token sampled per finished chunk, and with
+a guess (engine/drafts.py) one more per guessed token taken. A step that feeds a medium feeds its cells alone, as
+embeddings, after its encode (engine/step_work.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from kvpool.daemon.media.media_cache import MediaCache
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
     rc: int  # llama_decode's answer: 0 done, 1 no room in the unified KV (nothing changed), else a failure
-    tokens: list[Sampled | None]  # per work item, the token sampled for it (None: pending tokens left, or a prefill)
+    # Per work item, the tokens sampled for it: one, or with a guess (Work.draft) one more than it took of it; none
+    # for a chunk with pending tokens left, or a prefill.
+    tokens: list[list[Sampled]]
     batch_tokens: int  # tokens fed in the batch
     shape: StepShape  # what the cost model predicts a step's time from
     seconds: float  # decode plus sampling: what the cost model predicts
@@ -36,20 +39,34 @@ class Runner:
         batch = self.model.batch
         batch.clear()
         rows = []
-        sampling = [w.completes and w.item.samples for w in step_work]  # a prefill's last chunk needs no logits
-        for work, samples in zip(step_work, sampling, strict=True):
+        # A prefill's last chunk needs no logits; a guess needs them for each of its rows, and the row before.
+        outputs = [1 + len(w.draft) if w.completes and w.item.samples else 0 for w in step_work]
+        for work, out in zip(step_work, outputs, strict=True):
             s = work.item.session
             assert s.slot is not None  # the scheduler runs only generations whose session is hot
-            rows.append(batch.add(s.slot, s.tokens[s.n_kv : s.n_kv + work.n_tokens], s.n_kv, samples))
-        shape = StepShape.of([(w.item.position, w.n_tokens, out) for w, out in zip(step_work, sampling, strict=True)])
+            fed = s.tokens[s.n_kv : s.n_kv + work.n_tokens] + list(work.draft)
+            rows.append(batch.add(s.slot, fed, s.n_kv, out))
+        shape = StepShape.of(
+            [(w.item.position, w.n_tokens + len(w.draft), out) for w, out in zip(step_work, outputs, strict=True)]
+        )
         started = time.perf_counter()
         rc = self.model.decode()
         if rc != 0:
             return StepOutcome(rc, [], batch.n, shape, 0.0)
-        tokens = [
-            w.item.sampler.sample(row) if out else None for w, row, out in zip(step_work, rows, sampling, strict=True)
-        ]
+        tokens = [self._sample(w, row) if out else [] for w, row, out in zip(step_work, rows, outputs, strict=True)]
         return StepOutcome(0, tokens, batch.n, shape, time.perf_counter() - started)
+
+    def _sample(self, work: Work[Generation], last_row: int) -> list[Sampled]:
+        """The work's token, and while each one sampled is the guess's next, the one after it (its row's)."""
+        sampler = work.item.sampler
+        first = last_row - len(work.draft)
+        run = [sampler.sample(first)]
+        for i, guessed in enumerate(work.draft):
+            token = run[-1].token
+            if token != guessed or self.model.is_end_of_generation(token):
+                break
+            run.append(sampler.sample(first + 1 + i))
+        return run
 
     def _run_medium(self, work: Work[Generation]) -> StepOutcome:
         """A step that feeds one medium's cells: its encode if it is not encoded yet, then its rows as embeddings."""
@@ -74,5 +91,5 @@ class Runner:
         )
         if rc != 0:
             return StepOutcome(rc, [], work.n_tokens, shape, 0.0, encode_seconds)
-        token = g.sampler.sample(work.n_tokens - 1) if samples else None
-        return StepOutcome(0, [token], work.n_tokens, shape, time.perf_counter() - started, encode_seconds)
+        tokens = [g.sampler.sample(work.n_tokens - 1)] if samples else []
+        return StepOutcome(0, [tokens], work.n_tokens, shape, time.perf_counter() - started, encode_seconds)

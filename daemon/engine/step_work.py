@@ -70,6 +70,7 @@ class Work(Generic[T]):
     item: T
     n_tokens: int  # how many of its pending tokens this step feeds
     completes: bool  # True when this chunk feeds the last pending token: the step samples for it
+    draft: tuple[int, ...] = ()  # guessed tokens fed after it, each with its row of logits (engine/drafts.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -426,6 +426,12 @@ class KvManager:
         """A step computed ``n_tokens`` more of the resident session's tokens into its cells."""
         place.fed(s, n_tokens)
 
+    def trim(self, s: Session) -> None:
+        """Cells past the session's computed tokens go: the rows of a guess that were not taken (engine/drafts.py).
+        Its place does not change: it holds tokens[:n_kv] before and after."""
+        if s.slot is not None and self.model.highest_position(s.slot) >= s.n_kv:
+            self.model.forget_from(s.slot, s.n_kv)
+
     # ------------------------------------------------------------------ snapshots (checkpoints.py, room.py)
 
     def checkpoint(self, s: Session) -> None:

@@ -22,12 +22,12 @@ def decode_a_few_tokens(path: Path) -> None:
     try:
         tokens = model.tokenize(PROBE_PROMPT, add_bos=True)[:48]
         model.batch.clear()
-        model.batch.add(0, tokens, 0, want_last_logits=True)
+        model.batch.add(0, tokens, 0, outputs=True)
         if model.decode() != 0:
             raise RuntimeError("llama_decode refused the probe prompt")
         for step in range(3):
             model.batch.clear()
-            model.batch.add(0, [tokens[step]], len(tokens) + step, want_last_logits=True)
+            model.batch.add(0, [tokens[step]], len(tokens) + step, outputs=True)
             if model.decode() != 0:
                 raise RuntimeError("llama_decode refused a probe token")
     finally:

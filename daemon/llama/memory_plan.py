@@ -177,7 +177,7 @@ def plan_memory(
     # and the logits of the rows that are sampled.
     batch = config.batch_size
     activations = F32 * batch * (8 * n_embd + 3 * n_ff + n_head * min(cells, 4096))
-    logits = F32 * config.hot_slots * n_vocab
+    logits = F32 * (config.hot_slots + config.draft_rows) * n_vocab
     weights = model_path.stat().st_size
     remote: list[RemotePart] = []
     if config.rpc_servers:

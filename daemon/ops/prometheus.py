@@ -53,6 +53,12 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
         [({}, c.prompt_tokens)],
     )
     yield _family(counter, "kvpool_decode_calls", "llama_decode calls (engine steps).", [({}, c.decode_calls)])
+    yield _family(
+        counter,
+        "kvpool_draft_tokens",
+        "Guessed tokens fed beside the decode tokens (drafted), and those sampling took (accepted).",
+        [({"kind": "drafted"}, c.drafted_tokens), ({"kind": "accepted"}, c.accepted_tokens)],
+    )
     yield _family(counter, "kvpool_engine_busy_seconds", "Wall time spent in engine steps.", [({}, c.busy_seconds)])
     yield _family(counter, "kvpool_requests", "Requests by operation.", [({"op": k}, n) for k, n in c.requests.items()])
     errors = dict(c.errors)

@@ -25,15 +25,16 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
 
-    def add(self, seq_id: int, tokens: list[int], first_pos: int, want_last_logits: bool) -> int:
-        """Append ``tokens`` of one sequence; returns the batch row of the last token (for sampling)."""
+    def add(self, seq_id: int, tokens: list[int], first_pos: int, outputs: int) -> int:
+        """Append ``tokens`` of one sequence, the last ``outputs`` of them with logits (a bool: the last one or
+        none); returns the batch row of the last token (for sampling)."""
         start, count = self.n, len(tokens)
         end = start + count
         self.token[start:end] = tokens
         self.pos[start:end] = np.arange(first_pos, first_pos + count, dtype=np.int32)
         self.logits[start:end] = 0
-        if want_last_logits:
-            self.logits[end - 1] = 1
+        if outputs:
+            self.logits[end - int(outputs) : end] = 1
         rows = self._seq_rows
         for i in range(start, end):
             rows[i][0] = seq_id

@@ -49,13 +49,15 @@ class Model:
         determinism: Determinism = NOT_DETERMINISTIC,
         mmproj: Path | None = None,
         media_threads: int = 0,
+        draft_rows: int = 0,
     ):
         """``kv``: the hot KV's types and flash attention (default f16, on). ``determinism``: on, a sequence's
         logits depend on nothing but its own tokens (llama/deterministic_mode.py): no batch of one token or one
         output (a pad row makes two), and cells kept in position order (sequences.py); the assembly also turns
         repacking and llama.cpp's tiled matmul off and the engine keeps batches within DETERMINISTIC_STEP_TOKENS.
         ``mmproj``: a projector GGUF, for images and audio in sessions (mtmd.py; None: text only), encoding with
-        ``media_threads`` CPU threads (0: ``threads``)."""
+        ``media_threads`` CPU threads (0: ``threads``). ``draft_rows``: output rows a decode may have beyond one
+        per sequence (guessed tokens, engine/drafts.py)."""
         init_backend()
         self.kv = kv or KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
         self.path = Path(path)
@@ -84,7 +86,9 @@ class Model:
         self.pad_seq = cparams.n_seq_max - 2 if determinism.on else -1
         # A step samples at most once per sequence: without this, llama.cpp sizes its logits buffer for a whole
         # batch of outputs (512 x 262k floats = 512 MiB with Gemma 3) that the daemon never uses.
-        cparams.n_outputs_max = cparams.n_seq_max  # llama.cpp reserves its graph for these outputs
+        # Guesses (engine/drafts.py) want a row each, up to ``draft_rows`` in a step.
+        cparams.n_outputs_max = cparams.n_seq_max + draft_rows  # llama.cpp reserves its graph for these outputs
+        self.draft_rows = draft_rows
         cparams.type_k, cparams.type_v = self.kv.type_k.ggml_id, self.kv.type_v.ggml_id
         cparams.flash_attn_type = (
             lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.kv.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -178,7 +182,7 @@ class Model:
             one_output = batch.outputs() == 1
             padded = tokens == 1 or one_output
             if padded:
-                batch.add(self.pad_seq, [0], 0, want_last_logits=one_output)
+                batch.add(self.pad_seq, [0], 0, outputs=one_output)
         try:
             rc = lc.llama_decode(self.ctx, batch.as_llama_batch())
         finally:
@@ -243,6 +247,9 @@ class Model:
 
     def forget_sequence(self, seq_id: int) -> None:
         self.seqs.forget_sequence(seq_id)
+
+    def forget_from(self, seq_id: int, first: int) -> None:
+        self.seqs.forget_from(seq_id, first)
 
     def share_cells(self, src: int, dst: int, first: int, end: int) -> None:
         self.seqs.share_cells(src, dst, first, end)

@@ -114,6 +114,24 @@ class Sampler:
             return Sampled(token)
         return Sampled(token, token_logprob(logits, token, self._params.logprobs, self._piece))
 
+    def admitted(self, guess: list[int]) -> int:
+        """How many of ``guess``'s first tokens the grammar lets come next, one after the other (all, without a
+        grammar): a copy of the grammar takes them, so this one's state stays as it is."""
+        if self._grammar is None or not guess:
+            return len(guess)
+        if not self._allowed(guess[0]):
+            return 0
+        probe = lc.llama_sampler_clone(self._grammar)
+        try:
+            lc.llama_sampler_accept(probe, guess[0])
+            for n, token in enumerate(guess[1:], start=1):
+                if not self._allowed(token, probe):
+                    return n
+                lc.llama_sampler_accept(probe, token)
+            return len(guess)
+        finally:
+            lc.llama_sampler_free(probe)
+
     def _greedy(self, logits: np.ndarray) -> int:
         token = int(logits.argmax())
         if self._grammar is None or self._allowed(token):
@@ -173,11 +191,12 @@ class Sampler:
         lc.llama_sampler_apply(sampler, ctypes.byref(array))
         return array
 
-    def _allowed(self, token: int) -> bool:
-        """Whether the grammar lets ``token`` come next (a lazy grammar still waiting for its trigger allows all)."""
+    def _allowed(self, token: int, grammar: ctypes.c_void_p | None = None) -> bool:
+        """Whether the grammar (or a copy of it) lets ``token`` come next (a lazy grammar still waiting for its
+        trigger allows all)."""
         one = self._one
         one["id"], one["logit"], one["p"] = token, 1.0, 0.0
-        self._apply(self._grammar, one)
+        self._apply(self._grammar if grammar is None else grammar, one)
         return bool(np.isfinite(one["logit"][0]))
 
     def free(self) -> None:

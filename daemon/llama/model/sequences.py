@@ -38,6 +38,13 @@ class Sequences:
             lc.llama_memory_seq_cp(self.memory, seq_id, self.graveyard, -1, -1)
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def forget_from(self, seq_id: int, first: int) -> None:
+        """Empty a sequence's cells at positions >= ``first`` (a guess's rows that were not taken); freed, or
+        handed to the graveyard as forget_sequence does."""
+        if self.graveyard >= 0:
+            lc.llama_memory_seq_cp(self.memory, seq_id, self.graveyard, first, -1)
+        lc.llama_memory_seq_rm(self.memory, seq_id, first, -1)
+
     def free(self, seq_id: int) -> None:
         """Free a sequence's cells whatever the mode: deterministic decoding's pad row (see Model.decode), and the
         scratch sequence, whose cells its source keeps."""

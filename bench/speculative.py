@@ -1,0 +1,305 @@
+"""Draftless speculation, side by side in one run: kvpoold with and without guesses (draft_tokens), against
+llama-server (built by scripts/build-llama-server.sh from the same llama.cpp) without drafts and with its n-gram
+drafts, on the default model with 2 threads and 8 slots, greedy.
+
+Workloads, each a Gemma chat turn:
+  chat   free text (a few paragraphs about the bicycle's history)
+  json   a JSON-schema answer: a list of the devices its prompt describes, as an array of records
+  copy   an answer that copies from its prompt: a Python function with one variable renamed
+Streams: 1, 4 and 8 at once, each stream its own session (its prompt starts with its number). A cell is the
+decode rate, client-side: the tokens after each stream's first / (the last token's time - the first token's
+time over all streams), the median over --rounds (the servers' order rotates every round). kvpoold's answers with
+guesses are compared with its answers without, token for token, and its guess counters are read.
+
+    python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 6] [--llama-server PATH]
+                                [--workloads chat json copy] [--streams 1 4 8]
+
+Raw numbers go to bench/out/speculative.json, a plot to bench/out/speculative.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from anchors import llama_server, llama_server_binary  # noqa: E402
+from common import default_model, private_daemon  # noqa: E402
+
+from kvpool.client import Client  # noqa: E402
+
+THREADS = 2
+SLOTS = 8
+TIMEOUT_S = 900.0
+GREEDY = {"temperature": 0.0}
+
+
+def turn(text: str) -> str:
+    return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+
+
+DEVICES = [
+    ("kitchen lamp", "kitchen", "light", 9),
+    ("hall lamp", "hall", "light", 7),
+    ("living room tv", "living room", "screen", 95),
+    ("bedroom fan", "bedroom", "fan", 40),
+    ("bathroom heater", "bathroom", "heater", 1500),
+    ("office monitor", "office", "screen", 30),
+    ("garage door", "garage", "motor", 350),
+    ("garden pump", "garden", "pump", 600),
+    ("nursery light", "nursery", "light", 5),
+    ("kitchen kettle", "kitchen", "appliance", 2200),
+]
+DEVICE_LINES = "\n".join(f"- {n} (room: {r}, kind: {k}, {w} W)" for n, r, k, w in DEVICES)
+SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "room": {"type": "string"},
+            "kind": {"type": "string"},
+            "watts": {"type": "integer"},
+        },
+        "required": ["name", "room", "kind", "watts"],
+    },
+}
+CODE = '''def summarize(items, threshold):
+    """Count, sum and average the items above a threshold."""
+    total = 0
+    count = 0
+    largest = None
+    for item in items:
+        if item.value < threshold:
+            continue
+        total += item.value
+        count += 1
+        if largest is None or item.value > largest.value:
+            largest = item
+    average = total / count if count else 0.0
+    return {"count": count, "total": total, "average": average, "largest": largest}
+'''
+WORKLOADS: dict[str, tuple[str, dict[str, object]]] = {
+    "chat": (turn("Tell me about the history of the bicycle, in a few paragraphs."), {}),
+    "json": (
+        turn(f"These are the devices in the house:\n{DEVICE_LINES}\nList every device as JSON records."),
+        {"json_schema": SCHEMA},
+    ),
+    "copy": (
+        turn(f"Here is a Python function:\n```python\n{CODE}```\nRename the variable `item` to `entry` everywhere "
+             "and give the whole function back, code only."),
+        {},
+    ),
+}  # fmt: skip
+
+
+def prompt_of(workload: str, stream: int) -> tuple[str, dict[str, object]]:
+    text, extra = WORKLOADS[workload]
+    return f"Request {stream}.\n" + text, extra
+
+
+class Server:
+    name: str
+
+    def answer(self, prompt: str, extra: dict[str, object], tokens: int) -> tuple[list[float], list[int]]:
+        """One answer, streamed: each token's arrival time, and the tokens (when the server gives them)."""
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+
+class Kvpool(Server):
+    def __init__(self, name: str, address: str) -> None:
+        self.name, self.address = name, address
+
+    def answer(self, prompt: str, extra: dict[str, object], tokens: int) -> tuple[list[float], list[int]]:
+        times: list[float] = []
+        out: list[int] = []
+        with Client(self.address, timeout=TIMEOUT_S) as client, client.open_session() as session:
+            for chunk in session.generate(prompt, max_tokens=tokens, **GREEDY, **extra):
+                now = time.monotonic()
+                times += [now] * len(chunk.tokens)
+                out += chunk.tokens
+        return times, out
+
+    def counters(self) -> dict[str, int]:
+        with Client(self.address, timeout=TIMEOUT_S) as client:
+            c = client.status().counters
+        return {"drafted": c.drafted_tokens, "accepted": c.accepted_tokens, "generated": c.generated_tokens}
+
+
+class LlamaServer(Server):
+    def __init__(self, name: str, url: str) -> None:
+        self.name, self.url = name, url
+
+    def answer(self, prompt: str, extra: dict[str, object], tokens: int) -> tuple[list[float], list[int]]:
+        body = {"prompt": prompt, "n_predict": tokens, "stream": True, "cache_prompt": False, **GREEDY, **extra}
+        times: list[float] = []
+        with httpx.stream("POST", f"{self.url}/completion", json=body, timeout=TIMEOUT_S) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                n = len(event.get("tokens") or []) or (1 if event.get("content") else 0)
+                times += [time.monotonic()] * n
+        return times, []
+
+
+def run_streams(server: Server, workload: str, n: int, tokens: int) -> tuple[float, list[list[int]]]:
+    """``n`` answers at once: their decode rate (tokens after each first, over the span from the first first token
+    to the last token), and their tokens."""
+    results: list[tuple[list[float], list[int]]] = [([], [])] * n
+    barrier = threading.Barrier(n + 1)
+
+    def one(i: int) -> None:
+        prompt, extra = prompt_of(workload, i)
+        barrier.wait(TIMEOUT_S)
+        results[i] = server.answer(prompt, extra, tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    barrier.wait(TIMEOUT_S)
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    stamps = [times for times, _ in results if len(times) > 1]
+    if not stamps:
+        return float("nan"), [out for _, out in results]
+    span = max(t[-1] for t in stamps) - min(t[0] for t in stamps)
+    return sum(len(t) - 1 for t in stamps) / span, [out for _, out in results]
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(rates: dict[str, dict[str, list[float]]], workloads: list[str], streams: list[int], note: str) -> None:
+    names = list(rates)
+    print(f"\ndecode tokens/s, client-side, medians ({note})")
+    header = f"{'workload':<8} {'streams':>7} " + " ".join(f"{n:>22}" for n in names)
+    print(header)
+    for w in workloads:
+        for n in streams:
+            key = f"{w}/{n}"
+            print(f"{w:<8} {n:>7} " + " ".join(f"{med(rates[name][key]):>22.1f}" for name in names))
+    base, fast = "kvpool", "kvpool guesses"
+    anchors = [name for name in names if name.startswith("llama-server")]
+    if base in rates and fast in rates:
+        print("\nratios (medians)")
+        cols = [f"{fast} / {base}"] + [f"{fast} / {a}" for a in anchors]
+        print(f"{'workload':<8} {'streams':>7} " + " ".join(f"{c:>36}" for c in cols))
+        for w in workloads:
+            for n in streams:
+                key = f"{w}/{n}"
+                f = med(rates[fast][key])
+                values = [f / med(rates[base][key])] + [f / med(rates[a][key]) for a in anchors]
+                print(f"{w:<8} {n:>7} " + " ".join(f"{v:>35.2f}x" for v in values))
+
+
+def plot(rates: dict[str, dict[str, list[float]]], workloads: list[str], streams: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4.5), squeeze=False)
+    names = list(rates)
+    width = 0.8 / len(names)
+    for ax, w in zip(axes[0], workloads, strict=True):
+        for k, name in enumerate(names):
+            ax.bar(np.arange(len(streams)) + k * width, [med(rates[name][f"{w}/{n}"]) for n in streams], width,
+                   label=name)  # fmt: skip
+        ax.set_xticks(np.arange(len(streams)) + width * (len(names) - 1) / 2, [f"{n} streams" for n in streams])
+        ax.set_title(f"{w}: decode tokens/s (2 cores)")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--draft-tokens", type=int, default=6)
+    ap.add_argument("--llama-server", help="a llama-server binary (default: one scripts/build-llama-server.sh built)")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--streams", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--no-anchor-drafts", action="store_true", help="llama-server without drafts only")
+    args = ap.parse_args()
+    model = default_model(args.model)
+    binary = llama_server_binary(args.llama_server)
+    common = ("--threads", str(THREADS), "--hot-slots", str(SLOTS), "--context-size", str(SLOTS * 2048))
+    anchors: dict[str, tuple[str, ...]] = {"llama-server": ()}
+    if not args.no_anchor_drafts:
+        anchors["llama-server ngram 3/8"] = (
+            "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8",
+        )  # fmt: skip
+        anchors["llama-server ngram-mod"] = ("--spec-type", "ngram-mod")
+    with contextlib.ExitStack() as stack:
+        servers: list[Server] = []
+        for name, flags in (("kvpool", ()), ("kvpool guesses", ("--draft-tokens", str(args.draft_tokens)))):
+            daemon = stack.enter_context(private_daemon(model, *common, *flags))
+            servers.append(Kvpool(name, daemon.address))
+        if binary:
+            for name, flags in anchors.items():
+                url = stack.enter_context(llama_server(binary, model, SLOTS, 2048, *flags))
+                servers.append(LlamaServer(name, url))
+        else:
+            print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
+        rates: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
+        answers: dict[str, dict[str, list[list[int]]]] = {s.name: {} for s in servers}
+        guesses: dict[str, dict[str, int]] = {}
+        for round_ in range(args.rounds):
+            for w in args.workloads:
+                for n in args.streams:
+                    key = f"{w}/{n}"
+                    order = servers[round_ % len(servers) :] + servers[: round_ % len(servers)]
+                    for server in order:
+                        before = server.counters()
+                        rate, tokens = run_streams(server, w, n, args.tokens)
+                        rates[server.name].setdefault(key, []).append(rate)
+                        answers[server.name][key] = tokens
+                        after = server.counters()
+                        if after:
+                            total = guesses.setdefault(f"{server.name} {w}", {})
+                            for k, v in after.items():
+                                total[k] = total.get(k, 0) + v - before.get(k, 0)
+                    print(f"round {round_ + 1}: {key}", file=sys.stderr, flush=True)
+    same = sum(
+        a == b
+        for key in answers["kvpool"]
+        for a, b in zip(answers["kvpool"][key], answers["kvpool guesses"][key], strict=True)
+    )
+    total = sum(len(v) for v in answers["kvpool"].values())
+    out = HERE / "out"
+    out.mkdir(exist_ok=True)
+    (out / "speculative.json").write_text(json.dumps({"rates": rates, "guesses": guesses}, indent=2))
+    report(rates, args.workloads, args.streams, f"{args.rounds} rounds, {args.tokens} tokens, 2 threads")
+    print(f"\nkvpool's answers with guesses the same as without, token for token: {same} of {total} (last round)")
+    print("\nguesses (all rounds)")
+    for name, g in guesses.items():
+        if g.get("drafted"):
+            share = g["accepted"] / g["drafted"]
+            print(f"  {name:<22} {g['accepted']} of {g['drafted']} guessed tokens taken ({share:.0%}), "
+                  f"{g['generated']} generated")  # fmt: skip
+    plot(rates, args.workloads, args.streams, out / "speculative.png")
+    print(f"(plot: {out / 'speculative.png'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

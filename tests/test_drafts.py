@@ -1,0 +1,125 @@
+"""Guesses from a session's own tokens and how many a step feeds (engine/drafts.py): pure logic, no model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.daemon.engine.cost_model import CostModel, StepShape
+from kvpool.daemon.engine.drafts import RETRY_EVERY, RETRY_TOKENS, Drafter, with_drafts
+from kvpool.daemon.engine.step_work import Work
+
+EOG = 99
+
+
+def drafter(tokens: list[int], most: int = 4, ngram: int = 3) -> Drafter:
+    return Drafter(tokens, ngram, most, lambda t: t == EOG)
+
+
+def test_a_guess_is_what_followed_the_latest_earlier_match_of_the_longest_n_gram() -> None:
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # "1 2 3" matched at the start (then 4 5 9 ...); "2 3" alone more recently (then 7 8): the longest wins.
+    assert drafter(tokens).guess() == [4, 5, 9, 2]
+    assert drafter([5, 2, 3, 7, 8, 6, 2, 3]).guess() == [7, 8, 6, 2]
+    assert drafter([1, 2, 3, 4]).guess() == []  # nothing earlier ends as the context does
+    assert drafter([3, 3]).guess() == []  # a match must end before the context's last token
+
+
+def test_the_index_follows_the_conversation_as_it_grows_and_when_it_loses_tokens() -> None:
+    tokens = [1, 2, 3, 4]
+    d = drafter(tokens)
+    assert d.guess() == []
+    tokens += [5, 1, 2]
+    assert d.guess() == [3, 4, 5, 1]
+    tokens += [3, 4, 5, 1, 2]  # the latest match moves on: "1 2" now also at 5..6, followed by 3 4 5 1
+    assert d.guess() == [3, 4, 5, 1]
+    del tokens[4:]  # (a prompt that could not be computed goes)
+    tokens += [6, 2, 3]
+    assert d.guess() == [4, 6, 2, 3]
+
+
+def test_a_guess_stops_at_the_end_of_a_turn_and_at_a_mediums_cells() -> None:
+    assert drafter([1, 2, 5, 6, EOG, 7, 1, 2]).guess() == [5, 6]
+    assert drafter([1, 2, 5, -3, -3, 6, 1, 2]).guess() == [5]
+    assert drafter([1, 2, EOG, 1, 2]).guess() == []
+
+
+def test_acceptance_follows_what_was_taken() -> None:
+    d = drafter([])
+    start = d.acceptance
+    for _ in range(10):
+        d.observe(4, 4)
+    assert d.acceptance > 0.9 > start
+    for _ in range(30):
+        d.observe(4, 0)
+    assert d.acceptance < 0.2
+    assert (d.drafted_tokens, d.accepted_tokens) == (160, 40)
+    assert abs(d.expected_tokens(3) - sum(d.acceptance**i for i in (1, 2, 3))) < 1e-12
+
+
+def test_a_generation_whose_guesses_do_not_pay_retries_a_short_one_now_and_then() -> None:
+    d = drafter([])
+    lengths = [d.length(0, 6) for _ in range(3 * RETRY_EVERY)]
+    assert lengths.count(RETRY_TOKENS) == 3 and lengths.count(0) == 3 * RETRY_EVERY - 3
+    assert d.length(5, 6) == 5
+
+
+@dataclass(eq=False)
+class Item:
+    drafter: Drafter | None
+    draft_room: int = 100
+    position: int = 100
+    grammar_admits: int = 100
+
+    def admitted(self, guess: list[int]) -> list[int]:
+        return guess[: self.grammar_admits]
+
+
+def cost(fixed: float, per_token: float, per_output: float) -> CostModel:
+    model = CostModel()
+    for fit in (model.small, model.large):
+        fit.usable = fit.theta = __import__("numpy").array([fixed, per_token, per_output, 0.0])
+    return model
+
+
+def repetitive(acceptance: float) -> Drafter:
+    d = drafter([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], most=6)
+    d.accepted, d.tried = acceptance * 100, 100.0
+    return d
+
+
+def test_a_guess_gets_rows_while_its_expected_tokens_pay_for_them() -> None:
+    # A step costs 20 ms, a row 1 ms: a guess taken 9 times in 10 pays for all its rows.
+    model = cost(0.020, 0.0005, 0.0005)
+    work = [Work(Item(repetitive(0.9)), 1, True)]
+    [w] = with_drafts(work, 64, 16, model, None)
+    assert w.draft == (4, 5, 6, 7, 8, 1)
+    # Taken once in fifty: not even its first row pays (2 % more tokens for 5 % more time).
+    [w] = with_drafts([Work(Item(repetitive(0.02)), 1, True)], 64, 16, model, None)
+    assert w.draft == ()
+
+
+def test_guesses_stay_within_the_steps_cap_its_rows_and_the_answers_room() -> None:
+    model = cost(0.020, 0.0005, 0.0005)
+    item = Item(repetitive(0.95))
+    [w] = with_drafts([Work(item, 1, True)], 64, 16, model, 0.0242)  # room for 3 more rows of 1 ms
+    assert len(w.draft) == 3
+    [w] = with_drafts([Work(item, 1, True)], 64, 2, model, None)  # two spare output rows
+    assert len(w.draft) == 2
+    [w] = with_drafts([Work(item, 1, True)], 3, 16, model, None)  # a batch of three tokens
+    assert len(w.draft) == 2
+    [w] = with_drafts([Work(Item(repetitive(0.95), draft_room=1), 1, True)], 64, 16, model, None)
+    assert len(w.draft) == 1
+    [w] = with_drafts([Work(Item(repetitive(0.95), grammar_admits=4), 1, True)], 64, 16, model, None)
+    assert w.draft == (4, 5, 6, 7)  # a guess stops where its grammar would refuse it
+
+
+def test_only_a_decode_token_gets_a_guess_and_each_guess_counts_in_the_next_ones_step() -> None:
+    model = cost(0.020, 0.0005, 0.0005)
+    prompt = Work(Item(repetitive(0.95)), 40, False)
+    no_drafter = Work(Item(None), 1, True)
+    a, b = Work(Item(repetitive(0.95)), 1, True), Work(Item(repetitive(0.95)), 1, True)
+    out = with_drafts([prompt, no_drafter, a, b], 64, 7, model, None)
+    assert out[0].draft == () and out[1].draft == ()
+    assert len(out[2].draft) == 6 and len(out[3].draft) == 1  # the second gets the one spare row left
+    shape = StepShape.of([(100, 40, 0), (100, 1, 1), (100, 7, 7), (100, 2, 2)])
+    assert shape.outputs == 10 and shape.tokens == 50

@@ -1,0 +1,162 @@
+"""Draftless speculation against real daemons on the tiny model: guesses from a session's own tokens, verified in
+the step beside other sessions' rows, change no greedy answer and no seeded draw, leave no cells behind (through
+hibernation and restore too), and are counted in status and Prometheus."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+
+from kvpool.client import Client
+from kvpool.client.cli import format_status
+from kvpool.daemon.ops.prometheus import render
+
+from .daemon_process import DaemonProcess
+
+Start = Callable[..., DaemonProcess]
+GREEDY = {"temperature": 0.0}
+# Prompts whose answers repeat what came before: the tiny model's random weights fall into loops too.
+PROMPTS = [
+    "the cat sat on the mat; the cat sat on the mat; the cat sat on",
+    '{"name": "lamp", "room": "hall"}, {"name": "fan", "room": "hall"}, {"name": "tv", "room": "',
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "0123456789 0123456789 0123456789 01234",
+]
+SPECULATE = ("--draft-tokens", "6")
+
+
+def answers(client: Client, prompts: list[str], max_tokens: int, turns: int = 2, **params: object) -> list[list[int]]:
+    """Every prompt's session, all generating at once (their rows share the steps), for ``turns`` turns."""
+    sessions = [client.open_session() for _ in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for turn in range(turns):
+        streams = [
+            s.generate(prompt if turn == 0 else " and again:", max_tokens=max_tokens, **params)
+            for s, prompt in zip(sessions, prompts, strict=True)
+        ]
+        for i, stream in enumerate(streams):
+            for chunk in stream:
+                out[i].extend(chunk.tokens)
+            assert stream.final is not None and stream.final.usage.completion_tokens == max_tokens
+    return out
+
+
+def test_greedy_answers_are_the_same_with_guesses_and_most_guesses_are_taken(start_daemon: Start) -> None:
+    plain = start_daemon("--hot-slots", "4", name="plain")
+    with plain.client() as client:
+        expected = answers(client, PROMPTS, 48, **GREEDY)
+        assert client.status().counters.drafted_tokens == 0
+    fast = start_daemon("--hot-slots", "4", *SPECULATE, name="fast")
+    with fast.client() as client:
+        got = answers(client, PROMPTS, 48, **GREEDY)
+        status = client.status()
+    assert got == expected
+    c = status.counters
+    assert c.drafted_tokens > 0 and 0 < c.accepted_tokens <= c.drafted_tokens
+    assert c.generated_tokens == 2 * 4 * 48
+    # Each step's token and its taken guesses: fewer steps than tokens.
+    assert c.decode_calls < c.generated_tokens - c.accepted_tokens // 2
+    text = format_status(status)
+    assert f"{c.accepted_tokens} of {c.drafted_tokens} guessed tokens taken" in text
+    exposition = render(status, {})
+    assert f'kvpool_draft_tokens_total{{kind="drafted"}} {float(c.drafted_tokens)}' in exposition
+    assert f'kvpool_draft_tokens_total{{kind="accepted"}} {float(c.accepted_tokens)}' in exposition
+
+
+def test_rejected_guesses_leave_no_cells_through_hibernation_and_restore(start_daemon: Start) -> None:
+    """One hot slot for three sessions: every turn hibernates one and restores another, so a guess's rows left in
+    a snapshot would come back with it, and the next turn would differ from the run without guesses."""
+    runs = {}
+    for name, args in (("plain", ()), ("fast", SPECULATE)):
+        daemon = start_daemon("--hot-slots", "1", *args, name=name)
+        with daemon.client() as client:
+            sessions = [client.open_session() for _ in range(3)]
+            tokens: list[list[int]] = [[] for _ in sessions]
+            for turn in range(3):
+                for i, s in enumerate(sessions):
+                    prompt = PROMPTS[i] if turn == 0 else f" turn {turn}:"
+                    tokens[i] += s.complete(prompt, max_tokens=24, **GREEDY).tokens
+            for s in sessions:  # the daemon's record of each conversation is exactly what was sent and answered
+                assert len(s.history()) == s.final.usage.context_tokens
+            status = client.status()
+            assert status.moves.restores_pool >= 6
+            runs[name] = (tokens, status)
+    assert runs["fast"][0] == runs["plain"][0]
+    assert runs["fast"][1].counters.accepted_tokens > 0
+    assert runs["fast"][1].counters.drafted_tokens > runs["fast"][1].counters.accepted_tokens  # some were rejected
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_guesses(start_daemon: Start) -> None:
+    """The sampler takes one token per row, in order, with the same random numbers: each seed's draw is the one it
+    would be without guesses (but for a float-noise tie), and the tokens' distribution is the same (chi-square)."""
+    seeds = range(60)
+    params = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    draws: dict[str, list[list[int]]] = {}
+    for name, args in (("plain", ()), ("fast", SPECULATE)):
+        daemon = start_daemon("--hot-slots", "2", *args, name=name)
+        with daemon.client() as client:
+            draws[name] = [
+                client.open_session().complete(PROMPTS[3], max_tokens=12, seed=n, **params).tokens for n in seeds
+            ]
+            if args:
+                assert client.status().counters.accepted_tokens > 0
+    same = sum(a == b for a, b in zip(draws["plain"], draws["fast"], strict=True))
+    assert same >= len(seeds) - 2
+    counts = {name: Counter(t for d in drawn for t in d) for name, drawn in draws.items()}
+    assert chi_square_p(counts["plain"], counts["fast"]) > 1e-3
+
+
+def chi_square_p(a: Counter[int], b: Counter[int]) -> float:
+    """A two-sample chi-square test's p-value over the tokens both drew (rare ones pooled)."""
+    na, nb = sum(a.values()), sum(b.values())
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
+    rare_a = na - sum(a[t] for t in common)
+    rare_b = nb - sum(b[t] for t in common)
+    cells = [(a[t], b[t]) for t in common] + ([(rare_a, rare_b)] if rare_a + rare_b else [])
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        ex, ey = total * na / (na + nb), total * nb / (na + nb)
+        stat += (x - ex) ** 2 / ex + (y - ey) ** 2 / ey
+    dof = max(1, len(cells) - 1)
+    return chi2_survival(stat, dof)
+
+
+def chi2_survival(x: float, k: int) -> float:
+    """P(X > x) for a chi-square of ``k`` degrees of freedom (Wilson-Hilferty: close enough for a test's bound)."""
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_guesses_go_off_with_a_budget_that_has_no_room_for_them(start_daemon: Start) -> None:
+    """A voice task's deadline caps each step: guesses that would push a step past it are not fed (its answer is
+    still whole and the same)."""
+    tight = "[tasks.default]\n[tasks.voice]\nttft_ms = 300\ntpot_ms = 1\n"
+    daemon = start_daemon("--hot-slots", "2", *SPECULATE, config=tight, name="capped")
+    with daemon.client() as client:
+        s = client.open_session(task="voice")
+        answer = s.complete(PROMPTS[0], max_tokens=24, **GREEDY)
+        assert answer.usage.completion_tokens == 24
+        assert client.status().counters.drafted_tokens == 0
+    plain = start_daemon("--hot-slots", "2", name="plain")
+    with plain.client() as client:
+        assert client.open_session().complete(PROMPTS[0], max_tokens=24, **GREEDY).tokens == answer.tokens
+
+
+def test_constrained_answers_guess_only_what_their_grammar_admits_and_stay_the_same(start_daemon: Start) -> None:
+    schema = {
+        "type": "array",
+        "items": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+    }
+    prompt = '[{"name": "lamp"}, {"name": "fan"}, {"name": "tv"}] again: '
+    results = {}
+    for name, args in (("plain", ()), ("fast", SPECULATE)):
+        daemon = start_daemon("--hot-slots", "2", *args, name=name)
+        with daemon.client() as client:
+            answers_ = [
+                client.open_session().complete(prompt, max_tokens=40, json_schema=schema, **GREEDY) for _ in "ab"
+            ]
+            results[name] = ([a.tokens for a in answers_], client.status().counters)
+    assert results["fast"][0] == results["plain"][0]
+    assert results["fast"][1].drafted_tokens > 0
