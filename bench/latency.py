@@ -7,6 +7,7 @@ best effort), for --seconds each, against the default model with configs/default
   (b) fcfs      the same daemon with budgets off: first come first served, whole-batch prompt chunks
   (c) serial    one request at a time (one hot slot, first come first served)
   deterministic (a) with deterministic decoding (docs/determinism.md): its cost, side by side with (a)
+  no-guesses, guesses   (a) with draft_tokens 0 and 16 (docs/speculative.md)
 Reports voice time to first token (client-measured, send to first chunk) p50/p99, the deadline-miss rate
 (late or refused), and vision throughput (prompt + generated tokens per second). Writes a plot of the TTFT
 distributions to bench/out/latency.png and the raw numbers to bench/out/latency.json.
@@ -44,6 +45,9 @@ SETUPS = {
     "fcfs": ("--scheduling", "fcfs"),
     "serial": ("--scheduling", "fcfs", "--hot-slots", "1"),
     "deterministic": ("--scheduling", "budgets", "--deterministic"),  # (a) with deterministic decoding
+    # (a) with draftless speculation off and at its most (docs/speculative.md): the voice budget holds either way
+    "no-guesses": ("--scheduling", "budgets", "--draft-tokens", "0"),
+    "guesses": ("--scheduling", "budgets", "--draft-tokens", "16"),
 }
 
 
@@ -149,7 +153,7 @@ def main() -> int:
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    ap.add_argument("--setups", nargs="+", default=["budgets", "fcfs", "serial", "deterministic"], choices=list(SETUPS))
     args = ap.parse_args()
     if args.role:
         {"voice": role_voice, "vision": role_vision}[args.role](args.args[0], float(args.args[1]))

@@ -7,8 +7,8 @@ Workloads, each a Gemma chat turn:
   json   a JSON-schema answer: a list of the devices its prompt describes, as an array of records
   copy   an answer that copies from its prompt: a Python function with one variable renamed
 Streams: 1, 4 and 8 at once, each stream its own session (its prompt starts with its number). A cell is the
-decode rate, client-side: the tokens after each stream's first / (the last token's time - the first token's
-time over all streams), the median over --rounds (the servers' order rotates every round). kvpoold's answers with
+decode rate, client-side: the sum over the streams of each one's tokens after its first / (its last token's time -
+its first token's), the median over --rounds (the servers' order rotates every round). kvpoold's answers with
 guesses are compared with its answers without, token for token, and its guess counters are read.
 
     python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 6] [--llama-server PATH]
@@ -63,6 +63,7 @@ DEVICES = [
 DEVICE_LINES = "\n".join(f"- {n} (room: {r}, kind: {k}, {w} W)" for n, r, k, w in DEVICES)
 SCHEMA = {
     "type": "array",
+    "minItems": len(DEVICES),
     "items": {
         "type": "object",
         "properties": {
@@ -157,8 +158,8 @@ class LlamaServer(Server):
 
 
 def run_streams(server: Server, workload: str, n: int, tokens: int) -> tuple[float, list[list[int]]]:
-    """``n`` answers at once: their decode rate (tokens after each first, over the span from the first first token
-    to the last token), and their tokens."""
+    """``n`` answers at once: their decode rate (the sum of each answer's own, its tokens after the first over the
+    time from its first to its last, so that prompts computed at other times do not count), and their tokens."""
     results: list[tuple[list[float], list[int]]] = [([], [])] * n
     barrier = threading.Barrier(n + 1)
 
@@ -173,11 +174,8 @@ def run_streams(server: Server, workload: str, n: int, tokens: int) -> tuple[flo
     barrier.wait(TIMEOUT_S)
     for thread in threads:
         thread.join(TIMEOUT_S)
-    stamps = [times for times, _ in results if len(times) > 1]
-    if not stamps:
-        return float("nan"), [out for _, out in results]
-    span = max(t[-1] for t in stamps) - min(t[0] for t in stamps)
-    return sum(len(t) - 1 for t in stamps) / span, [out for _, out in results]
+    rates = [(len(t) - 1) / (t[-1] - t[0]) for t, _ in results if len(t) > 1 and t[-1] > t[0]]
+    return (sum(rates) if len(rates) == n else float("nan")), [out for _, out in results]
 
 
 def med(values: list[float]) -> float:
@@ -290,6 +288,11 @@ def main() -> int:
     (out / "speculative.json").write_text(json.dumps({"rates": rates, "guesses": guesses}, indent=2))
     report(rates, args.workloads, args.streams, f"{args.rounds} rounds, {args.tokens} tokens, 2 threads")
     print(f"\nkvpool's answers with guesses the same as without, token for token: {same} of {total} (last round)")
+    for key, plain in answers["kvpool"].items():
+        for i, (a, b) in enumerate(zip(plain, answers["kvpool guesses"][key], strict=True)):
+            if a != b:
+                at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                print(f"  {key} stream {i}: the same for {at} tokens, then another ({len(a)} and {len(b)} tokens)")
     print("\nguesses (all rounds)")
     for name, g in guesses.items():
         if g.get("drafted"):

@@ -30,7 +30,6 @@ ENDPOINT_WORDS = "must be HOST:PORT, e.g. 127.0.0.1:50052"
 
 
 DRAFT_TOKENS_MAX = 16  # guessed tokens per session and step
-DRAFT_ROWS_MAX = 16  # guessed rows per step, all sessions together
 REMOTE_URL = 'must be a redis:// or rediss:// URL, e.g. "redis://:password@10.0.0.2:6379/0" (or be empty)'
 
 
@@ -241,6 +240,11 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 0
     # The longest run of a context's last tokens looked for earlier in it (down to 2); the longest match wins.
     draft_ngram: Annotated[int, Meta(ge=2, le=8), Flag("the longest n-gram a guess is matched by")] = 3
+    # Guessed rows one step may hold, all sessions together: llama.cpp reserves a logits row for each at start
+    # (n_vocab floats: 1 MiB for Gemma 3), counted in the memory plan.
+    draft_step_rows: Annotated[
+        int, Meta(ge=1, le=256), Flag("guessed rows one step may hold, all sessions together")
+    ] = 16
     log_level: Annotated[one_of("debug", "info", "warning", "error"), Flag("")] = "info"
     # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"
     # each; empty: the whole model on this machine. Unauthenticated: loopback or a private link (docs/rpc.md).
@@ -294,9 +298,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def draft_rows(self) -> int:
-        """Output rows a step may have beyond one per sequence, for guesses: llama.cpp reserves its logits buffer
-        for them (a row is n_vocab floats: 1 MiB for Gemma 3), so at most DRAFT_ROWS_MAX."""
-        return min(DRAFT_ROWS_MAX, self.draft_tokens * self.hot_slots)
+        """Output rows a step may have beyond one per sequence, for guesses (0 with draft_tokens = 0): llama.cpp
+        reserves its logits buffer for them."""
+        return min(self.draft_step_rows, self.draft_tokens * self.hot_slots)
 
     @property
     def threads_fixed_because(self) -> str:

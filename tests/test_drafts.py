@@ -24,6 +24,12 @@ def test_a_guess_is_what_followed_the_latest_earlier_match_of_the_longest_n_gram
     assert drafter([3, 3]).guess() == []  # a match must end before the context's last token
 
 
+def test_a_latest_match_just_behind_the_end_gives_way_to_the_one_before_it() -> None:
+    # "7 8" last seen two tokens back (one token after it); the match before it has a whole guess after it.
+    assert drafter([7, 8, 1, 2, 3, 4, 5, 7, 8, 9, 7, 8], most=4).guess() == [1, 2, 3, 4]
+    assert drafter([7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 7, 8], most=4).guess() == [9, 10, 11, 12]
+
+
 def test_the_index_follows_the_conversation_as_it_grows_and_when_it_loses_tokens() -> None:
     tokens = [1, 2, 3, 4]
     d = drafter(tokens)

@@ -567,3 +567,33 @@ def test_the_agents_sdk_runs_a_tool_loop_through_the_responses_api(
     )
     cached = float(re.search(r"^kvpool_gateway_cached_tokens_total (\S+)$", metrics, re.M).group(1))  # type: ignore[union-attr]
     assert requests >= 2 and cached > 0  # the result went back, and its request continued the call's session
+
+
+def test_guesses_change_no_deterministic_answer_of_the_default_model(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Free text, a JSON-schema answer and an answer that copies its prompt, all at once, with and without guesses
+    (draft_tokens): deterministic decoding makes each session's logits independent of the batch, so the answers
+    are the same token for token, past the sliding window too; the copying ones take most of their guesses."""
+    code = "def area(width, height):\n    return width * height\n" * 12
+    schema = {"type": "array", "items": {"type": "object", "properties": {"room": {"type": "string"}}}}
+    asks = [
+        ("<start_of_turn>user\nTell me about bicycles.<end_of_turn>\n<start_of_turn>model\n", {}),
+        ("<start_of_turn>user\nList kitchen, hall and attic as JSON.<end_of_turn>\n<start_of_turn>model\n",
+         {"json_schema": schema}),
+        (f"<start_of_turn>user\nRepeat this code:\n{code}<end_of_turn>\n<start_of_turn>model\n", {}),
+    ]  # fmt: skip
+    common = ("--deterministic", "--hot-slots", "3", "--context-size", "4096", "--threads", "2")
+    runs = {}
+    for name, extra in (("plain", ()), ("guessing", ("--draft-tokens", "16"))):
+        daemon = start_daemon(*common, *extra, model=None, name=name)
+        with daemon.client(timeout=300.0) as client:
+            sessions = [client.open_session() for _ in asks]
+            streams = [
+                s.generate(prompt, max_tokens=64, temperature=0.0, **kw)
+                for s, (prompt, kw) in zip(sessions, asks, strict=True)
+            ]
+            runs[name] = ([[t for chunk in stream for t in chunk.tokens] for stream in streams], client.status())
+    assert runs["guessing"][0] == runs["plain"][0]
+    counters = runs["guessing"][1].counters
+    assert counters.accepted_tokens >= 32 and runs["plain"][1].counters.drafted_tokens == 0

@@ -45,6 +45,9 @@ class Drafter:
         self.most = most
         self.stops_guess = stops_guess
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where the tokens after its latest match begin
+        # ... and after the match before it: a latest match just behind the context's end has few tokens after it
+        # (a repeating line), the one before has a whole guess's worth.
+        self._before: dict[tuple[int, ...], int] = {}
         self._indexed = max(0, len(tokens) - WINDOW)  # n-grams ending before this position are indexed
         self.accepted, self.tried = PRIOR_ACCEPTED, PRIOR_TRIED
         self._idle_steps = 0
@@ -61,14 +64,18 @@ class Drafter:
         end = len(tokens)
         if self._indexed > end:  # the conversation lost tokens (a prompt that could not be computed): start again
             self._index.clear()
+            self._before.clear()
             self._indexed = max(0, end - WINDOW)
         self._index_up_to(end - 1)  # the n-grams ending before the last token: the current one is no match
         for n in range(self.ngram_max, NGRAM_MIN - 1, -1):
             if end < n:
                 continue
-            after = self._index.get(tuple(tokens[end - n : end]))
+            key = tuple(tokens[end - n : end])
+            after = self._index.get(key)
             if after is None:
                 continue
+            if end - after < self.most and key in self._before:
+                after = self._before[key]
             guess: list[int] = []
             for token in tokens[after : after + self.most]:
                 if token < 0 or self.stops_guess(token):  # a medium's cells, or the end of a turn
@@ -79,12 +86,15 @@ class Drafter:
         return []
 
     def _index_up_to(self, end: int) -> None:
-        tokens, index = self.tokens, self._index
+        tokens, index, before = self.tokens, self._index, self._before
         for last in range(self._indexed, end):
             for n in range(NGRAM_MIN, self.ngram_max + 1):
                 first = last - n + 1
                 if first >= 0:
-                    index[tuple(tokens[first : last + 1])] = last + 1
+                    key = tuple(tokens[first : last + 1])
+                    if key in index:
+                        before[key] = index[key]
+                    index[key] = last + 1
         self._indexed = max(self._indexed, end)
 
     def expected_tokens(self, k: int) -> float:
