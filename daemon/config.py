@@ -234,10 +234,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # beside its own each step, taken from where its context last had the same draft_ngram tokens (its prompt,
     # earlier turns, its answer so far); sampling keeps those it would have given anyway, one per row, so greedy
     # answers and seeded draws stay what they are. How many a guess gets follows its measured acceptance against
-    # the step cost model (none when it does not pay). 0: off.
+    # the step cost model (none when it does not pay). 0: off (bench/speculative.py, docs/speculative.md).
     draft_tokens: Annotated[
         int, Meta(ge=0, le=DRAFT_TOKENS_MAX), Flag("guessed tokens a decoding session may feed a step (0: off)")
-    ] = 0
+    ] = 16
     # The longest run of a context's last tokens looked for earlier in it (down to 2); the longest match wins.
     draft_ngram: Annotated[int, Meta(ge=2, le=8), Flag("the longest n-gram a guess is matched by")] = 3
     # Guessed rows one step may hold, all sessions together: llama.cpp reserves a logits row for each at start

@@ -67,7 +67,7 @@ def test_deterministic_sessions_with_guesses_equal_each_alone_without(start_daem
     """Guessed rows (draft_tokens) ride in the same steps as the other sessions' and are verified row by row: each
     session's tokens and log-probabilities stay bit for bit those it gives alone, without guesses."""
     common = ("--deterministic", "--hot-slots", "4", "--context-size", "2048", "--threads", "2")
-    plain = start_daemon(*common, name="plain")
+    plain = start_daemon(*common, "--draft-tokens", "0", name="plain")
     alone = [conversation(plain, i) for i in range(len(PROMPTS))]
     guessing = start_daemon(*common, "--draft-tokens", "6", name="guessing")
     assert [conversation(guessing, i) for i in range(len(PROMPTS))] == alone

@@ -585,7 +585,7 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
     ]  # fmt: skip
     common = ("--deterministic", "--hot-slots", "3", "--context-size", "4096", "--threads", "2")
     runs = {}
-    for name, extra in (("plain", ()), ("guessing", ("--draft-tokens", "16"))):
+    for name, extra in (("plain", ("--draft-tokens", "0")), ("guessing", ("--draft-tokens", "16"))):
         daemon = start_daemon(*common, *extra, model=None, name=name)
         with daemon.client(timeout=300.0) as client:
             sessions = [client.open_session() for _ in asks]
