@@ -238,8 +238,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     draft_tokens: Annotated[
         int, Meta(ge=0, le=DRAFT_TOKENS_MAX), Flag("guessed tokens a decoding session may feed a step (0: off)")
     ] = 16
-    # The longest run of a context's last tokens looked for earlier in it (down to 2); the longest match wins.
-    draft_ngram: Annotated[int, Meta(ge=2, le=8), Flag("the longest n-gram a guess is matched by")] = 3
+    # The longest run of a context's last tokens looked for earlier in it (down to one token); the longest match
+    # wins, so a line being copied is told from another that shares its last few tokens.
+    draft_ngram: Annotated[int, Meta(ge=1, le=16), Flag("the longest n-gram a guess is matched by")] = 8
     # Guessed rows one step may hold, all sessions together: llama.cpp reserves a logits row for each at start
     # (n_vocab floats: 1 MiB for Gemma 3), counted in the memory plan.
     draft_step_rows: Annotated[

@@ -199,6 +199,8 @@ class FakeSampler:
     def sample(self, row: int) -> Sampled:
         return Sampled(SAMPLED)
 
+    constrained = False
+
     def admitted(self, guess: list[int]) -> int:
         return len(guess)
 

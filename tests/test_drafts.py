@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.daemon.engine.cost_model import CostModel, StepShape
@@ -21,13 +22,28 @@ def test_a_guess_is_what_followed_the_latest_earlier_match_of_the_longest_n_gram
     assert drafter(tokens).guess() == [4, 5, 9, 2]
     assert drafter([5, 2, 3, 7, 8, 6, 2, 3]).guess() == [7, 8, 6, 2]
     assert drafter([1, 2, 3, 4]).guess() == []  # nothing earlier ends as the context does
-    assert drafter([3, 3]).guess() == []  # a match must end before the context's last token
+    assert drafter([3, 4]).guess() == []  # a match must end before the context's last token
+    d = drafter([6, 5, 1, 2, 9, 7, 2], ngram=3)
+    assert d.guess() == [9, 7, 2, 9] and d.matched == 1  # down to one token, when nothing longer matches
 
 
-def test_a_latest_match_just_behind_the_end_gives_way_to_the_one_before_it() -> None:
-    # "7 8" last seen two tokens back (one token after it); the match before it has a whole guess after it.
-    assert drafter([7, 8, 1, 2, 3, 4, 5, 7, 8, 9, 7, 8], most=4).guess() == [1, 2, 3, 4]
-    assert drafter([7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 7, 8], most=4).guess() == [9, 10, 11, 12]
+def test_a_guess_that_runs_into_the_end_goes_on_with_itself_and_the_longest_match_tells_lines_apart() -> None:
+    # "7 8" last seen three tokens back: the line "9 7 8" repeats.
+    assert drafter([7, 8, 1, 2, 3, 4, 5, 7, 8, 9, 7, 8], most=7).guess() == [9, 7, 8, 9, 7, 8, 9]
+    # Two lines end in "4 5"; the longer match picks the one being copied.
+    lines = [1, 2, 4, 5, 10, 11, 3, 3, 4, 5, 20, 21, 0, 3, 3, 4, 5]
+    assert drafter(lines, most=2, ngram=4).guess() == [20, 21]
+    assert drafter(lines, most=2, ngram=2).guess() == [20, 21]  # (the latest of equally long matches)
+
+
+def test_a_constrained_guess_is_the_longest_its_grammar_admits_among_the_latest_matches() -> None:
+    # After '",' a JSON record goes on with its next key: the grammar admits only the match followed by it.
+    name, room, kind, sep = 50, 51, 52, 60
+    tokens = [name, 1, sep, room, 2, sep, kind, 3, name, 4, sep, room, 5, sep]  # the second record, after "room"
+    want_kind = lambda guess: guess[: next((i for i, t in enumerate(guess) if t in (name, room)), len(guess))]  # noqa: E731
+    d = drafter(tokens, ngram=3)
+    assert d.guess()[0] == room  # the latest match, without a grammar
+    assert d.guess(want_kind)[:2] == [kind, 3] and d.matched == 1
 
 
 def test_the_index_follows_the_conversation_as_it_grows_and_when_it_loses_tokens() -> None:
@@ -47,6 +63,16 @@ def test_a_guess_stops_at_the_end_of_a_turn_and_at_a_mediums_cells() -> None:
     assert drafter([1, 2, 5, 6, EOG, 7, 1, 2]).guess() == [5, 6]
     assert drafter([1, 2, 5, -3, -3, 6, 1, 2]).guess() == [5]
     assert drafter([1, 2, EOG, 1, 2]).guess() == []
+
+
+def test_acceptance_is_measured_for_each_match_length() -> None:
+    d = drafter([1, 2, 3, 9, 2, 3, 1, 2, 3])
+    assert d.guess() and d.matched == 3
+    for _ in range(10):
+        d.observe(4, 4)
+    long = d.acceptance
+    d.matched = 1
+    assert d.acceptance == 0.5 < long  # one-token matches have their own figures (the prior, here)
 
 
 def test_acceptance_follows_what_was_taken() -> None:
@@ -74,10 +100,12 @@ class Item:
     drafter: Drafter | None
     draft_room: int = 100
     position: int = 100
-    grammar_admits: int = 100
+    grammar_admits: int | None = None
 
-    def admitted(self, guess: list[int]) -> list[int]:
-        return guess[: self.grammar_admits]
+    @property
+    def admitted(self) -> Callable[[list[int]], list[int]] | None:
+        n = self.grammar_admits
+        return None if n is None else (lambda guess: guess[:n])
 
 
 def cost(fixed: float, per_token: float, per_output: float) -> CostModel:
@@ -89,7 +117,7 @@ def cost(fixed: float, per_token: float, per_output: float) -> CostModel:
 
 def repetitive(acceptance: float) -> Drafter:
     d = drafter([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], most=6)
-    d.accepted, d.tried = acceptance * 100, 100.0
+    d._stats = {n: [acceptance * 100, 100.0] for n in range(1, 4)}  # as if measured over many steps
     return d
 
 

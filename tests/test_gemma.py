@@ -589,8 +589,8 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
         daemon = start_daemon(*common, *extra, model=None, name=name)
         with daemon.client(timeout=300.0) as client:
             sessions = [client.open_session() for _ in asks]
-            streams = [
-                s.generate(prompt, max_tokens=64, temperature=0.0, **kw)
+            streams = [  # (the turn markers as the special tokens they are)
+                s.generate(client.tokenize(prompt, add_bos=True, special=True), max_tokens=64, temperature=0.0, **kw)
                 for s, (prompt, kw) in zip(sessions, asks, strict=True)
             ]
             runs[name] = ([[t for chunk in stream for t in chunk.tokens] for stream in streams], client.status())

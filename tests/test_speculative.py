@@ -131,9 +131,11 @@ def chi2_survival(x: float, k: int) -> float:
 
 
 def test_guesses_go_off_with_a_budget_that_has_no_room_for_them(start_daemon: Start) -> None:
-    """A voice task's deadline caps each step: guesses that would push a step past it are not fed (its answer is
-    still whole and the same)."""
-    tight = "[tasks.default]\n[tasks.voice]\nttft_ms = 300\ntpot_ms = 1\n"
+    """A deadline-bound task's per-token budget caps each step: guesses that would push a step past it are not fed
+    (its answer is still whole and the same)."""
+    # A per-token budget no step can keep: the cap leaves no room for a single guessed row, whatever this machine's
+    # speed (a first-token budget far out, so that admission never refuses).
+    tight = "[tasks.default]\n[tasks.voice]\nttft_ms = 60000\ntpot_ms = 0.001\n"
     daemon = start_daemon("--hot-slots", "2", *SPECULATE, config=tight, name="capped")
     with daemon.client() as client:
         s = client.open_session(task="voice")

@@ -24,77 +24,93 @@ from typing import Protocol, TypeVar
 from kvpool.daemon.engine.cost_model import CostModel, StepShape, within
 from kvpool.daemon.engine.step_work import Work
 
-NGRAM_MIN = 2  # a one-token match guesses wrong too often to pay for its rows
 WINDOW = 4096  # the most recent tokens of the context searched for a match
+KEEP = 4  # the latest matches remembered per n-gram (a grammar may admit what follows an older one only)
+CANDIDATES = 8  # matches a constrained generation's grammar is asked about, at most, per guess
 DECAY = 0.9  # of the acceptance counts per step that drafted: about the last ten count
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # before anything is measured: one in two guessed tokens taken
 RETRY_EVERY = 16  # steps between short guesses while guessing does not pay
 RETRY_TOKENS = 2
 
+Admitted = Callable[[list[int]], list[int]]  # the part of a guess a generation's grammar admits
+
 
 class Drafter:
     """One generation's guesses: an index of the n-grams of its session's tokens (kept up to date as they grow)
-    and its measured acceptance."""
+    and its measured acceptance, for each match length (a one-token match guesses wrong more often than a long
+    one, and pays or not on its own figures)."""
 
     def __init__(self, tokens: list[int], ngram_max: int, most: int, stops_guess: Callable[[int], bool]):
         """``tokens``: the session's conversation (the same list, read as it grows); ``ngram_max``: the longest
         match looked for (the longest found wins); ``most``: tokens per guess; ``stops_guess(token)``: a token a
         guess must not run past (the end of a turn: what follows it is the next prompt, not this answer)."""
         self.tokens = tokens
-        self.ngram_max = max(NGRAM_MIN, ngram_max)
+        self.ngram_max = max(1, ngram_max)
         self.most = most
         self.stops_guess = stops_guess
-        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where the tokens after its latest match begin
-        # ... and after the match before it: a latest match just behind the context's end has few tokens after it
-        # (a repeating line), the one before has a whole guess's worth.
-        self._before: dict[tuple[int, ...], int] = {}
+        # n-gram -> where the tokens after its latest KEEP matches begin, the latest last
+        self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = max(0, len(tokens) - WINDOW)  # n-grams ending before this position are indexed
-        self.accepted, self.tried = PRIOR_ACCEPTED, PRIOR_TRIED
+        self._stats: dict[int, list[float]] = {}  # match length -> [accepted, tried], decayed
+        self.matched = 0  # the match length of the last guess
         self._idle_steps = 0
         self.drafted_tokens = self.accepted_tokens = 0
 
     @property
     def acceptance(self) -> float:
-        """The chance that a guessed token is taken, given that the tokens guessed before it were."""
-        return self.accepted / self.tried
+        """The chance that a token of the last guess is taken, given that the ones before it were: as measured
+        for guesses of its match length."""
+        accepted, tried = self._stats.get(self.matched, (PRIOR_ACCEPTED, PRIOR_TRIED))
+        return accepted / tried
 
-    def guess(self) -> list[int]:
-        """The tokens after the latest earlier place the context ended as it does now (at most ``most``)."""
+    def guess(self, admitted: Admitted | None = None) -> list[int]:
+        """The tokens after the latest earlier place the context ended as it does now, for the longest such
+        ending (at most ``most``). Past the context's end, the guess goes on with itself: a repeating line repeats.
+        ``admitted``: a generation's grammar; then the longest part it admits of the latest CANDIDATES matches."""
         tokens = self.tokens
         end = len(tokens)
         if self._indexed > end:  # the conversation lost tokens (a prompt that could not be computed): start again
             self._index.clear()
-            self._before.clear()
             self._indexed = max(0, end - WINDOW)
         self._index_up_to(end - 1)  # the n-grams ending before the last token: the current one is no match
-        for n in range(self.ngram_max, NGRAM_MIN - 1, -1):
-            if end < n:
-                continue
-            key = tuple(tokens[end - n : end])
-            after = self._index.get(key)
-            if after is None:
-                continue
-            if end - after < self.most and key in self._before:
-                after = self._before[key]
-            guess: list[int] = []
-            for token in tokens[after : after + self.most]:
-                if token < 0 or self.stops_guess(token):  # a medium's cells, or the end of a turn
-                    break
-                guess.append(token)
-            if guess:
-                return guess
-        return []
+        best: list[int] = []
+        asked = 0
+        for n in range(min(self.ngram_max, end), 0, -1):
+            for after in reversed(self._index.get(tuple(tokens[end - n : end]), ())):
+                whole = self._continuation(after, end)
+                if admitted is None:
+                    if whole:
+                        self.matched = n
+                        return whole
+                    continue
+                part = admitted(whole)
+                asked += 1
+                if len(part) > len(best):
+                    best, self.matched = part, n
+                if (part and len(part) == len(whole)) or asked >= CANDIDATES:
+                    return best
+        return best
+
+    def _continuation(self, after: int, end: int) -> list[int]:
+        tokens, out = self.tokens, []
+        while len(out) < self.most:
+            at = after + len(out)
+            token = tokens[at] if at < end else out[at - end]  # (past the end: the guess itself)
+            if token < 0 or self.stops_guess(token):  # a medium's cells, or the end of a turn
+                break
+            out.append(token)
+        return out
 
     def _index_up_to(self, end: int) -> None:
-        tokens, index, before = self.tokens, self._index, self._before
+        tokens, index = self.tokens, self._index
         for last in range(self._indexed, end):
-            for n in range(NGRAM_MIN, self.ngram_max + 1):
+            for n in range(1, self.ngram_max + 1):
                 first = last - n + 1
                 if first >= 0:
-                    key = tuple(tokens[first : last + 1])
-                    if key in index:
-                        before[key] = index[key]
-                    index[key] = last + 1
+                    positions = index.setdefault(tuple(tokens[first : last + 1]), [])
+                    positions.append(last + 1)
+                    if len(positions) > KEEP:
+                        del positions[0]
         self._indexed = max(self._indexed, end)
 
     def expected_tokens(self, k: int) -> float:
@@ -115,14 +131,15 @@ class Drafter:
         return min(RETRY_TOKENS, available)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A step fed ``drafted`` guessed tokens and ``accepted`` of them were taken."""
+        """A step fed ``drafted`` tokens of the last guess and ``accepted`` of them were taken."""
         if not drafted:
             return
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         rejected = 1 if accepted < drafted else 0  # the first refused guess ends the run: the rest say nothing
-        self.accepted = DECAY * self.accepted + accepted
-        self.tried = DECAY * self.tried + accepted + rejected
+        stats = self._stats.setdefault(self.matched, [PRIOR_ACCEPTED, PRIOR_TRIED])
+        stats[0] = DECAY * stats[0] + accepted
+        stats[1] = DECAY * stats[1] + accepted + rejected
 
 
 class Drafting(Protocol):
@@ -137,7 +154,8 @@ class Drafting(Protocol):
     @property
     def position(self) -> int: ...
 
-    def admitted(self, guess: list[int]) -> list[int]: ...  # the part of a guess its grammar admits
+    @property
+    def admitted(self) -> Admitted | None: ...  # the part of a guess its grammar admits (None: no grammar)
 
 
 D = TypeVar("D", bound=Drafting)
@@ -159,7 +177,7 @@ def with_drafts(
         drafter = w.item.drafter
         if drafter is None or not w.completes or w.n_tokens != 1:
             continue
-        guess = w.item.admitted(drafter.guess())
+        guess = drafter.guess(w.item.admitted)
         available = min(len(guess), w.item.draft_room, capacity - tokens, spare_outputs)
         if available <= 0:
             drafter.length(0, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.daemon.engine.drafts import Drafter
@@ -72,8 +73,13 @@ class Generation:
         left = min(self.request.max_tokens - self.completion_tokens, s.context_limit - len(s.tokens))
         return max(0, left - 1)
 
-    def admitted(self, guess: list[int]) -> list[int]:
-        """The part of a guess its grammar admits (a guess past it would be refused by sampling anyway)."""
+    @property
+    def admitted(self) -> Callable[[list[int]], list[int]] | None:
+        """The part of a guess its grammar admits (a guess past it would be refused by sampling anyway); None
+        without a grammar: all of it."""
+        return self._admitted if self.sampler.constrained else None
+
+    def _admitted(self, guess: list[int]) -> list[int]:
         return guess[: self.sampler.admitted(guess)]
 
     @property

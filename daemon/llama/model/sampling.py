@@ -114,6 +114,11 @@ class Sampler:
             return Sampled(token)
         return Sampled(token, token_logprob(logits, token, self._params.logprobs, self._piece))
 
+    @property
+    def constrained(self) -> bool:
+        """It has a grammar (a lazy one too, waiting for its trigger)."""
+        return self._grammar is not None
+
     def admitted(self, guess: list[int]) -> int:
         """How many of ``guess``'s first tokens the grammar lets come next, one after the other (all, without a
         grammar): a copy of the grammar takes them, so this one's state stays as it is."""
