@@ -11,7 +11,7 @@ decode rate, client-side: the sum over the streams of each one's tokens after it
 its first token's), the median over --rounds (the servers' order rotates every round). kvpoold's answers with
 guesses are compared with its answers without, token for token, and its guess counters are read.
 
-    python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 6] [--llama-server PATH]
+    python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--llama-server PATH]
                                 [--workloads chat json copy] [--streams 1 4 8]
 
 Raw numbers go to bench/out/speculative.json, a plot to bench/out/speculative.png.
@@ -256,7 +256,7 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--draft-tokens", type=int, default=6)
+    ap.add_argument("--draft-tokens", type=int, default=16)
     ap.add_argument("--llama-server", help="a llama-server binary (default: one scripts/build-llama-server.sh built)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 4, 8])
@@ -273,7 +273,10 @@ def main() -> int:
         anchors["llama-server ngram-mod"] = ("--spec-type", "ngram-mod")
     with contextlib.ExitStack() as stack:
         servers: list[Server] = []
-        for name, flags in (("kvpool", ()), ("kvpool guesses", ("--draft-tokens", str(args.draft_tokens)))):
+        for name, flags in (
+            ("kvpool", ("--draft-tokens", "0")),
+            ("kvpool guesses", ("--draft-tokens", str(args.draft_tokens))),
+        ):
             daemon = stack.enter_context(private_daemon(model, *common, *flags))
             servers.append(Kvpool(name, daemon.address))
         if binary:

@@ -29,7 +29,7 @@ Millis = Annotated[float, Meta(ge=0, le=3_600_000)]
 ENDPOINT_WORDS = "must be HOST:PORT, e.g. 127.0.0.1:50052"
 
 
-DRAFT_TOKENS_MAX = 16  # guessed tokens per session and step
+DRAFT_TOKENS_MAX = 64  # guessed tokens per session and step
 REMOTE_URL = 'must be a redis:// or rediss:// URL, e.g. "redis://:password@10.0.0.2:6379/0" (or be empty)'
 
 

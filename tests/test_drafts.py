@@ -72,7 +72,13 @@ def test_acceptance_is_measured_for_each_match_length() -> None:
         d.observe(4, 4)
     long = d.acceptance
     d.matched = 1
-    assert d.acceptance == 0.5 < long  # one-token matches have their own figures (the prior, here)
+    untried = d.acceptance
+    assert 0.5 < untried < long  # a match length not tried yet starts from what the others measured
+    for _ in range(10):
+        d.observe(4, 0)
+    assert d.acceptance < 0.2  # ... and then has its own figures
+    d.matched = 3
+    assert d.acceptance > 0.6
 
 
 def test_acceptance_follows_what_was_taken() -> None:
@@ -118,6 +124,7 @@ def cost(fixed: float, per_token: float, per_output: float) -> CostModel:
 def repetitive(acceptance: float) -> Drafter:
     d = drafter([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], most=6)
     d._stats = {n: [acceptance * 100, 100.0] for n in range(1, 4)}  # as if measured over many steps
+    d._overall = [acceptance * 100, 100.0]
     return d
 
 

@@ -52,6 +52,7 @@ class Drafter:
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = max(0, len(tokens) - WINDOW)  # n-grams ending before this position are indexed
         self._stats: dict[int, list[float]] = {}  # match length -> [accepted, tried], decayed
+        self._overall = [PRIOR_ACCEPTED, PRIOR_TRIED]  # all match lengths together, decayed
         self.matched = 0  # the match length of the last guess
         self._idle_steps = 0
         self.drafted_tokens = self.accepted_tokens = 0
@@ -59,9 +60,11 @@ class Drafter:
     @property
     def acceptance(self) -> float:
         """The chance that a token of the last guess is taken, given that the ones before it were: as measured
-        for guesses of its match length."""
-        accepted, tried = self._stats.get(self.matched, (PRIOR_ACCEPTED, PRIOR_TRIED))
-        return accepted / tried
+        for guesses of its match length, starting from what all its guesses measured (a match length it has not
+        tried yet is as good as the others until it shows otherwise)."""
+        overall = self._overall[0] / self._overall[1]
+        accepted, tried = self._stats.get(self.matched, (0.0, 0.0))
+        return (accepted + PRIOR_TRIED * overall) / (tried + PRIOR_TRIED)
 
     def guess(self, admitted: Admitted | None = None) -> list[int]:
         """The tokens after the latest earlier place the context ended as it does now, for the longest such
@@ -137,9 +140,9 @@ class Drafter:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         rejected = 1 if accepted < drafted else 0  # the first refused guess ends the run: the rest say nothing
-        stats = self._stats.setdefault(self.matched, [PRIOR_ACCEPTED, PRIOR_TRIED])
-        stats[0] = DECAY * stats[0] + accepted
-        stats[1] = DECAY * stats[1] + accepted + rejected
+        for stats in (self._stats.setdefault(self.matched, [0.0, 0.0]), self._overall):
+            stats[0] = DECAY * stats[0] + accepted
+            stats[1] = DECAY * stats[1] + accepted + rejected
 
 
 class Drafting(Protocol):
