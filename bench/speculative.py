@@ -327,6 +327,11 @@ def main() -> int:
                 print(f"  {key} stream {i}: the same for {at} tokens, then another ({len(a)} and {len(b)} tokens)")
     if agree:
         print(f"one stream, kvpool's answers and llama-server's the same token for token: {sum(agree)} of {len(agree)}")
+        for key in (k for k in answers["kvpool"] if k.endswith("/1") and k in answers["llama-server"]):
+            a, b = answers["kvpool"][key][0], answers["llama-server"][key][0]
+            at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            if a != b:
+                print(f"  {key}: the same for {at} tokens, then another")
     print("\nguesses (all rounds)")
     for name, g in guesses.items():
         if g.get("drafted"):
