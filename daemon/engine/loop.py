@@ -175,7 +175,7 @@ class Engine:
                 self.idle_cores.engine_waited()
                 self._take_requests(PAUSED_WAIT_S)
             return
-        if self.config.draft_tokens:
+        if self.config.draft_tokens and not step_work[0].item.feeds_medium:  # (a medium's step feeds it alone)
             step_work = with_drafts(
                 step_work,
                 self.model.step_tokens,
