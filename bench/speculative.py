@@ -112,13 +112,14 @@ def prompt_of(workload: str, stream: int) -> tuple[str, dict[str, object]]:
 PROMPT_TOKENS: dict[str, list[int]] = {}  # a prompt's token ids (BOS and the turn markers as special tokens)
 
 
-def prompt_tokens(address: str, prompt: str) -> list[int]:
+def tokenize_prompts(address: str, workloads: list[str], streams: int) -> None:
     """The same token ids go to every server: kvpoold tokenizes a text prompt's ``<start_of_turn>`` as text, and
-    llama-server as the special token; ids leave no room for either reading."""
-    if prompt not in PROMPT_TOKENS:
-        with Client(address, timeout=TIMEOUT_S) as client:
-            PROMPT_TOKENS[prompt] = client.tokenize(prompt, add_bos=True, special=True)
-    return PROMPT_TOKENS[prompt]
+    llama-server as the special token; ids leave no room for either reading. Every prompt, before any server runs."""
+    with Client(address, timeout=TIMEOUT_S) as client:
+        for w in workloads:
+            for i in range(streams):
+                prompt = prompt_of(w, i)[0]
+                PROMPT_TOKENS[prompt] = client.tokenize(prompt, add_bos=True, special=True)
 
 
 class Server:
@@ -139,7 +140,7 @@ class Kvpool(Server):
     def answer(self, prompt: str, extra: dict[str, object], tokens: int) -> tuple[list[float], list[int]]:
         times: list[float] = []
         out: list[int] = []
-        ids = prompt_tokens(self.address, prompt)
+        ids = PROMPT_TOKENS[prompt]
         with Client(self.address, timeout=TIMEOUT_S) as client, client.open_session() as session:
             for chunk in session.generate(ids, max_tokens=tokens, **GREEDY, **extra):
                 now = time.monotonic()
@@ -285,6 +286,7 @@ def main() -> int:
                 servers.append(LlamaServer(name, url))
         else:
             print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
+        tokenize_prompts(daemon.address, args.workloads, max(args.streams))
         rates: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
         answers: dict[str, dict[str, list[list[int]]]] = {s.name: {} for s in servers}
         guesses: dict[str, dict[str, int]] = {}

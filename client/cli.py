@@ -20,6 +20,7 @@ import msgspec
 from kvpool import protocol as p
 from kvpool.protocol.status import (
     MAX_ENGINE_SILENCE_S,
+    Counters,
     CpuStatus,
     DaemonStatus,
     DraftStatus,
@@ -147,12 +148,12 @@ def _compression(tier: TierSnapshots, when: str) -> str:
     return f"kv {tier.kv_type}{' when full' if when == 'when_full' else ''}: {done}"
 
 
-def _drafts(d: DraftStatus) -> str:
+def _drafts(d: DraftStatus, c: Counters) -> str:
     if not d.most_tokens:
         return "off (draft_tokens = 0)"
     return (
         f"up to {d.most_tokens} a step, matched by up to {d.ngram} tokens: "
-        f"{d.accepted_tokens} of {d.drafted_tokens} guessed tokens taken"
+        f"{c.accepted_tokens} of {c.drafted_tokens} guessed tokens taken"
     )
 
 
@@ -235,7 +236,7 @@ def format_status(status: DaemonStatus) -> str:
     if status.cpu is not None:
         rows.append(("cpu", _cpu(status.cpu)))
     if status.drafts is not None:
-        rows.append(("guesses", _drafts(status.drafts)))
+        rows.append(("guesses", _drafts(status.drafts, status.counters)))
     for name, value in rows:
         out.append(f"{name:>9}  {value}")
     scheduler = status.scheduler

@@ -331,9 +331,7 @@ class DraftStatus(Struct, kw_only=True):
     """Draftless speculation (draft_tokens; docs/speculative.md): guesses from each session's own tokens."""
 
     most_tokens: int  # guessed tokens a session may feed a step (0: off)
-    ngram: int  # the longest n-gram a guess is matched by
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
+    ngram: int  # the longest n-gram a guess is matched by (what they gave: Counters.drafted/accepted_tokens)
 
 
 class DaemonStatus(Struct, kw_only=True):

@@ -171,40 +171,51 @@ def with_drafts(
     (every generation's token, plus the guesses' expected ones) over its predicted time, one generation after the
     other, the most urgent first. ``capacity``: tokens one decode takes; ``spare_outputs``: output rows beyond one
     per sequence the context has room for; ``time_cap``: the step's cap, which no guess may push it past."""
-    chunks = [(w.item.position, w.n_tokens, 1 if w.completes else 0) for w in step_work]
-    tokens = sum(w.n_tokens for w in step_work)
+    shape = StepShape.of([(w.item.position, w.n_tokens, 1 if w.completes else 0) for w in step_work])
     made = float(sum(1 for w in step_work if w.completes))  # tokens the step gives without guesses
-    seconds = cost.predict(StepShape.of(chunks))
+    seconds = cost.predict(shape)
     out = list(step_work)
     for i, w in enumerate(step_work):
         drafter = w.item.drafter
         if drafter is None or not w.completes or w.n_tokens != 1:
             continue
         guess = drafter.guess(w.item.admitted)
-        available = min(len(guess), w.item.draft_room, capacity - tokens, spare_outputs)
+        available = min(len(guess), w.item.draft_room, capacity - shape.tokens, spare_outputs)
         if available <= 0:
             drafter.length(0, 0)
             continue
+        position = w.item.position
         best, best_rate, best_seconds = 0, made / seconds, seconds
         for k in range(1, available + 1):
-            chunks[i] = (w.item.position, 1 + k, 1 + k)
-            predicted = cost.predict(StepShape.of(chunks))
-            if time_cap is not None and not within(predicted, time_cap):
+            predicted = cost.predict(_with_rows(shape, position, k))
+            if not _fits(predicted, time_cap):
                 break
             rate = (made + drafter.expected_tokens(k)) / predicted
             if rate > best_rate:
                 best, best_rate, best_seconds = k, rate, predicted
         k = drafter.length(best, available)
-        chunks[i] = (w.item.position, 1 + k, 1 + k)
         if k != best:  # a retry: this step pays for its rows, if its cap allows them
-            best_seconds = cost.predict(StepShape.of(chunks))
-            if time_cap is not None and not within(best_seconds, time_cap):
+            best_seconds = cost.predict(_with_rows(shape, position, k))
+            if not _fits(best_seconds, time_cap):
                 k, best_seconds = 0, seconds
-                chunks[i] = (w.item.position, 1, 1)
         if k:
             out[i] = replace(w, draft=tuple(guess[:k]))
-            tokens += k
+            shape = _with_rows(shape, position, k)
             spare_outputs -= k
             made += drafter.expected_tokens(k)
             seconds = best_seconds
     return out
+
+
+def _with_rows(shape: StepShape, position: int, k: int) -> StepShape:
+    """``shape`` with one decode token at ``position`` grown by ``k`` guessed rows, each with its logits."""
+    one, more = StepShape.of([(position, 1, 1)]), StepShape.of([(position, 1 + k, 1 + k)])
+    return StepShape(
+        shape.tokens + more.tokens - one.tokens,
+        shape.outputs + more.outputs - one.outputs,
+        shape.attention + more.attention - one.attention,
+    )
+
+
+def _fits(seconds: float, time_cap: float | None) -> bool:
+    return time_cap is None or within(seconds, time_cap)

@@ -542,13 +542,7 @@ class Engine:
         status.preload = self.preloader.status()
         status.remote = self.remote.status()
         status.cpu = self.threads.status()
-        c = self.counters
-        status.drafts = DraftStatus(
-            most_tokens=self.config.draft_tokens,
-            ngram=self.config.draft_ngram,
-            drafted_tokens=c.drafted_tokens,
-            accepted_tokens=c.accepted_tokens,
-        )
+        status.drafts = DraftStatus(most_tokens=self.config.draft_tokens, ngram=self.config.draft_ngram)
         if self.media is not None:
             status.media = msgspec.structs.replace(
                 self.media.status(), frame_areas=len(self.frame_areas) if self.frame_areas is not None else 0
