@@ -1,6 +1,8 @@
-"""Draftless speculation, side by side in one run: kvpoold with and without guesses (draft_tokens), against
-llama-server (built by scripts/build-llama-server.sh from the same llama.cpp) without drafts and with its n-gram
-drafts, on the default model with 2 threads and 8 slots, greedy.
+"""Draftless speculation, side by side in one run: kvpoold without speculation (no guesses, no grammar
+jump-forward) and as it ships (guesses and jump-forward), against llama-server (built by
+scripts/build-llama-server.sh from the same llama.cpp) without drafts and with its n-gram drafts, on the default
+model with 2 threads and 8 slots, greedy. ``--jump-compare`` adds kvpoold with guesses and each other
+jump_forward setting ("guess", "off"), and with jump-forward alone (no guesses).
 
 Workloads, each a Gemma chat turn:
   chat   free text (a few paragraphs about the bicycle's history)
@@ -12,7 +14,7 @@ its first token's), the median over --rounds (the servers' order rotates every r
 guesses are compared with its answers without, token for token, and its guess counters are read.
 
     python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--llama-server PATH]
-                                [--workloads chat json copy] [--streams 1 4 8]
+                                [--workloads chat json copy] [--streams 1 4 8] [--jump-compare] [--no-anchors]
 
 Raw numbers go to bench/out/speculative.json, a plot to bench/out/speculative.png.
 """
@@ -151,7 +153,12 @@ class Kvpool(Server):
     def counters(self) -> dict[str, int]:
         with Client(self.address, timeout=TIMEOUT_S) as client:
             c = client.status().counters
-        return {"drafted": c.drafted_tokens, "accepted": c.accepted_tokens, "generated": c.generated_tokens}
+        return {
+            "drafted": c.drafted_tokens,
+            "accepted": c.accepted_tokens,
+            "jumped": c.jumped_tokens,
+            "generated": c.generated_tokens,
+        }
 
 
 class LlamaServer(Server):
@@ -262,6 +269,10 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--no-anchor-drafts", action="store_true", help="llama-server without drafts only")
+    ap.add_argument("--no-anchors", action="store_true", help="no llama-server at all")
+    ap.add_argument(
+        "--jump-compare", action="store_true", help="also kvpool with guesses but without grammar jump-forward"
+    )
     args = ap.parse_args()
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
@@ -274,13 +285,18 @@ def main() -> int:
         anchors["llama-server ngram-mod"] = ("--spec-type", "ngram-mod")
     with contextlib.ExitStack() as stack:
         servers: list[Server] = []
-        for name, flags in (
-            ("kvpool", ("--draft-tokens", "0")),
-            ("kvpool guesses", ("--draft-tokens", str(args.draft_tokens))),
-        ):
+        guessing = ("--draft-tokens", str(args.draft_tokens))
+        kvpools = [("kvpool", ("--draft-tokens", "0", "--jump-forward", "off")), ("kvpool guesses", guessing)]
+        if args.jump_compare:
+            kvpools += [
+                ("kvpool forced guessed", (*guessing, "--jump-forward", "guess")),
+                ("kvpool no jump-forward", (*guessing, "--jump-forward", "off")),
+                ("kvpool appends alone", ("--draft-tokens", "0")),
+            ]
+        for name, flags in kvpools:
             daemon = stack.enter_context(private_daemon(model, *common, *flags))
             servers.append(Kvpool(name, daemon.address))
-        if binary:
+        if binary and not args.no_anchors:
             for name, flags in anchors.items():
                 url = stack.enter_context(llama_server(binary, model, SLOTS, 2048, *flags))
                 servers.append(LlamaServer(name, url))
@@ -339,7 +355,7 @@ def main() -> int:
         if g.get("drafted"):
             share = g["accepted"] / g["drafted"]
             print(f"  {name:<22} {g['accepted']} of {g['drafted']} guessed tokens taken ({share:.0%}), "
-                  f"{g['generated']} generated")  # fmt: skip
+                  f"{g.get('jumped', 0)} forced tokens appended, {g['generated']} generated")  # fmt: skip
     plot(rates, args.workloads, args.streams, out / "speculative.png")
     print(f"(plot: {out / 'speculative.png'})")
     return 0

@@ -149,11 +149,14 @@ def _compression(tier: TierSnapshots, when: str) -> str:
 
 
 def _drafts(d: DraftStatus, c: Counters) -> str:
+    jumped = f"{c.jumped_tokens} forced tokens {'appended' if d.jump_forward == 'append' else 'guessed and taken'}"
+    if d.jump_forward == "off":
+        jumped = "no jump-forward"
     if not d.most_tokens:
-        return "off (draft_tokens = 0)"
+        return f"off (draft_tokens = 0); {jumped}"
     return (
         f"up to {d.most_tokens} a step, matched by up to {d.ngram} tokens: "
-        f"{c.accepted_tokens} of {c.drafted_tokens} guessed tokens taken"
+        f"{c.accepted_tokens} of {c.drafted_tokens} guessed tokens taken; {jumped}"
     )
 
 

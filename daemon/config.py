@@ -246,6 +246,16 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     draft_step_rows: Annotated[
         int, Meta(ge=1, le=256), Flag("guessed rows one step may hold, all sessions together")
     ] = 16
+    # Grammar jump-forward (docs/speculative.md): where a constrained answer's grammar lets one text only come next
+    # (a JSON record's keys and separators, a tool envelope's fixed words), "guess" feeds its tokens as the
+    # generation's guess (with draft_tokens > 0), which sampling verifies, so every token stays the one sampling
+    # gives; "append" appends them (the tokenizer's) without sampling, computed in the next step like a prompt
+    # chunk, which a model that splits the text otherwise would not have written; "off": neither. An answer that
+    # reports log-probabilities is guessed for, never appended to (a forced token has no logits).
+    jump_forward: Annotated[
+        one_of("guess", "append", "off"),
+        Flag("what a constrained answer's grammar forces: guessed, appended unsampled, or sampled (off)"),
+    ] = "guess"
     log_level: Annotated[one_of("debug", "info", "warning", "error"), Flag("")] = "info"
     # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"
     # each; empty: the whole model on this machine. Unauthenticated: loopback or a private link (docs/rpc.md).

@@ -69,6 +69,9 @@ class Counters(Struct, kw_only=True):
     generated_tokens: int = 0  # tokens sampled and sent to clients
     drafted_tokens: int = 0  # guessed tokens fed beside the decode tokens (engine/drafts.py)
     accepted_tokens: int = 0  # of those, the ones sampling took (each saved a step)
+    # Tokens a grammar forced that went in without a step of their own (engine/jumps.py): guessed and taken (also
+    # counted in accepted_tokens), or appended without sampling.
+    jumped_tokens: int = 0
     busy_seconds: float = 0.0  # wall time spent inside engine steps that decoded something
     kv_full_events: int = 0  # llama_decode found no room in the unified KV
     # Generations stopped (CLIENT_UNRESPONSIVE) because their client's connection closed or it sent nothing for
@@ -332,6 +335,7 @@ class DraftStatus(Struct, kw_only=True):
 
     most_tokens: int  # guessed tokens a session may feed a step (0: off)
     ngram: int  # the longest n-gram a guess is matched by (what they gave: Counters.drafted/accepted_tokens)
+    jump_forward: str = "off"  # what a grammar forces: "guess"ed, "append"ed unsampled, "off" (Counters.jumped_tokens)
 
 
 class DaemonStatus(Struct, kw_only=True):

@@ -573,10 +573,14 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     """Free text, a JSON-schema answer and an answer that copies its prompt, all at once, with and without guesses
-    (draft_tokens): deterministic decoding makes each session's logits independent of the batch, so the answers
-    are the same token for token, past the sliding window too; the copying ones take most of their guesses."""
+    (draft_tokens) and the forced text of the schema guessed (jump_forward): deterministic decoding makes each
+    session's logits independent of the batch, so the answers are the same token for token, past the sliding
+    window too; the copying ones take most of their guesses, the JSON one its keys."""
     code = "def area(width, height):\n    return width * height\n" * 12
-    schema = {"type": "array", "items": {"type": "object", "properties": {"room": {"type": "string"}}}}
+    schema = {
+        "type": "array",
+        "items": {"type": "object", "properties": {"room": {"type": "string"}}, "required": ["room"]},
+    }
     asks = [
         ("<start_of_turn>user\nTell me about bicycles.<end_of_turn>\n<start_of_turn>model\n", {}),
         ("<start_of_turn>user\nList kitchen, hall and attic as JSON.<end_of_turn>\n<start_of_turn>model\n",
@@ -597,3 +601,4 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
     assert runs["guessing"][0] == runs["plain"][0]
     counters = runs["guessing"][1].counters
     assert counters.accepted_tokens >= 32 and runs["plain"][1].counters.drafted_tokens == 0
+    assert counters.jumped_tokens >= 4 and runs["plain"][1].counters.jumped_tokens == 0

@@ -31,6 +31,7 @@ DECAY = 0.9  # of the acceptance counts per step that drafted: about the last te
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # before anything is measured: one in two guessed tokens taken
 RETRY_EVERY = 16  # steps between short guesses while guessing does not pay
 RETRY_TOKENS = 2
+FORCED = 0  # the match length a guess of what a grammar forces is measured under (no n-gram is that short)
 
 Admitted = Callable[[list[int]], list[int]]  # the part of a guess a generation's grammar admits
 
@@ -56,6 +57,9 @@ class Drafter:
         self.matched = 0  # the match length of the last guess
         self._idle_steps = 0
         self.drafted_tokens = self.accepted_tokens = 0
+        # What the generation's grammar forces next, as tokens (jump_forward = "guess"; engine/jumps.py): the guess
+        # whenever there is such a text.
+        self.forced: Callable[[], list[int]] | None = None
 
     @property
     def acceptance(self) -> float:
@@ -69,7 +73,11 @@ class Drafter:
     def guess(self, admitted: Admitted | None = None) -> list[int]:
         """The tokens after the latest earlier place the context ended as it does now, for the longest such
         ending (at most ``most``). Past the context's end, the guess goes on with itself: a repeating line repeats.
-        ``admitted``: a generation's grammar; then the longest part it admits of the latest CANDIDATES matches."""
+        ``admitted``: a generation's grammar; then the longest part it admits of the latest CANDIDATES matches.
+        Where the grammar forces a text (``forced``), that text is the guess."""
+        if self.forced is not None and (forced := self.forced()):
+            self.matched = FORCED
+            return forced[: self.most]
         tokens = self.tokens
         end = len(tokens)
         if self._indexed > end:  # the conversation lost tokens (a prompt that could not be computed): start again

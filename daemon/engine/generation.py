@@ -6,13 +6,23 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpool.daemon.engine.drafts import Drafter
+from kvpool.daemon.engine.jumps import CONTEXT_TOKENS, JUMP_BYTES, forced_tokens
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Sampler
 from kvpool.daemon.media.media_cache import MediaPiece
 from kvpool.protocol import Final, FinishReason, Generate, Timings, Usage
+
+
+class Tokens(Protocol):
+    """What the tokens of a forced text are read with (the model's tokenizer)."""
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
 
 
 @dataclass(eq=False)
@@ -44,6 +54,7 @@ class Generation:
     started: bool = False  # its prompt went into the session (an end now is a cut, not a refusal)
     paused: bool = False  # its client has replies waiting (serve/liveness.py): no step feeds it until it reads
     drafter: Drafter | None = None  # guesses its next tokens from its context (None: it decodes one a step)
+    jumps: str = "off"  # what its grammar forces next: "append"ed unsampled, "guess"ed, or sampled (engine/jumps.py)
 
     def __post_init__(self) -> None:
         self.restore_seconds_at = self.session.restore_seconds
@@ -81,6 +92,15 @@ class Generation:
 
     def _admitted(self, guess: list[int]) -> list[int]:
         return guess[: self.sampler.admitted(guess)]
+
+    def forced_tokens(self, model: Tokens) -> list[int]:
+        """The tokens of what its grammar forces next, in its answer's context, as far as the tokenizer spells that
+        text as the grammar does ([] when nothing is forced, or the boundary would move: engine/jumps.py)."""
+        forced = self.sampler.forced(JUMP_BYTES)
+        if not forced:
+            return []
+        context = self.session.tokens[-min(CONTEXT_TOKENS, self.completion_tokens) :]
+        return forced_tokens(context, forced, lambda text: model.tokenize(text, add_bos=False), model.token_bytes)
 
     @property
     def feeds_medium(self) -> bool:

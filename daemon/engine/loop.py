@@ -22,7 +22,7 @@ from kvpool import protocol as p
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.calibration import calibrate_on_slot
 from kvpool.daemon.engine.cpu_share import IdleSampler, process_cpu_seconds
-from kvpool.daemon.engine.drafts import with_drafts
+from kvpool.daemon.engine.drafts import FORCED, with_drafts
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.housekeeping import Housekeeping
 from kvpool.daemon.engine.moves import next_work
@@ -321,19 +321,35 @@ class Engine:
         guessed token before it, which equals the token accepted before it, so that row's cell is computed. Cells
         past what the session holds then go, whatever happens (a stop, an error)."""
         g = work.item
+        going = True
         try:
             for i, sampled in enumerate(run):
                 if i:
                     self.kv.fed(g.session, 1)
                 if not self._accept(g, sampled, now):
+                    going = False
                     break
         finally:
             if work.draft:
                 self.kv.trim(g.session)
         if work.draft and g.drafter is not None:
+            if g.drafter.matched == FORCED:
+                self.counters.jumped_tokens += len(run) - 1
             g.drafter.observe(len(work.draft), len(run) - 1)
             self.counters.drafted_tokens += len(work.draft)
             self.counters.accepted_tokens += len(run) - 1
+        if going and g.jumps == "append":
+            self._jump(g, now)
+
+    def _jump(self, g: Generation, now: float) -> None:
+        """Append what ``g``'s grammar forces next, as if sampled (engine/jumps.py): the next step computes it as a
+        chunk and samples after it."""
+        room = g.draft_room  # (one token is left for the step to sample)
+        for token in g.forced_tokens(self.model)[:-1][:room]:
+            g.sampler.take(token)
+            self.counters.jumped_tokens += 1
+            if not self._accept(g, Sampled(token), now):
+                return
 
     def _accept(self, g: Generation, sampled: Sampled, now: float) -> bool:
         """A token was sampled for ``g``: append it to the session, stream it, and check the stop conditions.
@@ -542,7 +558,9 @@ class Engine:
         status.preload = self.preloader.status()
         status.remote = self.remote.status()
         status.cpu = self.threads.status()
-        status.drafts = DraftStatus(most_tokens=self.config.draft_tokens, ngram=self.config.draft_ngram)
+        status.drafts = DraftStatus(
+            most_tokens=self.config.draft_tokens, ngram=self.config.draft_ngram, jump_forward=self.config.jump_forward
+        )
         if self.media is not None:
             status.media = msgspec.structs.replace(
                 self.media.status(), frame_areas=len(self.frame_areas) if self.frame_areas is not None else 0

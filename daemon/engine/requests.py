@@ -10,6 +10,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from functools import partial
 
 from kvpool import protocol as p
 from kvpool.daemon.config import Config
@@ -353,7 +354,10 @@ class RequestHandlers:
             best_effort=budget.best_effort,
             priority=budget.priority,
             drafter=self._drafter(s) if self.config.draft_tokens else None,
+            jumps=self._jumps(sampler.constrained, r),
         )
+        if g.jumps == "guess" and g.drafter is not None:
+            g.drafter.forced = partial(g.forced_tokens, self.model)
         s.last_used = g.arrival
         self.scheduler.add(g)
         for _, piece in prompt.media:  # (beside the steps, from now on; the step that feeds it waits for it)
@@ -364,6 +368,14 @@ class RequestHandlers:
     def _drafter(self, s: Session) -> Drafter:
         """Guesses from the session's whole conversation, this turn's prompt included once it joins it."""
         return Drafter(s.tokens, self.config.draft_ngram, self.config.draft_tokens, self.model.is_end_of_generation)
+
+    def _jumps(self, constrained: bool, r: p.Generate) -> str:
+        """How the generation's forced text goes (engine/jumps.py): a forced token has no logits, so an answer that
+        reports log-probabilities has it guessed instead of appended; a guess needs guesses on."""
+        mode = self.config.jump_forward if constrained else "off"
+        if mode == "append" and r.logprobs is not None:
+            mode = "guess"
+        return "off" if mode == "guess" and not self.config.draft_tokens else mode
 
     def _sampling(self, r: p.Generate) -> SamplingParams:
         self._checked_tokens([*r.logit_bias, *r.grammar_trigger_tokens])

@@ -56,8 +56,13 @@ def metrics(status: DaemonStatus, memory: dict[str, int]) -> Iterator[Metric]:
     yield _family(
         counter,
         "kvpool_draft_tokens",
-        "Guessed tokens fed beside the decode tokens (drafted), and those sampling took (accepted).",
-        [({"kind": "drafted"}, c.drafted_tokens), ({"kind": "accepted"}, c.accepted_tokens)],
+        "Guessed tokens fed beside the decode tokens (drafted), those sampling took (accepted), and tokens a "
+        "grammar forced that went in without a step of their own, guessed and taken or appended (jumped).",
+        [
+            ({"kind": "drafted"}, c.drafted_tokens),
+            ({"kind": "accepted"}, c.accepted_tokens),
+            ({"kind": "jumped"}, c.jumped_tokens),
+        ],
     )
     yield _family(counter, "kvpool_engine_busy_seconds", "Wall time spent in engine steps.", [({}, c.busy_seconds)])
     yield _family(counter, "kvpool_requests", "Requests by operation.", [({"op": k}, n) for k, n in c.requests.items()])

@@ -57,7 +57,12 @@ def _parser_sentence(messages: list[str]) -> str:
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """GBNF for the JSON values a (checked, constraints.parse_schema) schema allows, by llama-cpp-python's
     converter (a port of llama.cpp's), with what it lacks: integer bounds, strings whose characters are valid
-    JSON (its own admit raw control characters), and a `.` in a pattern that cannot swallow a quote."""
+    JSON (its own admit raw control characters), and a `.` in a pattern that cannot swallow a quote.
+
+    Whitespace is fixed, as Python's json.dumps writes it: one space after each `,` and `:` and none elsewhere
+    (the converter's own lets a space or none follow every literal). Then what a schema fixes is one text only —
+    `, "room": "` between a record's values — which a generation appends without sampling it (jump-forward,
+    docs/speculative.md); a model writes JSON this way unasked (docs/decisions.md)."""
     from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
     class Converter(SchemaConverter):  # type: ignore[misc]
@@ -78,7 +83,15 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
         rules["char"] = JSON_CHAR
     if "dot" in rules:
         rules["dot"] = JSON_CHAR_UNESCAPED
-    return str(converter.format_grammar())
+    rules["space"] = '""'
+    return _canonical_separators(str(converter.format_grammar()))
+
+
+def _canonical_separators(gbnf: str) -> str:
+    """The converter writes every separator as its literal then the `space` rule (empty here): `"," space`,
+    `":" space`. A literal of the schema's own (a key, an enum value) is a JSON string, so its quotes are escaped
+    inside the rule's literal and never spell these."""
+    return gbnf.replace('"," space', '", "').replace('":" space', '": "')
 
 
 # Any character JSON allows unescaped (no quote, backslash or control; no surrogate or value past U+10FFFF, which

@@ -158,6 +158,10 @@ class Model:
     def is_end_of_generation(self, token: int) -> bool:
         return self.text.is_end_of_generation(token)
 
+    @property
+    def byte_tokens(self) -> np.ndarray | None:
+        return self.text.byte_tokens
+
     def valid_token(self, token: int) -> bool:
         return self.text.valid_token(token)
 

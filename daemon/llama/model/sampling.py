@@ -24,6 +24,9 @@ class Vocabulary(Protocol):
 
     def token_bytes(self, token: int) -> bytes: ...
 
+    @property
+    def byte_tokens(self) -> np.ndarray | None: ...  # a token per byte, then the ends (tokenizer.py)
+
     def row_logits(self, row: int) -> np.ndarray: ...
 
 
@@ -81,6 +84,7 @@ class Sampler:
         self._chain = _new_chain(model, params)
         self._ids = model.token_ids
         self._piece = model.token_bytes
+        self._model = model
         self._row_logits = model.row_logits
         self._one = np.zeros(1, dtype=TOKEN_DATA)
         # Plain greedy is an argmax over the logits row; numpy does it without the sampler chain's copy of the
@@ -136,6 +140,46 @@ class Sampler:
             return len(guess)
         finally:
             lc.llama_sampler_free(probe)
+
+    def forced(self, most: int) -> bytes:
+        """The text the grammar lets come next and nothing else, up to ``most`` bytes: b"" without a grammar (or
+        a lazy one waiting for its trigger), or where two bytes, or a byte and the end, could come. It stops at a
+        byte past ASCII (a character of several bytes: a key's text is ASCII in practice). A copy of the grammar is
+        asked, one byte at a time, about a token per byte value: every token a grammar allows begins with a byte
+        it allows, so one byte allowed means every allowed token begins with it."""
+        if self._grammar is None or most <= 0:
+            return b""
+        ids = self._model.byte_tokens
+        if ids is None:
+            return b""
+        template = np.zeros(len(ids), dtype=TOKEN_DATA)
+        template["id"], template["logit"] = ids, 1.0
+        out = bytearray()
+        probe = lc.llama_sampler_clone(self._grammar)
+        try:
+            while len(out) < most:
+                cand = template.copy()
+                self._apply(probe, cand)
+                allowed = np.flatnonzero(np.isfinite(cand["logit"]))
+                if len(allowed) != 1:
+                    break
+                token = int(ids[allowed[0]])
+                piece = self._piece(token)
+                if len(piece) != 1 or piece[0] >= 0x80:  # (the end of the answer, or a longer character)
+                    break
+                lc.llama_sampler_accept(probe, token)
+                out += piece
+        finally:
+            lc.llama_sampler_free(probe)
+        return bytes(out)
+
+    def take(self, token: int) -> None:
+        """Accept a token that was not sampled (one the grammar forces, appended as it is): the grammar and the
+        penalties move on as if it had been."""
+        if self._grammar is not None:
+            lc.llama_sampler_accept(self._grammar, token)
+        if not self._argmax:
+            lc.llama_sampler_accept(self._chain, token)
 
     def _greedy(self, logits: np.ndarray) -> int:
         token = int(logits.argmax())

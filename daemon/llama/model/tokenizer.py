@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from functools import cached_property
 
 import llama_cpp as lc
 import numpy as np
@@ -73,6 +74,23 @@ class Tokenizer:
             self._piece_buf = ctypes.create_string_buffer(-n)
             n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
         return self._piece_buf.raw[:n]
+
+    @cached_property
+    def byte_tokens(self) -> np.ndarray | None:
+        """What a grammar is asked about to learn the one byte it lets come next (Sampler.forced): for each byte
+        value a token that spells that byte alone, then the end-of-generation tokens; None when an ASCII byte has
+        no token of its own (a grammar could then let it come unseen). One pass over the vocabulary, at the first
+        constrained generation."""
+        by_byte: dict[int, int] = {}
+        ends: list[int] = []
+        for token in range(self.n_vocab):
+            if self.is_end_of_generation(token):
+                ends.append(token)
+            elif len(piece := self.token_bytes(token)) == 1:
+                by_byte.setdefault(piece[0], token)
+        if any(b not in by_byte for b in range(128)):
+            return None
+        return np.array([*by_byte.values(), *ends], dtype=np.int32)
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
