@@ -8,12 +8,14 @@ the next step. Every llama.cpp call of the daemon happens on this thread; the I/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -188,11 +190,19 @@ class Engine:
         lent = self.media is not None and self.media.busy  # an encode beside the steps takes a thread while it runs
         self.model.decode_with(threads - 1 if lent else threads)
         started, cpu = time.monotonic(), process_cpu_seconds()
-        outcome = self.runner.run(step_work)
+        with self._laid_out(step_work):
+            outcome = self.runner.run(step_work)
         if outcome.rc == 0 and not outcome.medium_error:
             cores = (process_cpu_seconds() - cpu) / max(time.monotonic() - started, 1e-6)
             self._note_speed(threads, lent, outcome, cores)
         self._postprocess(step_work, outcome, started)
+
+    def _laid_out(self, step_work: list[Work[Generation]]) -> AbstractContextManager[None]:
+        """A step wider than deterministic steps are (a medium fed whole) runs with its session alone first in the
+        KV (KvManager.alone_first): its sums then do not depend on where other sessions' cells sit."""
+        if self.model.deterministic and sum(w.n_tokens for w in step_work) > self.model.step_tokens:
+            return self.kv.alone_first(step_work[0].item.session)
+        return contextlib.nullcontext()
 
     def _note_speed(self, threads: int, lent: bool, outcome: StepOutcome, cores: float) -> None:
         """The thread count learns the step's slowdown and the CPU its threads got; the cost model learns its time,

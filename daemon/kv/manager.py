@@ -53,6 +53,10 @@ from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 if TYPE_CHECKING:
     from kvpool.daemon.media.media_cache import MediaPiece
 
+# A compaction's copies: a prefix's sequence and cells; a session's slot, itself, the positions it shares, its own.
+PrefixCopy = tuple[int, "ctypes.Array[ctypes.c_uint8]"]
+SessionCopy = tuple[int, Session, int, "ctypes.Array[ctypes.c_uint8] | None"]
+
 log = logging.getLogger("kvpool.kv")
 
 
@@ -224,13 +228,46 @@ class KvManager:
         """Lay the KV out again: every hot sequence's cells contiguous and in position order from the first
         cell, the graveyard emptied. Shared prefixes first, then each resident session's own cells, then the
         prefix cells it shares given back: what a restore does, in one pass, from copies taken first."""
+        prefixes, sessions = self._copies()
+        self.model.clear()
+        self._load(prefixes, sessions)
+        self.counts.compactions += 1
+
+    @contextlib.contextmanager
+    def alone_first(self, s: Session) -> Iterator[None]:
+        """Deterministic decoding, around a step of more rows than its steps otherwise hold (a non-causal medium is
+        fed whole): flash attention's path for 64 rows and more sums a row's cells in tiles of 64 counted from the
+        KV's first cell, so its sums follow where each cell of the sequence sits, not only their order. For the
+        step the KV holds ``s`` alone from the first cell (its shared prefix, then its own cells), as it would with
+        nothing else hot, so that the step's cells follow them; the other sequences come back after the step,
+        behind its cells, each in position order. Otherwise it does nothing."""
+        if not self._compacts:
+            yield
+            return
+        prefixes, sessions = self._copies()
+        mine = s.prefix.seq if s.prefix is not None and s.shares_hot else None
+        self.model.clear()
+        self._load([p for p in prefixes if p[0] == mine], [x for x in sessions if x[1] is s])
+        try:
+            yield
+        finally:
+            self._load([p for p in prefixes if p[0] != mine], [x for x in sessions if x[1] is not s])
+            self.counts.compactions += 1
+
+    def _copies(self) -> tuple[list[PrefixCopy], list[SessionCopy]]:
+        """Every hot shared prefix's cells, and every resident session's own (past what it shares), copied."""
         model = self.model
-        prefixes = sorted((p.seq, model.copy_state(p.seq)) for p in self.prefixes.hot())
+        prefixes = sorted(((p.seq, model.copy_state(p.seq)) for p in self.prefixes.hot()), key=lambda p: p[0])
         sessions = []
         for slot, s in sorted(self.resident.items()):
             shared = s.prefix_len if s.prefix is not None and s.shares_hot else 0
             sessions.append((slot, s, shared, model.copy_state(slot, shared) if s.n_kv > shared else None))
-        model.clear()
+        return prefixes, sessions
+
+    def _load(self, prefixes: list[PrefixCopy], sessions: list[SessionCopy]) -> None:
+        """Copies back, appended in order: the prefixes, then each session's own cells and the prefix cells it
+        shares."""
+        model = self.model
         for seq, state in prefixes:
             if not model.load_state(seq, state):
                 raise RuntimeError(f"llama.cpp refused a shared prefix's cells back while compacting (sequence {seq})")
@@ -240,7 +277,6 @@ class KvManager:
             if shared:
                 assert s.prefix is not None and s.prefix.seq is not None
                 model.share_cells(s.prefix.seq, slot, 0, shared)
-        self.counts.compactions += 1
 
     def cells_used(self) -> int:
         """Cells of the unified KV in use (a shared prefix's cells count once)."""

@@ -126,8 +126,9 @@ class MediaEncoder:
         if mtmd.mtmd_decode_use_mrope(self.ctx):
             self.close()
             raise ModelLoadError(
-                f"{path.name} needs M-RoPE positions (a Qwen-VL-style model), which kvpool's KV tiers do not carry "
-                "yet; use a model whose media take plain positions (Gemma 3, LLaVA, SmolVLM, Ultravox)."
+                f"{path.name} goes with a text model that takes M-RoPE positions (a Qwen-VL-style model), which "
+                "kvpool does not serve yet (its sessions hold one position per cell); use a model whose media take "
+                "plain positions (Gemma 3, LLaVA, SmolVLM, Ultravox)."
             )
         self.max_tokens = max_tokens
         self.marker = mtmd.mtmd_default_marker()
