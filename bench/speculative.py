@@ -2,7 +2,7 @@
 jump-forward) and as it ships (guesses and jump-forward), against llama-server (built by
 scripts/build-llama-server.sh from the same llama.cpp) without drafts and with its n-gram drafts, on the default
 model with 2 threads and 8 slots, greedy. ``--jump-compare`` adds kvpoold with guesses and each other
-jump_forward setting ("guess", "off"), and with jump-forward alone (no guesses).
+jump_forward setting ("append", "off"), and with forced text appended but no guesses.
 
 Workloads, each a Gemma chat turn:
   chat   free text (a few paragraphs about the bicycle's history)
@@ -13,7 +13,8 @@ decode rate, client-side: the sum over the streams of each one's tokens after it
 its first token's), the median over --rounds (the servers' order rotates every round). kvpoold's answers with
 guesses are compared with its answers without, token for token, and its guess counters are read.
 
-    python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--llama-server PATH]
+    python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--draft-step-rows 16]
+                                [--llama-server PATH]
                                 [--workloads chat json copy] [--streams 1 4 8] [--jump-compare] [--no-anchors]
 
 Raw numbers go to bench/out/speculative.json, a plot to bench/out/speculative.png.
@@ -265,6 +266,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, default=16)
+    ap.add_argument("--draft-step-rows", type=int, default=16, help="guessed rows a step may hold (kvpool guesses)")
     ap.add_argument("--llama-server", help="a llama-server binary (default: one scripts/build-llama-server.sh built)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 4, 8])
@@ -285,13 +287,13 @@ def main() -> int:
         anchors["llama-server ngram-mod"] = ("--spec-type", "ngram-mod")
     with contextlib.ExitStack() as stack:
         servers: list[Server] = []
-        guessing = ("--draft-tokens", str(args.draft_tokens))
+        guessing = ("--draft-tokens", str(args.draft_tokens), "--draft-step-rows", str(args.draft_step_rows))
         kvpools = [("kvpool", ("--draft-tokens", "0", "--jump-forward", "off")), ("kvpool guesses", guessing)]
         if args.jump_compare:
             kvpools += [
-                ("kvpool forced guessed", (*guessing, "--jump-forward", "guess")),
+                ("kvpool forced appended", (*guessing, "--jump-forward", "append")),
                 ("kvpool no jump-forward", (*guessing, "--jump-forward", "off")),
-                ("kvpool appends alone", ("--draft-tokens", "0")),
+                ("kvpool appends alone", ("--draft-tokens", "0", "--jump-forward", "append")),
             ]
         for name, flags in kvpools:
             daemon = stack.enter_context(private_daemon(model, *common, *flags))
@@ -300,7 +302,7 @@ def main() -> int:
             for name, flags in anchors.items():
                 url = stack.enter_context(llama_server(binary, model, SLOTS, 2048, *flags))
                 servers.append(LlamaServer(name, url))
-        else:
+        elif not args.no_anchors:
             print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
         tokenize_prompts(daemon.address, args.workloads, max(args.streams))
         rates: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
@@ -354,8 +356,9 @@ def main() -> int:
     for name, g in guesses.items():
         if g.get("drafted"):
             share = g["accepted"] / g["drafted"]
+            jumped = g.get("jumped", 0)
             print(f"  {name:<22} {g['accepted']} of {g['drafted']} guessed tokens taken ({share:.0%}), "
-                  f"{g.get('jumped', 0)} forced tokens appended, {g['generated']} generated")  # fmt: skip
+                  f"{jumped} forced tokens without a step of their own, {g['generated']} generated")  # fmt: skip
     plot(rates, args.workloads, args.streams, out / "speculative.png")
     print(f"(plot: {out / 'speculative.png'})")
     return 0
