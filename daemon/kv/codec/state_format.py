@@ -4,7 +4,7 @@ llama.cpp that llama-cpp-python 0.3.36 vendors (src/llama-context.cpp, src/llama
     u32 magic 0xAF143CD8, i32 seq_id
     then one block per KV cache (two for sliding-window models: the full-attention cache, then the SWA one):
       u32 n_stream; per stream: u32 cell_count, and when it is not 0:
-        cell_count x (i32 pos, u32 n_seq_id = 1, i32 seq_id)
+        cell_count x (i32 pos, u32 n_seq_id = 1, [i32 x, i32 y, i32 token: M-RoPE models], i32 seq_id)
         u32 v_trans, u32 n_layer
         n_layer x K: i32 ggml type, u64 row bytes, cell_count rows
         n_layer x V: i32 ggml type, u64 row bytes, cell_count rows            (v_trans = 0: flash attention)
@@ -13,7 +13,7 @@ llama.cpp that llama-cpp-python 0.3.36 vendors (src/llama-context.cpp, src/llama
 The state records each layer's type and row size, so a layer's rows can be rewritten at another type and the
 result is still this format: llama.cpp rejects it (its types differ from the context's) until it is written
 back at the context's types. Anything this reader does not recognise is refused with StateFormatError, never
-guessed: cells with extra position data (M-RoPE models), unknown types, sizes that do not add up. A change of
+guessed: cell records of another shape than the model's, unknown types, sizes that do not add up. A change of
 llama.cpp's format fails tests/test_kv_codec.py, which round-trips real states byte for byte.
 """
 
@@ -93,7 +93,10 @@ class _Reader:
         return start
 
 
-def parse(state: StateBytes) -> SequenceState:
+def parse(state: StateBytes, cell_ext: bool = False) -> SequenceState:
+    """``cell_ext``: the model's cells carry extra position data (llama_kv_cell_ext: an M-RoPE model's x, y and
+    token), 12 bytes between a cell's sequence count and its sequence id."""
+    record = 6 if cell_ext else 3  # i32 fields per cell
     data = memoryview(state).cast("B")
     r = _Reader(data)
     if r.take(_U32) != MAGIC:
@@ -113,9 +116,9 @@ def parse(state: StateBytes) -> SequenceState:
             if n_cells == 0:
                 continue
             cells += n_cells
-            meta = np.frombuffer(data, dtype="<i4", count=3 * n_cells, offset=r.skip(12 * n_cells))
-            meta = meta.reshape(n_cells, 3)
-            if not (np.all(meta[:, 1] == 1) and np.all(meta[:, 2] == seq_id)):
+            meta = np.frombuffer(data, dtype="<i4", count=record * n_cells, offset=r.skip(4 * record * n_cells))
+            meta = meta.reshape(n_cells, record)
+            if not (np.all(meta[:, 1] == 1) and np.all(meta[:, -1] == seq_id)):
                 raise StateFormatError("its cell records are not (position, one sequence id) pairs")
             v_trans = r.take(_U32)
             n_layer = r.take(_U32)

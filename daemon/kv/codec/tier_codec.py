@@ -20,8 +20,9 @@ log = logging.getLogger("kvpool.kv")
 
 
 class TierCodec:
-    def __init__(self, hot: KvSettings, pool_type: str, pool_policy: str, spill_type: str):
+    def __init__(self, hot: KvSettings, pool_type: str, pool_policy: str, spill_type: str, cell_ext: bool = False):
         self.hot = hot
+        self.cell_ext = cell_ext  # the model's cell records carry M-RoPE positions (state_format.parse)
         self.pool_type = self._store_type(pool_type)
         self.pool_policy = pool_policy
         self.spill_type = self._store_type(spill_type)
@@ -53,7 +54,7 @@ class TierCodec:
     def compress(self, state: StateBytes, to: KvType) -> bytearray | None:
         """The state with its K and V rows at ``to``; None when it cannot be read (kept as it is then)."""
         try:
-            parsed = parse(state)
+            parsed = parse(state, self.cell_ext)
             self._check_layout(parsed.transposed_v)
             return transcode(parsed, Target(to, to))
         except StateFormatError as exc:
@@ -64,7 +65,7 @@ class TierCodec:
 
     def to_hot(self, state: StateBytes) -> bytearray:
         """A compressed state back at the hot types, for llama.cpp to load. Raises StateFormatError."""
-        parsed = parse(state)
+        parsed = parse(state, self.cell_ext)
         self._check_layout(parsed.transposed_v)
         return transcode(parsed, Target(self.hot.type_k, self.hot.type_v))
 
