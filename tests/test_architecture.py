@@ -135,7 +135,9 @@ KV_MANAGER = {
     "kvpool.daemon.kv.new_session",
     "kvpool.daemon.kv.prefix.cache",  # (a shared prefix's own place: its snapshot, its sequence)
 }
-PLACE_FIELDS = {"slot", "n_kv", "snapshot", "prefix", "prefix_len", "shares_hot", "boundary", "saved_bytes"}
+PLACE_FIELDS = {
+    *("slot", "n_kv", "snapshot", "prefix", "prefix_len", "shares_hot", "boundary", "saved_bytes", "cell_positions"),
+}
 # A session's conversation grows through the KV manager too (KvManager.append): its cells count in it; so do the
 # media whose cells it holds uncomputed (they are pinned for it).
 CONVERSATION_FIELDS = ("tokens", "media")

@@ -45,7 +45,7 @@ class Runner:
             s = work.item.session
             assert s.slot is not None  # the scheduler runs only generations whose session is hot
             fed = s.tokens[s.n_kv : s.n_kv + work.n_tokens] + list(work.draft)
-            rows.append(batch.add(s.slot, fed, s.n_kv, out))
+            rows.append(batch.add(s.slot, fed, s.position(s.n_kv), out))  # (kv/positions.py)
         shape = StepShape.of(
             [(w.item.position, w.n_tokens + len(w.draft), out) for w, out in zip(step_work, outputs, strict=True)]
         )
@@ -85,9 +85,16 @@ class Runner:
         assert piece.embeddings is not None
         first = s.n_kv - start
         samples = work.completes and g.samples
+        # An M-RoPE model's medium takes four positions a cell, from where the session's next cell sits
+        positions = piece.positions.at(s.position(start))[:, first : first + work.n_tokens] if piece.positions else None
         started = time.perf_counter()
         rc = self.model.decode_embeddings(
-            s.slot, piece.embeddings[first : first + work.n_tokens], s.n_kv, piece.non_causal, samples
+            s.slot,
+            piece.embeddings[first : first + work.n_tokens],
+            s.position(s.n_kv),
+            piece.non_causal,
+            samples,
+            positions,
         )
         if rc != 0:
             return StepOutcome(rc, [], work.n_tokens, shape, 0.0, encode_seconds)

@@ -51,7 +51,7 @@ class Checkpoints:
         """Write the resident session's state to a fresh pool extent (or straight to disk) and commit it."""
         assert s.slot is not None
         first = 0 if self.whole_snapshots else place.suffix_start(s)
-        with self.model.cells_from(s.slot, first) as source:
+        with self.model.cells_from(s.slot, s.position(first)) as source:  # (first: a cell; llama.cpp: positions)
             state_bytes = self.model.state_size(source)
             if self.codec.compress_on_write and self.codec.pool_type is not None:
                 self._checkpoint_compressed(s, source, state_bytes, first, self.codec.pool_type)

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from kvpool.daemon.media.media_cache import MediaPiece
 
 # A compaction's copies: a prefix's sequence and cells; a session's slot, itself, the positions it shares, its own.
-PrefixCopy = tuple[int, "ctypes.Array[ctypes.c_uint8]"]
+PrefixCopy = tuple[int, "ctypes.Array[ctypes.c_uint8]", int]  # its sequence, cells and how many
 SessionCopy = tuple[int, Session, int, "ctypes.Array[ctypes.c_uint8] | None"]
 
 log = logging.getLogger("kvpool.kv")
@@ -89,7 +89,9 @@ class KvManager:
         self.resident: dict[int, Session] = {}
         self.prefixes = PrefixCache(model, pool, config)
         self.counts = TierCounters()
-        self.codec = TierCodec(model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type)
+        self.codec = TierCodec(
+            model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type, cell_ext=model.mrope
+        )
         stores = Stores(pool, spill, sessions, self.codec, self.counts)
         # With a mirror, checkpoints hold every cell, shared prefix included, so that another node can restore them.
         self.checkpoints = Checkpoints(model, stores, self.prefixes, self.evict, whole=mirror is not None)
@@ -257,26 +259,29 @@ class KvManager:
     def _copies(self) -> tuple[list[PrefixCopy], list[SessionCopy]]:
         """Every hot shared prefix's cells, and every resident session's own (past what it shares), copied."""
         model = self.model
-        prefixes = sorted(((p.seq, model.copy_state(p.seq)) for p in self.prefixes.hot()), key=lambda p: p[0])
+        prefixes = sorted(
+            ((p.seq, model.copy_state(p.seq), len(p.tokens)) for p in self.prefixes.hot()), key=lambda p: p[0]
+        )
         sessions = []
         for slot, s in sorted(self.resident.items()):
             shared = s.prefix_len if s.prefix is not None and s.shares_hot else 0
-            sessions.append((slot, s, shared, model.copy_state(slot, shared) if s.n_kv > shared else None))
+            own = model.copy_state(slot, s.position(shared)) if s.n_kv > shared else None
+            sessions.append((slot, s, shared, own))
         return prefixes, sessions
 
     def _load(self, prefixes: list[PrefixCopy], sessions: list[SessionCopy]) -> None:
         """Copies back, appended in order: the prefixes, then each session's own cells and the prefix cells it
         shares."""
         model = self.model
-        for seq, state in prefixes:
-            if not model.load_state(seq, state):
+        for seq, state, cells in prefixes:
+            if not model.load_state(seq, state, cells=cells):
                 raise RuntimeError(f"llama.cpp refused a shared prefix's cells back while compacting (sequence {seq})")
         for slot, s, shared, own in sessions:
-            if own is not None and not model.load_state(slot, own, first=shared):
+            if own is not None and not model.load_state(slot, own, s.position(shared), s.n_kv - shared):
                 raise RuntimeError(f"llama.cpp refused session {s.id}'s cells back while compacting")
             if shared:
                 assert s.prefix is not None and s.prefix.seq is not None
-                model.share_cells(s.prefix.seq, slot, 0, shared)
+                model.share_cells(s.prefix.seq, slot, 0, s.position(shared))
 
     def cells_used(self) -> int:
         """Cells of the unified KV in use (a shared prefix's cells count once)."""
@@ -346,7 +351,8 @@ class KvManager:
             if ok:
                 self.prefixes.share_into(prefix, slot, snap.prefix_len)
                 place.rejoin_hot(s)
-        if ok and self.model.highest_position(slot) != snap.n_kv - 1:  # a record that does not fit its bytes
+        # (a record that does not fit its bytes)
+        if ok and self.model.highest_position(slot) != s.position(snap.n_kv - 1):
             self.model.forget_sequence(slot)
             raise SessionCorrupt(s, "its restored KV does not end where its snapshot record says")
         if ok:
@@ -372,7 +378,8 @@ class KvManager:
     def _load_own_cells(self, s: Session, slot: int) -> bool:
         snap = s.snapshot
         assert snap is not None
-        first = snap.prefix_len if snap.prefix_entry != NO_PREFIX else 0  # its own cells start past the prefix
+        shared = snap.prefix_len if snap.prefix_entry != NO_PREFIX else 0  # its own cells start past the prefix
+        first, cells = s.position(shared), snap.n_kv - shared
         if snap.tier == TIER_POOL:
             started = time.perf_counter()
             # Verify first, on this thread: the pass leaves the snapshot in the CPU cache, so llama.cpp's load
@@ -384,13 +391,13 @@ class KvManager:
             if snap.compressed:
                 view = self.pool.view(snap.offset, snap.state_bytes)
                 try:
-                    ok = self.model.load_state(slot, self._decompress(s, view), first)
+                    ok = self.model.load_state(slot, self._decompress(s, view), first, cells)
                 finally:
                     view.release()
             else:
                 state = self.pool.address(snap.offset, snap.state_bytes)
                 try:
-                    ok = self.model.load_state(slot, state, first)
+                    ok = self.model.load_state(slot, state, first, cells)
                 finally:
                     del state  # release the export of the mapping
             self.counts.restores_pool += 1
@@ -402,10 +409,11 @@ class KvManager:
                 self.counts.checksum_failures += 1
                 raise SessionCorrupt(s, str(exc)) from None
             if snap.compressed:
-                ok = self.model.load_state(slot, self._decompress(s, memoryview(payload)[: snap.state_bytes]), first)
+                stored = memoryview(payload)[: snap.state_bytes]
+                ok = self.model.load_state(slot, self._decompress(s, stored), first, cells)
             else:
                 state = (ctypes.c_uint8 * snap.state_bytes).from_buffer_copy(payload, 0)
-                ok = self.model.load_state(slot, state, first)
+                ok = self.model.load_state(slot, state, first, cells)
             self.counts.restores_disk += 1
         return ok
 
@@ -454,6 +462,8 @@ class KvManager:
         """The session's KV reached the end of its system prompt: those cells become a shared prefix."""
         end = place.take_boundary(s)
         assert s.slot is not None and s.n_kv >= end
+        if place.cut_inside_medium(s, end):  # (a system prompt that ends inside an image: nothing to share)
+            return
         prefix = self.prefixes.make(s.slot, s.tokens[:end], s.task)
         if prefix is not None:
             place.move_to(s, prefix, end)
@@ -465,8 +475,9 @@ class KvManager:
     def trim(self, s: Session) -> None:
         """Cells past the session's computed tokens go: the rows of a guess that were not taken (engine/drafts.py).
         Its place does not change: it holds tokens[:n_kv] before and after."""
-        if s.slot is not None and self.model.highest_position(s.slot) >= s.n_kv:
-            self.model.forget_from(s.slot, s.n_kv)
+        end = s.position(s.n_kv)
+        if s.slot is not None and self.model.highest_position(s.slot) >= end:
+            self.model.forget_from(s.slot, end)
 
     # ------------------------------------------------------------------ snapshots (checkpoints.py, room.py)
 

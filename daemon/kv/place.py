@@ -7,7 +7,7 @@ count in, its tokens, which grow here only. Sessions show these read-only
 functions here, so that every change of place is one named move. A test fails when another module assigns one.
 
 Prefix links are kept right through every move: a session builds on a prefix while its hot cells for the first
-``prefix_len`` positions are the prefix's own (``shares_hot``), or while its committed snapshot holds only its
+``prefix_len`` cells are the prefix's own (``shares_hot``), or while its committed snapshot holds only its
 cells past them. The prefix's ``users`` counts such sessions (its pool snapshot must stay), ``hot_users`` those of
 the first kind (its hot copy must stay). Pure bookkeeping: no llama.cpp, no pool access.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvpool.daemon.kv.pool.layout import NO_PREFIX, Snapshot
+from kvpool.daemon.kv.positions import Positions, in_band
 from kvpool.daemon.kv.prefix.index import Prefix
 
 
@@ -28,11 +29,12 @@ class SessionPlace:
     n_kv: int = 0  # while hot, its cells hold tokens[:n_kv]
     snapshot: Snapshot | None = None  # the last committed snapshot (pool or disk)
     prefix: Prefix | None = None  # the shared prefix its hot cells or its snapshot build on
-    prefix_len: int = 0  # how many positions come from it
+    prefix_len: int = 0  # how many of its cells come from it
     shares_hot: bool = False  # its hot cells for them are the prefix's own
     # The end of its system prompt: once its KV reaches it, those cells become a shared prefix (0: none).
     boundary: int = 0
     saved_bytes: int = 0  # what its last snapshot did not store again because it builds on a prefix
+    cell_positions: Positions | None = None  # where its tokens' cells sit (kv/positions.py), from its tokens when read
 
 
 class Medium(Protocol):
@@ -59,14 +61,29 @@ def append(s: Session, tokens: list[int], media: Sequence[tuple[int, Medium]] = 
     session holds that pin until the medium's cells are computed (``fed``) or the session goes (``detach``)."""
     at = len(s.tokens)
     s.tokens.extend(tokens)
+    if any(in_band(t) for t in tokens):
+        s.place.cell_positions = None
     for offset, medium in media:
         s.media[at + offset] = medium
+
+
+def positions(s: Session) -> Positions:
+    """Where the session's cells sit, from its tokens (kept until they change in a way that moves them)."""
+    if s.place.cell_positions is None:
+        s.place.cell_positions = Positions.of(s.tokens)
+    return s.place.cell_positions
+
+
+def cut_inside_medium(s: Session, i: int) -> bool:
+    """Cell ``i`` is inside a medium whose cells share one position: no cut there keeps whole cells."""
+    return positions(s).floor(i) != i
 
 
 def forget_uncomputed(s: Session) -> None:
     """The tokens past its computed cells go (a medium among them could not be encoded): the conversation ends
     where its cells do, and its uncomputed media are let go of."""
     del s.tokens[s.place.n_kv :]
+    s.place.cell_positions = None
     for start in [start for start in s.media if start >= s.place.n_kv]:
         s.media.pop(start).pins -= 1
 

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv.place import SessionPlace
+from kvpool.daemon.kv.place import positions as positions_of
 from kvpool.daemon.kv.pool.layout import TIER_POOL, Snapshot
+from kvpool.daemon.kv.positions import Positions
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
 
@@ -52,6 +54,15 @@ class Session:
     @property
     def n_kv(self) -> int:
         return self.place.n_kv
+
+    @property
+    def cell_positions(self) -> Positions:
+        """Where its cells sit in llama.cpp's positions, from its tokens (kv/positions.py)."""
+        return positions_of(self)
+
+    def position(self, i: int) -> int:
+        """The llama.cpp position of its cell ``i``; past its cells, the next token's."""
+        return positions_of(self).at(i)
 
     @property
     def snapshot(self) -> Snapshot | None:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from kvpool.daemon.llama.model.mtmd import MediaEncoder, Piece
+from kvpool.daemon.kv.positions import grid_placeholders
+from kvpool.daemon.llama.model.mtmd import MediaEncoder, MediumPositions, Piece
 from kvpool.protocol.status import MediaStatus
 
 PLACEHOLDER_SPAN = 1 << 30
@@ -58,6 +59,7 @@ class MediaPiece:
     expected_seconds: float = PRIOR_ENCODE_S  # what feeding it costs before its rows: its encode (0 once encoded)
     encoding: Future[tuple[np.ndarray, float]] | None = None  # its encode beside the steps, while it runs
     error: str = ""  # why it could not be encoded
+    positions: MediumPositions | None = None  # an M-RoPE model's (mtmd.py); None: cell i at its first position + i
 
     @property
     def bytes(self) -> int:
@@ -90,7 +92,11 @@ class MediaEntry:
         for segment in self.segments:
             if isinstance(segment, MediaPiece):
                 starts.append((at + len(tokens), segment))
-                tokens += placeholders(segment.key, segment.n_tokens)
+                grid = segment.positions
+                if grid is not None and grid.grid:  # (its cells share one position: kv/positions.py)
+                    tokens += grid_placeholders(segment.key, segment.n_tokens, grid.n_pos)
+                else:
+                    tokens += placeholders(segment.key, segment.n_tokens)
             else:
                 tokens += segment
         return tokens, starts
@@ -144,6 +150,7 @@ class MediaCache:
         for i, segment in enumerate(prepared.segments):
             if isinstance(segment, Piece):
                 piece = MediaPiece(f"{digest}:{i}", kind, segment.n_tokens, segment.non_causal, segment)
+                piece.positions = segment.positions
                 piece.expected_seconds = expected
                 segments.append(piece)
             else:

@@ -58,7 +58,8 @@ class PrefixCache:
         if found is None:
             return None
         prefix, length = found
-        length = min(length, most, len(prefix.tokens))
+        # (a cut inside an image whose cells share a position keeps none of it: kv/positions.py)
+        length = prefix.positions.floor(min(length, most, len(prefix.tokens)))
         if self.model.n_swa and length < len(prefix.tokens):
             # A sliding-window layer may reuse a cell of a prefix nobody shares once the cell is a window behind
             # the prefix's end; the prefix then holds the window before its end, not before any earlier cut.
@@ -83,7 +84,7 @@ class PrefixCache:
             return False
         state = self.pool.address(snap.offset, snap.state_bytes)
         try:
-            ok = self.model.load_state(seq, state)
+            ok = self.model.load_state(seq, state, cells=len(prefix.tokens))
         finally:
             del state
         if not ok:
@@ -108,9 +109,9 @@ class PrefixCache:
             self._forget(prefix)
 
     def share_into(self, prefix: Prefix, slot: int, length: int) -> None:
-        """Give the session in ``slot`` the prefix's cells for positions [0, length) (prefix_links counts it)."""
+        """Give the session in ``slot`` the prefix's first ``length`` cells (prefix_links counts it)."""
         assert prefix.seq is not None
-        self.model.share_cells(prefix.seq, slot, 0, length)
+        self.model.share_cells(prefix.seq, slot, 0, prefix.positions.at(length))
         prefix.last_used = time.monotonic()
 
     def note_hit(self, prefix: Prefix, length: int) -> None:
@@ -134,8 +135,8 @@ class PrefixCache:
         if seq is None:
             return None
         self.model.forget_sequence(seq)
-        self.model.share_cells(slot, seq, 0, len(tokens))
         prefix = Prefix(id=secrets.token_hex(8), task=task, tokens=list(tokens), seq=seq)
+        self.model.share_cells(slot, seq, 0, prefix.positions.at(len(tokens)))
         prefix.lowest_position = self.model.lowest_position(seq)
         if shareable_length(prefix, len(tokens), self.model.n_swa) == 0:
             self.model.forget_sequence(seq)  # the window before its end is gone already: nothing exact to share

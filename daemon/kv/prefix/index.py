@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvpool.daemon.kv.pool.layout import Snapshot
+from kvpool.daemon.kv.positions import Positions
 
 
 @dataclass(eq=False)
@@ -38,10 +39,18 @@ class Prefix:
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0
     damaged: bool = False  # its snapshot failed its checksum: never offered again
+    _positions: Positions | None = field(default=None, repr=False)
 
     @property
     def in_use(self) -> bool:
         return self.users > 0 or self.hot_users > 0
+
+    @property
+    def positions(self) -> Positions:
+        """Where its cells sit (kv/positions.py): a shared length is a count of cells, llama.cpp shares by position."""
+        if self._positions is None:
+            self._positions = Positions.of(self.tokens)
+        return self._positions
 
 
 def block_keys(tokens: list[int], block: int) -> list[int]:

@@ -31,6 +31,8 @@ from kvpool.protocol.status import ModelStatus
 # Flash attention takes a tiled path from 64 query rows on, whose sums follow absolute cell indices (ggml-cpu's
 # ops.cpp, GGML_FA_TILE_Q): deterministic decoding keeps every batch below it (docs/determinism.md).
 DETERMINISTIC_STEP_TOKENS = 62  # (and room for a pad row)
+# llama.cpp's rope types that take a position per section (llama_hparams::n_pos_per_embd: M-RoPE, interleaved)
+_MROPE_TYPES = (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE)
 
 
 class Model:
@@ -110,6 +112,8 @@ class Model:
             )
         self.context_size = lc.llama_n_ctx(self.ctx)
         self.n_swa = lc.llama_model_n_swa(self._model)  # 0: every layer attends to the whole context
+        # Qwen2-VL and its kind: four positions per cell (kv/positions.py), and cells whose saved state carries them
+        self.mrope = lc.llama_model_rope_type(self._model) in _MROPE_TYPES
         # Each cache of the model has its own size: the sliding-window one is smaller when the window times the
         # sequences is.
         cell_room = (
@@ -134,7 +138,7 @@ class Model:
             except ModelLoadError:
                 self.close()
                 raise
-            self._embeddings = EmbeddingBatch(batch_size, n_embd)
+            self._embeddings = EmbeddingBatch(batch_size, n_embd, mrope=self.media.mrope)
 
     def tune_context(self, params: lc.llama_context_params) -> None:
         """llama.cpp's context parameters, just before the context is made: the daemon changes nothing here. A
@@ -197,14 +201,23 @@ class Model:
             self.seqs.appended += tokens
         return rc
 
-    def decode_embeddings(self, seq_id: int, rows: np.ndarray, first_pos: int, non_causal: bool, logits: bool) -> int:
-        """Decode a medium's embedding rows into ``seq_id`` at ``first_pos``, as llama.cpp takes them: a batch of
-        their own (non-causal ones in one batch, attending to each other both ways). ``logits``: the last row gives
-        them (the prompt ends with the medium); sample from row ``len(rows) - 1``. Returns llama_decode's answer."""
+    def decode_embeddings(
+        self,
+        seq_id: int,
+        rows: np.ndarray,
+        first_pos: int,
+        non_causal: bool,
+        logits: bool,
+        positions: np.ndarray | None = None,
+    ) -> int:
+        """Decode a medium's embedding rows into ``seq_id`` at ``first_pos`` on (an M-RoPE model: at ``positions``,
+        [4, rows], mtmd.MediumPositions), as llama.cpp takes them: a batch of their own (non-causal ones in one
+        batch, attending to each other both ways). ``logits``: the last row gives them (the prompt ends with the
+        medium); sample from row ``len(rows) - 1``. Returns llama_decode's answer."""
         assert self._embeddings is not None, "a model without a projector decodes no embeddings"
         # Deterministic decoding never runs one output row (another kernel than two): the row before it gives some too.
         outputs = (2 if self.deterministic and len(rows) > 1 else 1) if logits else 0
-        self._embeddings.fill(seq_id, rows, first_pos, outputs)
+        self._embeddings.fill(seq_id, rows, first_pos, outputs, positions)
         if non_causal:
             lc.llama_set_causal_attn(self.ctx, False)
         try:
@@ -273,8 +286,10 @@ class Model:
     def cells_from(self, seq_id: int, first: int) -> AbstractContextManager[int]:
         return self.seqs.cells_from(seq_id, first)
 
-    def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0) -> bool:
-        return self.seqs.load_state(seq_id, src, first)
+    def load_state(
+        self, seq_id: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0, cells: int | None = None
+    ) -> bool:
+        return self.seqs.load_state(seq_id, src, first, cells)
 
     def copy_state(self, seq_id: int, first: int = 0) -> ctypes.Array[ctypes.c_uint8]:
         return self.seqs.copy_state(seq_id, first)

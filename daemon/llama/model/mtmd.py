@@ -17,6 +17,7 @@ import llama_cpp as lc
 import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 
+from kvpool.daemon.kv.positions import MAX_N_POS
 from kvpool.daemon.llama.model.backend import route_media_log
 from kvpool.daemon.llama.model.loading import ModelLoadError
 
@@ -67,6 +68,22 @@ class MediaError(Exception):
     """A medium that cannot be read (its bytes do not match what they claim to be); the message says why."""
 
 
+@dataclass(frozen=True, slots=True)
+class MediumPositions:
+    """Where an M-RoPE model puts a piece's cells, relative to the piece's first position ``p``: cell i's four
+    sections (t, y, x, z, as llama.cpp's batch takes them) are ``offsets[:, i] + p * moves[:, i]``. ``n_pos``: how
+    far the text after it moves on. ``grid``: every cell in time at ``p`` (an image on Qwen2-VL's grid), so the
+    session's positions part from its cell indexes there (kv/positions.py); else cell i is at ``p + i`` in time."""
+
+    offsets: np.ndarray  # [4, n_tokens] int32
+    moves: np.ndarray  # [4, n_tokens] int32, 0 or 1
+    n_pos: int
+    grid: bool
+
+    def at(self, first_pos: int) -> np.ndarray:
+        return (self.offsets + first_pos * self.moves).astype(np.int32)
+
+
 @dataclass(eq=False)
 class Piece:
     """One piece of a medium as the projector splits it (most media are one; a tiled image or audio over 30 s are
@@ -76,6 +93,7 @@ class Piece:
     n_tokens: int  # cells it takes
     non_causal: bool  # its cells attend to each other both ways (decoded in one batch)
     chunk: ctypes.c_void_p | None
+    positions: MediumPositions | None = None  # an M-RoPE model's (None: cell i at the piece's position + i)
 
     def free(self) -> None:
         if self.chunk:
@@ -98,6 +116,40 @@ class Prepared:
     def free(self) -> None:
         for piece in self.pieces:
             piece.free()
+
+
+def _medium_positions(chunk: ctypes.c_void_p, n_tokens: int) -> MediumPositions:
+    """An M-RoPE piece's positions as llama.cpp's own helper gives them (mtmd_helper_decode_image_chunk): an
+    image's from mtmd_image_tokens_get_decoder_pos, audio's 1D (every section ``p + i``). Read at positions 0 and
+    1 to tell the offsets from what moves with the piece's place. Kinds of layout kvpool's positions do not follow
+    (cells in time neither all at ``p`` nor at ``p + i``) are refused."""
+    n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))
+    image = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+    if not image:
+        offsets = np.tile(np.arange(n_tokens, dtype=np.int32), (4, 1))
+        return MediumPositions(offsets, np.ones_like(offsets), n_pos, grid=False)
+    at0 = np.empty((4, n_tokens), dtype=np.int64)
+    at1 = np.empty((4, n_tokens), dtype=np.int64)
+    for i in range(n_tokens):
+        for out, p in ((at0, 0), (at1, 1)):
+            d = mtmd.mtmd_image_tokens_get_decoder_pos(image, p, i)
+            out[:, i] = (d.t, d.y, d.x, d.z)  # (the batch's section order: set_position_mrope_2d)
+    moves = at1 - at0
+    if not np.isin(moves, (0, 1)).all():
+        raise MediaError("the projector places the image's cells in a way kvpool cannot follow")
+    t, t_moves = at0[0], moves[0]
+    if (t == 0).all() and t_moves.all() and 0 < n_pos <= n_tokens:
+        grid = True
+    elif (t == np.arange(n_tokens)).all() and t_moves.all() and n_pos == n_tokens:
+        grid = False
+    else:
+        raise MediaError(
+            "the projector places the image's cells in time in a way kvpool cannot follow (neither all at the "
+            "image's first position nor one after another)"
+        )
+    if grid and n_pos > MAX_N_POS:
+        raise MediaError(f"the image spans {n_pos} positions, more than the {MAX_N_POS} a session's tokens can mark")
+    return MediumPositions(at0.astype(np.int32), moves.astype(np.int32), n_pos, grid)
 
 
 class MediaEncoder:
@@ -123,13 +175,7 @@ class MediaEncoder:
         self.vision = bool(mtmd.mtmd_support_vision(self.ctx))
         self.audio = bool(mtmd.mtmd_support_audio(self.ctx))
         self.sample_rate = int(mtmd.mtmd_get_audio_sample_rate(self.ctx)) if self.audio else 0
-        if mtmd.mtmd_decode_use_mrope(self.ctx):
-            self.close()
-            raise ModelLoadError(
-                f"{path.name} goes with a text model that takes M-RoPE positions (a Qwen-VL-style model), which "
-                "kvpool does not serve yet (its sessions hold one position per cell); use a model whose media take "
-                "plain positions (Gemma 3, LLaVA, SmolVLM, Ultravox)."
-            )
+        self.mrope = bool(mtmd.mtmd_decode_use_mrope(self.ctx))  # media take four positions per cell
         self.max_tokens = max_tokens
         self.marker = mtmd.mtmd_default_marker()
 
@@ -228,6 +274,8 @@ class MediaEncoder:
                     copy,
                 )
                 segments.append(piece)
+                if self.mrope:
+                    piece.positions = _medium_positions(copy, piece.n_tokens)
                 if piece.n_tokens > self.max_tokens:
                     raise MediaError(
                         f"a piece of the {kind} takes {piece.n_tokens} cells, more than one batch holds "
@@ -260,25 +308,37 @@ class MediaEncoder:
 
 
 class EmbeddingBatch:
-    """A llama_batch of embeddings (one medium's rows): llama.cpp takes tokens or embeddings in one batch, not both."""
+    """A llama_batch of embeddings (one medium's rows): llama.cpp takes tokens or embeddings in one batch, not both.
+    An M-RoPE model's embeddings take four positions each (section-major: all rows' t, then y, x, z), in an array
+    of this batch's own that its ``pos`` points to while it lives."""
 
-    def __init__(self, capacity: int, n_embd: int):
+    def __init__(self, capacity: int, n_embd: int, mrope: bool = False):
         self.capacity, self.n_embd = capacity, n_embd
         self._batch = lc.llama_batch_init(capacity, n_embd, 1)
         b = self._batch
         self.embd = np.ctypeslib.as_array(b.embd, shape=(capacity, n_embd))
+        self._own_pos: np.ndarray | None = None
+        self._llama_pos = b.pos
+        if mrope:
+            self._own_pos = np.zeros(4 * capacity, dtype=np.int32)
+            b.pos = self._own_pos.ctypes.data_as(ctypes.POINTER(lc.llama_pos))
         self.pos = np.ctypeslib.as_array(b.pos, shape=(capacity,))
         self.logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
         np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))[:] = 1
         self._seq_rows = [b.seq_id[i] for i in range(capacity)]
 
-    def fill(self, seq_id: int, rows: np.ndarray, first_pos: int, outputs: int) -> int:
-        """The rows of one sequence at ``first_pos``; the last ``outputs`` rows give logits. Returns the row to
-        sample from (the last)."""
+    def fill(self, seq_id: int, rows: np.ndarray, first_pos: int, outputs: int, positions: np.ndarray | None) -> int:
+        """The rows of one sequence at ``first_pos`` on, or with an M-RoPE model at ``positions`` ([4, rows]); the
+        last ``outputs`` rows give logits. Returns the row to sample from (the last)."""
         n = len(rows)
         assert 0 < n <= self.capacity
         self.embd[:n] = rows
-        self.pos[:n] = np.arange(first_pos, first_pos + n, dtype=np.int32)
+        if self._own_pos is not None:
+            assert positions is not None and positions.shape == (4, n), "an M-RoPE model's media take 4 positions"
+            self._own_pos[: 4 * n] = positions.reshape(-1)
+        else:
+            assert positions is None, "positions in sections are an M-RoPE model's"
+            self.pos[:n] = np.arange(first_pos, first_pos + n, dtype=np.int32)
         self.logits[:n] = 0
         if outputs:
             self.logits[max(0, n - outputs) : n] = 1
@@ -291,4 +351,5 @@ class EmbeddingBatch:
         return self._batch
 
     def free(self) -> None:
+        self._batch.pos = self._llama_pos  # (llama.cpp frees the array it made)
         lc.llama_batch_free(self._batch)

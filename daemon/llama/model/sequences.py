@@ -86,17 +86,22 @@ class Sequences:
         finally:
             self.free(self.scratch_seq)  # its cells stay with seq_id: nothing for the graveyard
 
-    def load_state(self, seq_id: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0) -> bool:
+    def load_state(
+        self, seq_id: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0, cells: int | None = None
+    ) -> bool:
         """Restore a saved state into an empty sequence; False when llama.cpp rejects it (no room, mismatch).
         ``first``: the state's first position (a suffix past a shared prefix starts there): the full-attention
         cache gets a cell for every position from it on (llama.cpp reports positions of the sliding-window cache,
-        which may start later)."""
+        which may start later); ``cells``: how many it holds when that is not one per position (an M-RoPE
+        model's image, kv/positions.py)."""
         self.forget_sequence(seq_id)
         if lc.llama_state_seq_set_data(self.ctx, src, len(src), seq_id) == 0:
             self.forget_sequence(seq_id)
             return False
-        high = self.highest_position(seq_id)
-        self.appended += high - first + 1 if high >= first else 0
+        if cells is None:
+            high = self.highest_position(seq_id)
+            cells = high - first + 1 if high >= first else 0
+        self.appended += cells
         return True
 
     def copy_state(self, seq_id: int, first: int = 0) -> ctypes.Array[ctypes.c_uint8]:
