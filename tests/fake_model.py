@@ -47,6 +47,7 @@ class FakeModel:
     kv_layout = "fake"
     kv = KvSettings(F16, F16, flash_attn=True, rotate_k=False, rotate_v=False)
     n_swa = 0
+    mrope = False  # (one position per cell: tests/test_mrope.py runs the real M-RoPE model)
     n_vocab = N_VOCAB
     deterministic = False  # (the real model's deterministic KV is tested on the real model)
     determinism = NOT_DETERMINISTIC
@@ -165,7 +166,9 @@ class FakeModel:
         out[8 + 4 * len(held) :] = (np.repeat(held, BYTES_PER_CELL) % 251).astype(np.uint8)  # the "K and V rows"
         return size
 
-    def load_state(self, seq: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0) -> bool:
+    def load_state(
+        self, seq: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0, cells: int | None = None
+    ) -> bool:
         data = np.frombuffer(src, dtype=np.uint8)
         magic, count = np.frombuffer(data[:8].tobytes(), dtype="<u4")
         if magic != MAGIC or len(data) != 8 + (4 + BYTES_PER_CELL) * int(count):
