@@ -387,7 +387,7 @@ def test_the_voice_example_turns_utterances_into_device_calls(start_daemon: Call
     assert "refused" not in voice.stdout, voice.stdout  # every turn within the voice budget: the start is shared
 
 
-@pytest.mark.parametrize("pool_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("pool_type", ["q8_0", "q8_0/q4_0h", "q4_0h"])
 def test_compressed_snapshots_answer_as_before_past_the_window_on_a_shared_prefix(
     start_daemon: Callable[..., DaemonProcess], pool_type: str
 ) -> None:

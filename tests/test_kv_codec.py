@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.daemon.kv.codec.kv_types import KV_TYPES, STORE_TYPES
+from kvpool.daemon.kv.codec.kv_types import KV_TYPES, ROTATED_FLAG, STORE_TYPES, StoreType
+from kvpool.daemon.kv.codec.rotation import block_size, rotate, unrotate
 from kvpool.daemon.kv.codec.state_format import MAGIC, StateFormatError, parse, rewrite
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
-from kvpool.daemon.kv.codec.transcode import Target, decode_rows, transcode
+from kvpool.daemon.kv.codec.transcode import Target, decode_rows, encode_rows, transcode
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
 from kvpool.daemon.llama.kv_settings import KvSettings, KvSettingsError, resolve_kv_settings
@@ -123,17 +124,23 @@ def test_compressed_states_load_back_at_the_hot_types(tiny_model: Path) -> None:
         n = len(prefill(model))
         state = saved(model)
         codec = TierCodec(model.kv, "q8_0", "always", "q4_0")
-        for to, ratio in ((Q8, 1.8), (Q4, 3.0)):
+        for name, ratio, bound in (
+            ("q8_0", 1.8, 0.01),
+            ("q4_0", 3.0, 0.15),
+            ("q4_0h", 3.0, 0.15),
+            ("q8_0/q4_0h", 2.3, 0.15),
+        ):
+            to = StoreType.named(name)
             small = codec.compress(state, to)
             assert small is not None and len(state) / len(small) > ratio
-            assert parse(small).types("k") == {to.name} and parse(small).types("v") == {to.name}
-            assert not loads(model, small)  # llama.cpp refuses types its context does not have
+            assert parse(small).types("k") == {to.k.name} and parse(small).types("v") == {to.v.name}
+            assert not loads(model, small)  # llama.cpp refuses types its context does not have, rotated ones too
             back = codec.to_hot(small)
             assert len(back) == len(state) and parse(back).types("k") == {"f16"}
             assert loads(model, back) and model.highest_position(0) == n - 1
             original, restored = first_k_values(state), first_k_values(back)
             scale = np.abs(original).max()
-            assert np.abs(restored - original).max() <= scale * (0.01 if to is Q8 else 0.15)
+            assert np.abs(restored - original).max() <= scale * bound
     finally:
         model.close()
 
@@ -150,7 +157,7 @@ def test_transposed_v_is_kept_and_a_state_of_the_other_layout_is_refused(tiny_mo
         prefill(model)
         state = saved(model)
         codec = TierCodec(model.kv, "q8_0", "always", "same")
-        small = codec.compress(state, Q8)
+        small = codec.compress(state, StoreType.named("q8_0"))
         assert small is not None and parse(small).types("k") == {"q8_0"} and parse(small).transposed_v
         assert loads(model, codec.to_hot(small))
         with_fa = TierCodec(load_settings(tiny_model, "auto"), "q8_0", "always", "same")
@@ -230,7 +237,9 @@ def test_a_store_type_no_smaller_than_the_hot_one_stores_the_hot_one() -> None:
     hot_q4, _ = resolve_kv_settings("q4_0", "q4_0", "auto", 256, 256, environ={})
     codec = TierCodec(hot_q4, "q8_0", "when_full", "q4_0")
     assert codec.pool_type is None and codec.spill_type is None and not codec.compress_when_full
-    assert set(STORE_TYPES) == {"same", "q8_0", "q4_0"}
+    assert set(STORE_TYPES) == {"same", "q8_0", "q8_0/q4_0h", "q5_1/q4_0h", "q4_0h", "q4_0"}
+    for name in STORE_TYPES[1:]:
+        assert StoreType.named(name).name == name  # every setting is a store type the codec reads back
 
 
 def test_a_spill_file_of_another_kv_layout_is_refused(tmp_path: Path) -> None:
@@ -257,3 +266,42 @@ def test_the_memory_plan_sizes_the_hot_kv_at_its_types(tiny_model: Path) -> None
     assert q8.hot_kv * 64 == f16.hot_kv * 34  # a row of 32 values: 64 bytes at f16, one 34-byte q8_0 block
     assert mixed.hot_kv * 64 == f16.hot_kv * (34 + 18) // 2
     assert q8.total < f16.total and q8.weights == f16.weights
+
+
+def test_store_types_keep_the_ids_old_records_hold_and_name_both_halves() -> None:
+    assert (StoreType.named("q8_0").id, StoreType.named("q4_0").id) == (Q8.ggml_id, Q4.ggml_id)  # as records said
+    for name in ("q8_0", "q4_0h", "q5_0h/q4_0h", "q8_0/q4_0", "mxfp4h", "q4_1/q5_1h"):
+        t = StoreType.named(name)
+        assert t.name == name and StoreType.of_id(t.id) == t and StoreType.known(t.id)
+    assert StoreType.named("q4_0h/q4_0h").name == "q4_0h"
+    assert StoreType.named("q8_0/q4_0").bytes_per_element() == Q8.bytes_per_element() + Q4.bytes_per_element()
+    for bad in ("q3_k", "f16", "q4_0/q4_0/q4_0", "q4_0x", ""):
+        with pytest.raises(ValueError, match="no store type"):
+            StoreType.named(bad)
+    assert not StoreType.known(99) and not StoreType.known((1 << 20) | 99 << 10 | 2)
+
+
+def test_rotation_is_undone_and_spreads_an_outlier_over_its_block() -> None:
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((48, 256)).astype(np.float32)
+    rows[:, 5] *= 25.0  # one channel far larger than the rest, as K caches have
+    turned = rotate(rows)
+    assert block_size(256) == 256 and block_size(96) == 32 and block_size(640) == 128
+    assert np.allclose(np.linalg.norm(turned, axis=1), np.linalg.norm(rows, axis=1), rtol=1e-5)
+    assert np.abs(unrotate(turned) - rows).max() < 1e-4
+    assert np.abs(turned).max() < 0.5 * np.abs(rows).max()  # the outlier shared out
+    plain = decode_rows(encode_rows(rows, Q4), Q4)
+    via_rotation = unrotate(decode_rows(encode_rows(turned, Q4), Q4))
+    assert np.square(via_rotation - rows).mean() < 0.5 * np.square(plain - rows).mean()
+
+
+def test_a_rotated_layer_says_so_in_its_type_field(tiny_states: dict[str, tuple[bytes, int]]) -> None:
+    state, _ = tiny_states["auto"]
+    stored = transcode(state, Target.of(StoreType.named("q4_0h/q8_0")))
+    layers = parse(stored).layers
+    fields = [struct.unpack_from("<i", stored, x.offset)[0] for x in layers]
+    assert {f for x, f in zip(layers, fields, strict=True) if x.kind == "k"} == {Q4.ggml_id | ROTATED_FLAG}
+    assert {f for x, f in zip(layers, fields, strict=True) if x.kind == "v"} == {Q8.ggml_id}
+    assert all(x.rotated == (x.kind == "k") for x in layers)
+    back = transcode(stored, Target(F16, F16))
+    assert parse(back).types("k") == {"f16"} and len(back) == len(state)

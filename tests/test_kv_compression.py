@@ -132,6 +132,22 @@ def test_pool_snapshots_compressed_as_written_come_back_at_the_hot_types(start_d
     agree_but_at_near_ties(compressed, uncompressed)
 
 
+def test_k_and_v_at_their_own_types_and_rotated_rows_come_back_at_the_hot_types(start_daemon: Start) -> None:
+    """K at q8_0, V at q4_0 rotated (the frontier docs/kv-compression.md measured): each half at its own coding,
+    named so in status, and the answers those of the exact run but at near ties."""
+    daemon = start_daemon("--hot-slots", "1", config=config(pool_kv_type="q8_0/q4_0h", pool_kv_policy="always"))
+    with daemon.client() as client:
+        compressed = logprob_turns(client, 2, 3)
+        status = client.status()
+        assert status.moves.restores_decompressed >= 4 and status.pool.kv_type == "q8_0/q4_0h"
+        # f16 rows of 32 values: 64 + 64 bytes; q8_0 K 34, q4_0 V 18
+        assert 2.0 < status.pool.compression_ratio < 128 / 52
+        assert {s.kv_type for s in client.sessions() if s.tier == "pool"} == {"q8_0/q4_0h"}
+    exact = start_daemon("--hot-slots", "1", name="exact")
+    with exact.client() as client:
+        agree_but_at_near_ties(compressed, logprob_turns(client, 2, 3))
+
+
 def fill(daemon: DaemonProcess, n: int) -> object:
     with daemon.client() as client:
         turns(client, n, 1)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.daemon.kv import place
-from kvpool.daemon.kv.codec.kv_types import KvType
+from kvpool.daemon.kv.codec.kv_types import StoreType
 from kvpool.daemon.kv.codec.state_format import StateBytes
 from kvpool.daemon.kv.disk_writes import DiskWrites
 from kvpool.daemon.kv.pool.layout import (
@@ -82,7 +82,7 @@ class Checkpoints:
         self.counts.checkpoints += 1
         self.counts.checkpoint.add(state_bytes, time.perf_counter() - started)
 
-    def _saved_state(self, source: int, state_bytes: int, to: KvType | None) -> tuple[StateBytes, int]:
+    def _saved_state(self, source: int, state_bytes: int, to: StoreType | None) -> tuple[StateBytes, int]:
         """The sequence's state saved into a private buffer (to compress it, or when the pool has no room), at
         ``to`` when given and the codec can read it: the bytes, and the type they are stored at."""
         buffer = (ctypes.c_uint8 * state_bytes)()
@@ -92,9 +92,9 @@ class Checkpoints:
         stored = self.codec.compress(memoryview(buffer).cast("B"), to) if to is not None else None
         if stored is None or to is None:
             return memoryview(buffer).cast("B"), HOT_TYPES
-        return stored, to.ggml_id
+        return stored, to.id
 
-    def _checkpoint_compressed(self, s: Session, source: int, raw_bytes: int, first: int, to: KvType) -> None:
+    def _checkpoint_compressed(self, s: Session, source: int, raw_bytes: int, first: int, to: StoreType) -> None:
         """A checkpoint compressed as it is written (pool_kv_policy "always")."""
         started = time.perf_counter()
         state, kv_type = self._saved_state(source, raw_bytes, to)

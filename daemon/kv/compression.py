@@ -5,7 +5,7 @@ never finds half of either. Engine thread only."""
 from __future__ import annotations
 
 from kvpool.daemon.kv import place, policy
-from kvpool.daemon.kv.codec.kv_types import KvType
+from kvpool.daemon.kv.codec.kv_types import StoreType
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.pool.allocator import Extent
 from kvpool.daemon.kv.pool.layout import Snapshot, payload_bytes
@@ -14,7 +14,7 @@ from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.stores import Stores
 
 
-def compressed_pool_state(pool: Pool, codec: TierCodec, snap: Snapshot, to: KvType) -> bytearray | None:
+def compressed_pool_state(pool: Pool, codec: TierCodec, snap: Snapshot, to: StoreType) -> bytearray | None:
     """A pool snapshot's state at ``to`` (None when the codec cannot read it)."""
     view = pool.view(snap.offset, snap.state_bytes)
     try:
@@ -49,7 +49,7 @@ class PoolCompressor:
         self.counts.compressions += 1
         return True
 
-    def _recommit(self, s: Session, snap: Snapshot, extent: Extent, state: bytes, to: KvType) -> Snapshot:
+    def _recommit(self, s: Session, snap: Snapshot, extent: Extent, state: bytes, to: StoreType) -> Snapshot:
         tokens = self.pool.tokens(snap)
         return self.pool.commit_written(
             s.entry,
@@ -59,6 +59,6 @@ class PoolCompressor:
             snap.n_kv,
             snap.prefix_entry,
             snap.prefix_len,
-            to.ggml_id,
+            to.id,
             snap.hot_bytes,
         )

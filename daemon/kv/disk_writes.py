@@ -28,7 +28,7 @@ class DiskWrites:
         assert snap is not None and snap.tier == TIER_POOL
         prefix_ref = (snap.prefix_entry, snap.prefix_len)
         to = self.codec.spill_type
-        if to is not None and snap.kv_type != to.ggml_id and snap.n_kv and self.pool.verify(snap):
+        if to is not None and snap.kv_type != to.id and snap.n_kv and self.pool.verify(snap):
             stored = compressed_pool_state(self.pool, self.codec, snap, to)
             if stored is not None:
                 payload = with_tokens(stored, self.pool.tokens(snap))
@@ -40,7 +40,7 @@ class DiskWrites:
                     snap.n_kv,
                     None,
                     prefix_ref,
-                    to.ggml_id,
+                    to.id,
                     snap.hot_bytes,
                 )
                 self.counts.spills += 1

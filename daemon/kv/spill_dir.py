@@ -20,7 +20,7 @@ from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.layout import HOT_TYPES, TOKEN_BYTES, payload_bytes
 
 MAGIC = b"KVSPILL3"  # 3: the checksum is XXH3
-# magic, version, state_bytes, n_tokens, n_kv, checksum, kv_type (HOT_TYPES or the ggml type it was compressed
+# magic, version, state_bytes, n_tokens, n_kv, checksum, kv_type (HOT_TYPES or the StoreType.id it was compressed
 # to), model fingerprint, KV layout
 HEADER = struct.Struct("<8sQQIIQi32s64s")
 SUFFIX = ".snap"

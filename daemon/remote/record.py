@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpool.daemon.kv.codec.kv_types import BY_ID
+from kvpool.daemon.kv.codec.kv_types import StoreType
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.layout import HOT_TYPES, payload_bytes
 
@@ -45,8 +45,9 @@ class RemoteRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fingerprint: str  # the model that wrote it
     kv_layout: str  # and its KV format
     checksum: int  # of the payload (kvpool's snapshot checksum)
-    # KV compression: the ggml type the state's K/V rows were stored at (HOT_TYPES: the hot types of kv_layout),
-    # and the state's size at the hot types. A reader writes a compressed state back at its hot types to load it.
+    # KV compression: the store type (StoreType.id) the state's K/V rows were stored at (HOT_TYPES: the hot
+    # types of kv_layout), and the state's size at the hot types. A reader writes a compressed state back at its
+    # hot types to load it.
     kv_type: int = HOT_TYPES
     raw_bytes: int = 0
     version: int  # the checkpoint's version on the node that wrote it
@@ -132,7 +133,7 @@ def decode(
         )
     if record.session != session:
         raise RecordCorrupt(f"its remote record names another session ({record.session!r})")
-    if record.kv_type != HOT_TYPES and record.kv_type not in BY_ID:
+    if record.kv_type != HOT_TYPES and not StoreType.known(record.kv_type):
         raise RecordCorrupt(f"its remote checkpoint is stored at a KV type kvpool does not know ({record.kv_type})")
     payload = memoryview(payload)
     if len(payload) != payload_bytes(record.state_bytes, record.n_tokens) or record.n_kv > record.n_tokens:

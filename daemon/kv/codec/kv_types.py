@@ -42,10 +42,99 @@ KV_TYPES = {
         KvType("q4_0", 2, 32, 18),
     )
 }
-BY_ID = {t.ggml_id: t for t in KV_TYPES.values()}
+# Types a tier may store rows at that llama.cpp takes for weights but not for its cache: a stored state is always
+# written back at the hot types before llama.cpp loads it.
+STORE_ONLY_TYPES = {
+    t.name: t for t in (KvType("mxfp4", 39, 32, 17), KvType("tq2_0", 35, 256, 66), KvType("tq1_0", 34, 256, 54))
+}
+BY_ID = {t.ggml_id: t for t in (*KV_TYPES.values(), *STORE_ONLY_TYPES.values())}
 F16 = KV_TYPES["f16"]
-# What a warm or cold tier may store snapshots as: "same" (the hot types, bytes untouched) or a smaller type.
-STORE_TYPES = ("same", "q8_0", "q4_0")
+ROTATED_FLAG = 0x100  # in a stored layer's type field: its rows were rotated before quantizing (codec/rotation.py)
+
+
+@dataclass(frozen=True, slots=True)
+class RowCoding:
+    """How a layer's rows are stored: a ggml block type, after kvpool's Hadamard rotation or as they are."""
+
+    kv_type: KvType
+    rotated: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.kv_type.name + ("h" if self.rotated else "")
+
+    @property
+    def type_field(self) -> int:
+        """What a state's layer header says: the ggml type, with ROTATED_FLAG for rotated rows."""
+        return self.kv_type.ggml_id | (ROTATED_FLAG if self.rotated else 0)
+
+    @classmethod
+    def of_field(cls, field: int) -> RowCoding:
+        return cls(BY_ID[field & ~ROTATED_FLAG], bool(field & ROTATED_FLAG))
+
+
+_PAIR = 1 << 20  # a store type id from here on names K's and V's codings (below: one ggml type for both)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreType:
+    """What a warm or cold tier stores a snapshot's K and V rows at."""
+
+    k: RowCoding
+    v: RowCoding
+
+    @property
+    def name(self) -> str:
+        return self.k.name if self.k == self.v else f"{self.k.name}/{self.v.name}"
+
+    @property
+    def id(self) -> int:
+        """A snapshot record's kv_type: the ggml type for one plain type (as records have always said), else both
+        codings."""
+        if self.k == self.v and not self.k.rotated:
+            return self.k.kv_type.ggml_id
+        return _PAIR | self.k.type_field << 10 | self.v.type_field
+
+    def bytes_per_element(self) -> float:
+        """Of K and V together, per element of each."""
+        return self.k.kv_type.bytes_per_element() + self.v.kv_type.bytes_per_element()
+
+    @classmethod
+    def of_id(cls, type_id: int) -> StoreType:
+        """Raises KeyError for an id no store type has."""
+        if type_id < _PAIR:
+            plain = RowCoding(BY_ID[type_id])
+            return cls(plain, plain)
+        return cls(RowCoding.of_field(type_id >> 10 & 0x3FF), RowCoding.of_field(type_id & 0x3FF))
+
+    @classmethod
+    def known(cls, type_id: int) -> bool:
+        try:
+            cls.of_id(type_id)
+        except KeyError:
+            return False
+        return True
+
+    @classmethod
+    def named(cls, name: str) -> StoreType:
+        """ "q4_0", "q4_0h" (rotated), "q4_0h/q8_0" (K, then V). Raises ValueError naming what it takes."""
+        halves = name.split("/")
+        if len(halves) > 2 or not all(h.removesuffix("h") in QUANTIZED_STORE for h in halves):
+            raise ValueError(
+                f"{name!r} is no store type: one of {', '.join(QUANTIZED_STORE)}, an h after it for rotated rows, "
+                "and K/V for two"
+            )
+        types = KV_TYPES | STORE_ONLY_TYPES
+        codings = [RowCoding(types[h.removesuffix("h")], h.endswith("h")) for h in halves]
+        return cls(codings[0], codings[-1])
+
+
+# (gguf quantizes them; f16 and bf16 are no smaller)
+QUANTIZED_STORE = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "mxfp4", "tq2_0", "tq1_0")
+# What a warm or cold tier may store snapshots as: "same" (the hot types, bytes untouched) or a smaller store type
+# (StoreType.named); the settings offer the ones on bench/kv_quality.py's frontier (docs/kv-compression.md): K
+# holds the precision, V takes 4 bits rotated at the noise floor.
+STORE_TYPES = ("same", "q8_0", "q8_0/q4_0h", "q5_1/q4_0h", "q4_0h", "q4_0")
 
 
 def kv_type(name: str) -> KvType:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.daemon.kv.codec.kv_types import BY_ID, KvType
+from kvpool.daemon.kv.codec.kv_types import BY_ID, ROTATED_FLAG, KvType, RowCoding
 
 FORMAT_VERSION = 1  # the layout above; bump when a new llama.cpp needs another reader
 MAGIC = 0xAF143CD8
@@ -46,6 +46,11 @@ class Rows:
     n_rows: int
     row_bytes: int
     offset: int  # where the type field starts; the rows follow its 12-byte header
+    rotated: bool = False  # stored by kvpool after its rotation (codec/rotation.py): llama.cpp cannot load it so
+
+    @property
+    def coding(self) -> RowCoding:
+        return RowCoding(self.kv_type, self.rotated)
 
     @property
     def n_cols(self) -> int:
@@ -71,7 +76,8 @@ class SequenceState:
     cells: int  # cells over all caches
 
     def types(self, kind: str) -> set[str]:
-        return {r.kv_type.name for r in self.layers if r.kind == kind}
+        """The codings its layers of ``kind`` are stored at, by name ("q4_0h": rotated)."""
+        return {r.coding.name for r in self.layers if r.kind == kind}
 
 
 class _Reader:
@@ -144,12 +150,14 @@ def _kv_type(type_id: int) -> KvType:
 
 def _rows(r: _Reader, kind: str, n_cells: int) -> Rows:
     offset = r.pos
-    kv_type = _kv_type(r.take(_I32))
+    type_field = r.take(_I32)
+    rotated = type_field & ROTATED_FLAG != 0
+    kv_type = _kv_type(type_field & ~ROTATED_FLAG)
     row_bytes = r.take(_U64)
     if row_bytes == 0 or row_bytes % kv_type.block_bytes:
         raise StateFormatError(f"a {kind.upper()} row of {row_bytes} bytes is not whole {kv_type.name} blocks")
     r.skip(n_cells * row_bytes)
-    return Rows(kind, kv_type, n_cells, row_bytes, offset)
+    return Rows(kind, kv_type, n_cells, row_bytes, offset, rotated)
 
 
 def _skip_transposed(r: _Reader, n_cells: int) -> None:
@@ -161,20 +169,20 @@ def _skip_transposed(r: _Reader, n_cells: int) -> None:
     r.skip(n_embd * n_cells * element_bytes)
 
 
-def rewrite(state: SequenceState, replace: dict[int, tuple[KvType, bytes]]) -> bytearray:
-    """The state with the layers at the given indexes (into ``state.layers``) replaced by rows of another type
+def rewrite(state: SequenceState, replace: dict[int, tuple[RowCoding, bytes]]) -> bytearray:
+    """The state with the layers at the given indexes (into ``state.layers``) replaced by rows of another coding
     (the new rows' bytes, ``n_rows`` x the type's row size); every other byte as it was."""
     out = bytearray()
     at = 0
     for index, layer in enumerate(state.layers):
         if index not in replace:
             continue
-        kv_type, rows = replace[index]
-        row_bytes = kv_type.row_bytes(layer.n_cols)
+        coding, rows = replace[index]
+        row_bytes = coding.kv_type.row_bytes(layer.n_cols)
         if len(rows) != layer.n_rows * row_bytes:
             raise ValueError(f"layer {index}: {len(rows)} bytes for {layer.n_rows} rows of {row_bytes}")
         out += state.data[at : layer.offset]
-        out += _I32.pack(kv_type.ggml_id) + _U64.pack(row_bytes)
+        out += _I32.pack(coding.type_field) + _U64.pack(row_bytes)
         out += rows
         at = layer.end
     out += state.data[at:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from kvpool.daemon.kv.codec.kv_types import BY_ID, KV_TYPES, KvType
+from kvpool.daemon.kv.codec.kv_types import StoreType
 from kvpool.daemon.kv.codec.state_format import StateBytes, StateFormatError, parse
 from kvpool.daemon.kv.codec.transcode import Target, transcode
 from kvpool.daemon.kv.pool.layout import HOT_TYPES
@@ -28,13 +28,13 @@ class TierCodec:
         self.spill_type = self._store_type(spill_type)
         self._refused = False
 
-    def _store_type(self, name: str) -> KvType | None:
-        """None: the tier stores the hot types (nothing to gain from a type no smaller than they are)."""
+    def _store_type(self, name: str) -> StoreType | None:
+        """None: the tier stores the hot types (nothing to gain from types no smaller than they are)."""
         if name == "same":
             return None
-        t = KV_TYPES[name]
+        t = StoreType.named(name)
         hot_bytes = self.hot.type_k.bytes_per_element() + self.hot.type_v.bytes_per_element()
-        return t if 2 * t.bytes_per_element() < hot_bytes else None
+        return t if t.bytes_per_element() < hot_bytes else None
 
     @property
     def compress_on_write(self) -> bool:
@@ -45,18 +45,19 @@ class TierCodec:
         return self.pool_type is not None and self.pool_policy == "when_full"
 
     def name(self, kv_type: int) -> str:
-        """A record's stored type in words: "f16", "q8_0", or "f16/q8_0" for K and V of different types."""
+        """A record's stored type in words: "f16", "q8_0", or "f16/q8_0" for K and V of different types (an h:
+        rotated rows)."""
         if kv_type != HOT_TYPES:
-            return BY_ID[kv_type].name
+            return StoreType.of_id(kv_type).name
         k, v = self.hot.type_k.name, self.hot.type_v.name
         return k if k == v else f"{k}/{v}"
 
-    def compress(self, state: StateBytes, to: KvType) -> bytearray | None:
+    def compress(self, state: StateBytes, to: StoreType) -> bytearray | None:
         """The state with its K and V rows at ``to``; None when it cannot be read (kept as it is then)."""
         try:
             parsed = parse(state, self.cell_ext)
             self._check_layout(parsed.transposed_v)
-            return transcode(parsed, Target(to, to))
+            return transcode(parsed, Target.of(to))
         except StateFormatError as exc:
             if not self._refused:  # once: every snapshot of this model will say the same
                 log.warning("snapshots stay at the hot KV types: kvpool cannot read this state (%s)", exc)

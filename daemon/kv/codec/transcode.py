@@ -9,19 +9,25 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from kvpool.daemon.kv.codec.kv_types import KvType
+from kvpool.daemon.kv.codec.kv_types import KvType, RowCoding, StoreType
+from kvpool.daemon.kv.codec.rotation import rotate, unrotate
 from kvpool.daemon.kv.codec.state_format import Rows, SequenceState, StateBytes, parse, rewrite
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """The types to write: K rows and V rows (None keeps that kind as it is)."""
+    """The codings to write: K rows and V rows (a plain type: as it is, not rotated; None keeps that kind)."""
 
-    k: KvType | None
-    v: KvType | None
+    k: KvType | RowCoding | None
+    v: KvType | RowCoding | None
 
-    def for_kind(self, kind: str) -> KvType | None:
-        return self.k if kind == "k" else self.v
+    @classmethod
+    def of(cls, store: StoreType) -> Target:
+        return cls(store.k, store.v)
+
+    def for_kind(self, kind: str) -> RowCoding | None:
+        to = self.k if kind == "k" else self.v
+        return RowCoding(to) if isinstance(to, KvType) else to
 
 
 def decode_rows(rows: np.ndarray, kv_type: KvType) -> np.ndarray:
@@ -50,14 +56,18 @@ def transcode(state: StateBytes | SequenceState, target: Target) -> bytearray:
     """The state with every K/V row block at the target types (layers whose width is not a whole number of the
     target's blocks, and transposed V, stay as they are). Raises StateFormatError for bytes it cannot read."""
     parsed = state if isinstance(state, SequenceState) else parse(state)
-    replace: dict[int, tuple[KvType, bytes]] = {}
+    replace: dict[int, tuple[RowCoding, bytes]] = {}
     for index, layer in enumerate(parsed.layers):
         to = target.for_kind(layer.kind)
-        if to is None or to == layer.kv_type or not convertible(layer, to):
+        if to is None or to == layer.coding or not convertible(layer, to.kv_type):
             continue
         rows = np.frombuffer(parsed.data, np.uint8, layer.n_rows * layer.row_bytes, layer.data_offset)
         values = decode_rows(rows.reshape(layer.n_rows, layer.row_bytes), layer.kv_type)
-        replace[index] = (to, encode_rows(values, to).tobytes())
+        if layer.rotated:
+            values = unrotate(values)
+        if to.rotated:
+            values = rotate(values)
+        replace[index] = (to, encode_rows(values, to.kv_type).tobytes())
     if not replace:
         return bytearray(parsed.data)
     return rewrite(parsed, replace)

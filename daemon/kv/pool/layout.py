@@ -10,7 +10,9 @@ import numpy as np
 from kvpool.daemon.kv.pool.allocator import Extent
 
 MAGIC = b"KVPOOL\x00\x01"
-LAYOUT_VERSION = 4  # 2: prefix entries and records naming them; 3: records name their stored KV type; 4: XXH3
+# 2: prefix entries and records naming them; 3: records name their stored KV type; 4: XXH3; 5: a record's kv_type
+# may name two codings and rotated rows (codec/kv_types.py StoreType), which a daemon of layout 4 cannot name
+LAYOUT_VERSION = 5
 HEADER_BYTES = 4096
 ALIGN = 64
 
@@ -22,7 +24,7 @@ SESSION, PREFIX = 0, 1  # entry kinds: a session, or a prefix shared by sessions
 NO_PREFIX = -1
 TOKEN_BYTES = 4  # a snapshot's payload is llama.cpp's sequence state, then its tokens as little-endian int32
 TIER_POOL, TIER_DISK = 1, 2
-HOT_TYPES = -1  # a record's kv_type when its state is at the hot KV's types (else the ggml type it was stored at)
+HOT_TYPES = -1  # a record's kv_type when its state is at the hot KV's types (else its StoreType.id)
 
 HEADER = np.dtype(
     {
@@ -47,7 +49,7 @@ RECORD = np.dtype(
     {
         # prefix_entry/prefix_len: the snapshot holds only the cells past the first prefix_len positions; the
         # rest are the prefix snapshot in table entry prefix_entry (NO_PREFIX: the snapshot is whole).
-        # kv_type: the ggml type its K/V rows were compressed to (HOT_TYPES: none); raw_bytes: its state's size
+        # kv_type: the store type its K/V rows were compressed to (HOT_TYPES: none); raw_bytes: its state's size
         # at the hot types (state_bytes when not compressed).
         "names": [
             "version",
