@@ -32,7 +32,7 @@ from kvpool.daemon.llama.kv_settings import KvSettings, resolve_kv_settings  # n
 from kvpool.daemon.llama.memory_plan import model_shape  # noqa: E402
 from kvpool.daemon.llama.model import Model, SamplingParams  # noqa: E402
 
-POOL_TYPES = ["same", "q8_0", "q4_0"]
+POOL_TYPES = ["same", "q8_0", "q8_0/q4_0h", "q5_1/q4_0h", "q4_0h", "q4_0"]
 HOT_TYPES = ["f16", "q8_0", "q4_0"]
 STREAMS = 4
 DECODE_TOKENS = 64
@@ -50,7 +50,7 @@ def session_text(text: str, i: int, chars: int) -> str:
 
 
 def capacity(model: str, pool_type: str, pool_size: str, tokens: int, limit: int) -> dict[str, float]:
-    toml = Path(f"/tmp/kvpool-capacity-{pool_type}.toml")
+    toml = Path(f"/tmp/kvpool-capacity-{pool_type.replace('/', '-')}.toml")
     toml.write_text(f'pool_kv_type = "{pool_type}"\npool_kv_policy = "always"\ncalibrate = false\n')
     text = corpus()
     args = ["--config", str(toml), "--hot-slots", "1", "--cache-pool-size", pool_size, "--context-size", "2048"]

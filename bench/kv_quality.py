@@ -68,6 +68,14 @@ SETUPS = [
     Setup("pool q8_0 (hot f16)", pool="q8_0"),
     Setup("pool q4_0 (hot f16)", pool="q4_0"),
     Setup("hot q8_0, pool q4_0", "q8_0", "q8_0", pool="q4_0"),
+    # The snapshot codec's other types and its rotation (h: codec/rotation.py), K/V apart (docs/kv-compression.md)
+    *(Setup(f"pool {t} (hot f16)", pool=t) for t in ("q8_0h", "q5_1", "q5_1h", "q5_0", "q5_0h", "q4_1", "q4_1h")),
+    *(Setup(f"pool {t} (hot f16)", pool=t) for t in ("q4_0h", "mxfp4", "mxfp4h")),
+    *(Setup(f"pool {t} (hot f16)", pool=t) for t in ("q8_0h/q4_0h", "q4_0h/q8_0h", "q5_0h/q4_0h", "q5_1h/q4_0h")),
+    *(Setup(f"pool {t} (hot f16)", pool=t) for t in ("q4_0h/mxfp4h", "q4_1h/q4_0h")),
+    # K holds the precision (above): V lower still, K at 8 or 5 bits
+    *(Setup(f"pool {t} (hot f16)", pool=t) for t in ("q8_0/q4_0", "q8_0/q4_0h", "q8_0h/tq2_0h", "q8_0/tq2_0")),
+    *(Setup(f"pool {t} (hot f16)", pool=t) for t in ("q8_0h/tq1_0h", "q5_1/q4_0h", "q5_1/tq2_0h", "q8_0/mxfp4")),
 ]
 
 
@@ -105,7 +113,8 @@ def hibernate_and_restore(s: Setup) -> None:
 
 
 def plot(results: Path) -> None:
-    """Mean KLD and top-1 agreement per setup, next to the noise floor (needs the `bench` extra)."""
+    """The frontier: each setup's snapshot bytes per token against its KLD (x the noise floor) and its top-1, the
+    floor marked (needs the `bench` extra)."""
     try:
         import matplotlib
 
@@ -114,22 +123,27 @@ def plot(results: Path) -> None:
     except ImportError:
         print("(no plot: pip install 'kvpool[bench]')", file=sys.stderr)
         return
-    rows = json.loads(results.read_text())["rows"][1:]  # the reference against itself is 0
-    names = [r["setup"].split(":")[0] for r in rows]
-    fig, (kld, top1) = plt.subplots(1, 2, figsize=(11, 4.5))
-    kld.barh(names, [r["kld"] for r in rows], color="tab:blue")
-    kld.axvline(rows[0]["kld"], color="gray", linestyle="--", label="noise floor")
-    kld.set_xscale("log")
-    kld.set_xlabel("mean KL divergence vs f16 (log)")
-    kld.invert_yaxis()
-    kld.legend()
-    top1.barh(names, [100 * r["top1"] for r in rows], color="tab:green")
-    top1.axvline(100 * rows[0]["top1"], color="gray", linestyle="--")
-    top1.set_xlim(70, 100)
-    top1.set_xlabel("top-1 agreement with f16 (%)")
-    top1.set_yticks([])
-    top1.invert_yaxis()
-    fig.suptitle("KV types on Gemma 3 270M: quality vs all-f16 (bench/kv_quality.py)")
+    data = json.loads(results.read_text())
+    rows = data["rows"][1:]  # the reference against itself is 0
+    floor = rows[0]
+    fig, (kld, top1) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for r in rows:
+        per_token = r["snapshot_bytes"] / data["tokens"] / 1024
+        hot = r["setup"].startswith("hot")
+        for ax, y in ((kld, r["kld"] / floor["kld"]), (top1, 100 * r["top1"])):
+            ax.scatter(per_token, y, color="tab:orange" if hot else "tab:blue", s=18)
+            ax.annotate(r["setup"].split(" (")[0].removeprefix("pool "), (per_token, y), fontsize=6)
+    kld.axhline(1.0, color="gray", linestyle="--", label="noise floor")
+    kld.axhline(1.5, color="tab:green", linestyle=":", label="1.5x floor")
+    kld.set_yscale("log")
+    kld.set_ylabel("mean KLD vs f16, x the noise floor (log)")
+    top1.axhline(100 * floor["top1"], color="gray", linestyle="--")
+    top1.axhline(100 * floor["top1"] - 1, color="tab:green", linestyle=":", label="floor - 1 point")
+    top1.set_ylabel("top-1 agreement with f16 (%)")
+    for ax in (kld, top1):
+        ax.set_xlabel("snapshot KiB per token (pool setups blue, hot orange)")
+        ax.legend(fontsize=7)
+    fig.suptitle("KV snapshot types on the default model: bytes against quality (bench/kv_quality.py)")
     fig.tight_layout()
     fig.savefig(results.with_suffix(".png"), dpi=110)
 
@@ -141,7 +155,10 @@ def main() -> None:
     ap.add_argument("--turn", type=int, default=256, help="tokens per turn (a snapshot round trip after each)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=HERE / "out" / "kv_quality.json")
+    ap.add_argument("--only", nargs="*", default=None, help="setups whose name holds one of these (and the floor)")
     args = ap.parse_args()
+    if args.only:
+        SETUPS[2:] = [s for s in SETUPS[2:] if any(word in s.name for word in args.only)]
     path = Path(default_model(args.model))
     shape = model_shape(path)
     total = args.turn + args.positions + 1
@@ -200,10 +217,21 @@ def main() -> None:
         rows.append({"setup": s.name, "snapshot_bytes": s.snapshot_bytes, "kld": kld, "top1": top1, "ppl": ppl})
     print(
         "\nTargets: q8_0 (hot or pool) within 1.5x the floor's KLD and its top-1 within 1 point of the floor's "
-        f"({100 * floor_top1:.1f}%)."
+        f"({100 * floor_top1:.1f}%); >= 3x f16's bytes at <= 1.5x the floor's KLD with top-1 within 1 point; "
+        ">= 4x at <= 3x the floor's KLD."
     )
+    for label, least, most_kld, top1_points in (("3x", 3.0, 1.5, 1.0), ("4x", 4.0, 3.0, 100.0)):
+        met = [
+            r["setup"]
+            for r in rows
+            if ref.snapshot_bytes / r["snapshot_bytes"] >= least
+            and r["kld"] <= most_kld * floor_kld
+            and 100 * (floor_top1 - r["top1"]) <= top1_points
+        ]
+        print(f"  {label}: {', '.join(met) if met else 'no setup'}")
     args.json.parent.mkdir(exist_ok=True)
-    args.json.write_text(json.dumps({"scored": scored, "turn": args.turn, "rows": rows}, indent=2))
+    summary = {"scored": scored, "turn": args.turn, "tokens": total - 1, "rows": rows}
+    args.json.write_text(json.dumps(summary, indent=2))
     plot(args.json)
     for s in SETUPS:
         if s.model is not None:

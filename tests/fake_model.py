@@ -166,9 +166,7 @@ class FakeModel:
         out[8 + 4 * len(held) :] = (np.repeat(held, BYTES_PER_CELL) % 251).astype(np.uint8)  # the "K and V rows"
         return size
 
-    def load_state(
-        self, seq: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0, cells: int | None = None
-    ) -> bool:
+    def load_state(self, seq: int, src: ctypes.Array[ctypes.c_uint8], first: int = 0, cells: int | None = None) -> bool:
         data = np.frombuffer(src, dtype=np.uint8)
         magic, count = np.frombuffer(data[:8].tobytes(), dtype="<u4")
         if magic != MAGIC or len(data) != 8 + (4 + BYTES_PER_CELL) * int(count):
