@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--skip-capacity", action="store_true")
     ap.add_argument("--pool-types", nargs="+", default=POOL_TYPES, choices=POOL_TYPES)
     ap.add_argument("--skip-speed", action="store_true", help="only the capacity table")
+    ap.add_argument("--skip-decode", action="store_true", help="no decode-speed table")
     ap.add_argument("--json", type=Path, default=HERE / "out" / "kv_capacity.json")
     args = ap.parse_args()
     model = default_model(args.model)
@@ -183,6 +184,9 @@ def main() -> None:
         label = t if t != "same" else "f16"
         print(f"{label:<10} {row['bytes'] / 1e6:>8.2f}MB {1e3 * row['seconds']:>11.1f} {row['vs_prefill']:>17.1f}x")
 
+    if args.skip_decode:
+        write(args.json, results)
+        return
     text = corpus()
     prompts = [session_text(text, 100 + i, 300) for i in range(STREAMS)]
     speeds: dict[str, list[float]] = {t: [] for t in HOT_TYPES}

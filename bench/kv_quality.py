@@ -27,7 +27,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import default_model  # noqa: E402
 
+from kvpool.daemon.kv.codec.kv_types import StoreType  # noqa: E402
+from kvpool.daemon.kv.codec.state_format import parse  # noqa: E402
 from kvpool.daemon.kv.codec.tier_codec import TierCodec  # noqa: E402
+from kvpool.daemon.kv.codec.transcode import Target, transcode  # noqa: E402
 from kvpool.daemon.llama.kv_settings import resolve_kv_settings  # noqa: E402
 from kvpool.daemon.llama.memory_plan import model_shape  # noqa: E402
 from kvpool.daemon.llama.model import Model  # noqa: E402
@@ -51,6 +54,7 @@ class Setup:
     type_v: str = "f16"
     flash_attn: str = "auto"
     pool: str = "same"  # the type each turn's snapshot is stored at between turns
+    k_layers: dict[int, str] = field(default_factory=dict)  # the j-th K layer of the state at its own store type
     model: Model | None = None
     codec: TierCodec | None = None
     kld: list[np.ndarray] = field(default_factory=list)
@@ -101,7 +105,14 @@ def hibernate_and_restore(s: Setup) -> None:
     buffer = (ctypes.c_uint8 * size)()
     assert m.save_state(0, buffer) == size
     state = bytes(buffer)
-    if codec.pool_type is not None:
+    if codec.pool_type is not None and s.k_layers:
+        parsed = parse(state)
+        k_index = [i for i, layer in enumerate(parsed.layers) if layer.kind == "k"]
+        overrides = {k_index[j]: StoreType.named(t).k for j, t in s.k_layers.items()}
+        stored = transcode(parsed, Target(codec.pool_type.k, codec.pool_type.v, overrides))
+        s.snapshot_bytes = len(stored)
+        state = codec.to_hot(stored)
+    elif codec.pool_type is not None:
         stored = codec.compress(state, codec.pool_type)
         assert stored is not None
         s.snapshot_bytes = len(stored)
@@ -156,9 +167,34 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=HERE / "out" / "kv_quality.json")
     ap.add_argument("--only", nargs="*", default=None, help="setups whose name holds one of these (and the floor)")
+    ap.add_argument(
+        "--k-layers",
+        metavar="TYPE",
+        help="instead: each K layer alone at TYPE over --base (how much each layer's K matters)",
+    )
+    ap.add_argument(
+        "--profiles",
+        nargs="*",
+        metavar="LOW:J,J,..",
+        help="instead: --base with every K layer at LOW but those listed (their K at --base's)",
+    )
+    ap.add_argument("--base", default="q8_0/q4_0h", help="the store type --k-layers and --profiles start from")
     args = ap.parse_args()
     if args.only:
         SETUPS[2:] = [s for s in SETUPS[2:] if any(word in s.name for word in args.only)]
+    n_layer = model_shape(Path(default_model(args.model))).n_layer
+    if args.k_layers:
+        SETUPS[2:] = [Setup(f"pool {args.base}", pool=args.base)] + [
+            Setup(f"{args.base}, K#{j} {args.k_layers}", pool=args.base, k_layers={j: args.k_layers})
+            for j in range(n_layer)
+        ]
+    if args.profiles is not None:
+        SETUPS[2:] = [Setup(f"pool {args.base}", pool=args.base)]
+        for profile in args.profiles:
+            low, _, kept = profile.partition(":")
+            keep = {int(j) for j in kept.split(",") if j}
+            lowered = {j: low for j in range(n_layer) if j not in keep}
+            SETUPS.append(Setup(f"K {low} but #{kept or '-'}", pool=args.base, k_layers=lowered))
     path = Path(default_model(args.model))
     shape = model_shape(path)
     total = args.turn + args.positions + 1

@@ -305,3 +305,14 @@ def test_a_rotated_layer_says_so_in_its_type_field(tiny_states: dict[str, tuple[
     assert all(x.rotated == (x.kind == "k") for x in layers)
     back = transcode(stored, Target(F16, F16))
     assert parse(back).types("k") == {"f16"} and len(back) == len(state)
+
+
+def test_a_layer_may_take_its_own_coding(tiny_states: dict[str, tuple[bytes, int]]) -> None:
+    state, _ = tiny_states["auto"]
+    parsed = parse(state)
+    second_k = [i for i, x in enumerate(parsed.layers) if x.kind == "k"][1]
+    stored = parse(transcode(parsed, Target(Q8, Q4, {second_k: StoreType.named("q4_0h").k})))
+    codings = [x.coding.name for x in stored.layers]
+    assert codings[second_k] == "q4_0h" and codings.count("q4_0h") == 1
+    assert {c for x, c in zip(stored.layers, codings, strict=True) if x.kind == "k"} == {"q8_0", "q4_0h"}
+    assert stored.types("v") == {"q4_0"}

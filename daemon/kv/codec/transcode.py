@@ -4,7 +4,8 @@ quantizers (maintained with llama.cpp), vectorised over whole layers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGMLQuantizationType, quants
@@ -20,12 +21,17 @@ class Target:
 
     k: KvType | RowCoding | None
     v: KvType | RowCoding | None
+    # Codings of single layers, by their index in the state's layers (its K layers, then its V layers, cache
+    # after cache), over the kind's: a precision per layer.
+    layers: Mapping[int, RowCoding] = field(default_factory=dict)
 
     @classmethod
     def of(cls, store: StoreType) -> Target:
         return cls(store.k, store.v)
 
-    def for_kind(self, kind: str) -> RowCoding | None:
+    def for_layer(self, index: int, kind: str) -> RowCoding | None:
+        if index in self.layers:
+            return self.layers[index]
         to = self.k if kind == "k" else self.v
         return RowCoding(to) if isinstance(to, KvType) else to
 
@@ -58,7 +64,7 @@ def transcode(state: StateBytes | SequenceState, target: Target) -> bytearray:
     parsed = state if isinstance(state, SequenceState) else parse(state)
     replace: dict[int, tuple[RowCoding, bytes]] = {}
     for index, layer in enumerate(parsed.layers):
-        to = target.for_kind(layer.kind)
+        to = target.for_layer(index, layer.kind)
         if to is None or to == layer.coding or not convertible(layer, to.kv_type):
             continue
         rows = np.frombuffer(parsed.data, np.uint8, layer.n_rows * layer.row_bytes, layer.data_offset)
