@@ -9,6 +9,10 @@ from pathlib import Path
 
 import redis
 
+from kvpool.client import Client
+from kvpool.client.client import Session
+from kvpool.client.errors import Conflict
+
 from .daemon_process import STOP_TIMEOUT_S, free_port, wait_until
 
 
@@ -45,3 +49,18 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
+
+
+def resume_when_free(client: Client, session: str, token: str, **kw: object) -> Session:
+    """Resume, retrying while the dead owner's lease has not expired yet (bounded)."""
+    result: list[Session] = []
+
+    def attempt() -> bool:
+        try:
+            result.append(client.resume_session(session, token, **kw))
+        except Conflict:
+            return False
+        return True
+
+    wait_until(attempt, "the dead node's lease to expire", timeout=30)
+    return result[0]

@@ -22,7 +22,7 @@ from kvpool.client.aio import AsyncClient
 from kvpool.client.errors import BadRequest, KvpoolError
 
 from .daemon_process import DaemonProcess, kvpoold_command, run_until_exit, wait_until
-from .redis_server import RedisServer
+from .redis_server import RedisServer, resume_when_free
 
 FRAME = (np.arange(40 * 48 * 3) % 251).astype(np.uint8).reshape(40, 48, 3)  # 48 wide, 40 high: resized by llama.cpp
 OTHER = np.ascontiguousarray(FRAME[::-1])
@@ -351,19 +351,7 @@ def test_an_image_session_roams_through_redis_and_continues_as_the_session_that_
         saved = (s.id, s.token)
     a.stop(signal.SIGKILL)
     with b.client() as client:
-        moved: list = []
-
-        def resumed() -> bool:
-            try:
-                moved.append(client.resume_session(*saved))
-            except KvpoolError as exc:
-                if exc.code != "CONFLICT":  # (the dead node's lease has not expired yet)
-                    raise
-                return False
-            return True
-
-        wait_until(resumed, "the dead node's lease to expire", timeout=30)
-        second = moved[0].complete(turns[1], max_tokens=8, **GREEDY).tokens
+        second = resume_when_free(client, *saved).complete(turns[1], max_tokens=8, **GREEDY).tokens
         media = media_of(client)
         assert (media.prepared, media.encodes) == (0, 0)  # node B never saw the picture: its KV came through Redis
     assert [first, second] == reference

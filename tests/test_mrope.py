@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 from kvpool.client import Client, Image
-from kvpool.client.errors import KvpoolError
 
 from .daemon_process import DaemonProcess, wait_until
-from .redis_server import RedisServer
+from .redis_server import RedisServer, resume_when_free
 from .tiny_qwen2vl import build_tiny_qwen2vl, build_tiny_qwen2vl_mmproj, image_grid
 
 WIDE = (np.arange(64 * 96 * 3) % 241).astype(np.uint8).reshape(64, 96, 3)  # 96 wide, 64 high: a 6x4 grid
@@ -273,19 +272,7 @@ def test_an_image_session_restores_from_disk_and_roams_through_redis_as_the_sess
         saved = (s.id, s.token)
     a.stop(signal.SIGKILL)
     with Client(b.address, timeout=120) as client:
-        moved: list = []
-
-        def resumed() -> bool:
-            try:
-                moved.append(client.resume_session(*saved))
-            except KvpoolError as exc:
-                if exc.code != "CONFLICT":  # (the dead node's lease has not expired yet)
-                    raise
-                return False
-            return True
-
-        wait_until(resumed, "the dead node's lease to expire", timeout=30)
-        roamed = moved[0].complete(" Last.", max_tokens=8, **GREEDY)
+        roamed = resume_when_free(client, *saved).complete(" Last.", max_tokens=8, **GREEDY)
         media = client.status().media
         assert media is not None and (media.prepared, media.encodes) == (0, 0)  # its KV came through Redis
         assert roamed.usage.prompt_tokens == len(client.tokenize(" Last."))

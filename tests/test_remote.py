@@ -21,7 +21,7 @@ from kvpool.client.errors import BadRequest, Conflict, RemoteTierUnavailable, Se
 from kvpool.daemon.remote import record as rec
 
 from .daemon_process import DaemonProcess, free_port, poll, wait_until
-from .redis_server import RedisServer
+from .redis_server import RedisServer, resume_when_free
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
@@ -50,21 +50,6 @@ def remote_copy(client: Client, session: str) -> str:
 
 def wait_synced(client: Client, session: str) -> None:
     wait_until(lambda: remote_copy(client, session) == "current", "the remote tier to hold the newest checkpoint")
-
-
-def resume_when_free(client: Client, session: str, token: str, **kw: object) -> object:
-    """Resume, retrying while the dead owner's lease has not expired yet (bounded)."""
-    result: list[object] = []
-
-    def attempt() -> bool:
-        try:
-            result.append(client.resume_session(session, token, **kw))
-        except Conflict:
-            return False
-        return True
-
-    wait_until(attempt, "the dead node's lease to expire", timeout=30)
-    return result[0]
 
 
 def test_a_session_roams_to_node_b_after_node_a_is_killed(start_daemon: Start, redis_server: RedisServer) -> None:

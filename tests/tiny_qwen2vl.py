@@ -32,7 +32,7 @@ import gguf
 import numpy as np
 
 from .tiny_mmproj import V_EMBD, V_FF, V_HEAD, _ones, _Rng, _vision_keys, _vit_layers, _zeros
-from .tinymodel import CHAT_TEMPLATE, CONTEXT, N_EMBD, N_FF, N_HEAD, N_HEAD_KV, N_LAYER, vocabulary
+from .tinymodel import CONTEXT, N_EMBD, N_FF, N_HEAD, N_HEAD_KV, N_LAYER, add_tokenizer, vocabulary
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -92,16 +92,7 @@ def build_tiny_qwen2vl(
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_tokenizer(writer, tokens, scores, types)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, N_EMBD, scale=np.sqrt(N_EMBD)))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))

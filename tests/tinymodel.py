@@ -35,6 +35,20 @@ CHAT_TEMPLATE = (
 )
 
 
+def add_tokenizer(writer: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int]) -> None:
+    """The suite's byte-level "llama" tokenizer and its chat template (<unk> <s> </s>, BOS added)."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 def build_tiny_model(path: Path, seed: int = 0, heads: tuple[int, int] = (N_HEAD, N_HEAD_KV)) -> Path:
     """``heads``: attention heads and KV heads; the default (4, 2) gives heads of 16 values, too narrow for a
     quantized KV cache (32-value blocks), (2, 1) gives heads of 32 that one fits."""
@@ -59,16 +73,7 @@ def build_tiny_model(path: Path, seed: int = 0, heads: tuple[int, int] = (N_HEAD
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_tokenizer(writer, tokens, scores, types)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, N_EMBD, scale=np.sqrt(N_EMBD)))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
