@@ -100,8 +100,9 @@ def test_seeded_sampling_draws_the_same_tokens_with_guesses(start_daemon: Start)
             draws[name] = [
                 client.open_session().complete(PROMPTS[3], max_tokens=12, seed=n, **params).tokens for n in seeds
             ]
-            if args == SPECULATE:
-                assert client.status().counters.accepted_tokens > 0
+            if args == SPECULATE:  # guessed rows were verified, draw by draw (how many are taken at temperature 1.5
+                # follows the draws, and the guess length backs off when few are: CI once saw 5 guessed, none taken)
+                assert client.status().counters.drafted_tokens > 0
     same = sum(a == b for a, b in zip(draws["plain"], draws["fast"], strict=True))
     assert same >= len(seeds) - 2
     counts = {name: Counter(t for d in drawn for t in d) for name, drawn in draws.items()}
