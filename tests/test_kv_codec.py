@@ -279,6 +279,7 @@ def test_store_types_keep_the_ids_old_records_hold_and_name_both_halves() -> Non
         with pytest.raises(ValueError, match="no store type"):
             StoreType.named(bad)
     assert not StoreType.known(99) and not StoreType.known((1 << 20) | 99 << 10 | 2)
+    assert not StoreType.known((1 << 25) | StoreType.named("q4_0h").id)  # (bits above the pair's: a corrupt id)
 
 
 def test_rotation_is_undone_and_spreads_an_outlier_over_its_block() -> None:

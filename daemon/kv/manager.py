@@ -476,6 +476,7 @@ class KvManager:
         """Cells past the session's computed tokens go: the rows of a guess that were not taken (engine/drafts.py).
         Its place does not change: it holds tokens[:n_kv] before and after."""
         end = s.position(s.n_kv)
+        assert not place.cut_inside_medium(s, s.n_kv), "a medium's cells are computed whole"
         if s.slot is not None and self.model.highest_position(s.slot) >= end:
             self.model.forget_from(s.slot, end)
 

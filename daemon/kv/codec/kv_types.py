@@ -105,6 +105,8 @@ class StoreType:
         if type_id < _PAIR:
             plain = RowCoding(BY_ID[type_id])
             return cls(plain, plain)
+        if type_id >= _PAIR << 1:
+            raise KeyError(type_id)
         return cls(RowCoding.of_field(type_id >> 10 & 0x3FF), RowCoding.of_field(type_id & 0x3FF))
 
     @classmethod
