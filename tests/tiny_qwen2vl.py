@@ -32,7 +32,17 @@ import gguf
 import numpy as np
 
 from .tiny_mmproj import V_EMBD, V_FF, V_HEAD, _ones, _Rng, _vision_keys, _vit_layers, _zeros
-from .tinymodel import CONTEXT, N_EMBD, N_FF, N_HEAD, N_HEAD_KV, N_LAYER, add_tokenizer, vocabulary
+from .tinymodel import (
+    CONTEXT,
+    N_EMBD,
+    N_FF,
+    N_HEAD,
+    N_HEAD_KV,
+    N_LAYER,
+    add_blocks_and_write,
+    add_tokenizer,
+    vocabulary,
+)
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -101,24 +111,7 @@ def build_tiny_qwen2vl(
     if markers:
         output[-2:] = 0.0  # the markers are never generated either
     writer.add_tensor("output.weight", output)
-    for i in range(N_LAYER):
-        p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(p + "attn_q.weight", w(N_EMBD, N_EMBD))
-        writer.add_tensor(p + "attn_q.bias", b(N_EMBD))
-        writer.add_tensor(p + "attn_k.weight", w(n_kv, N_EMBD))
-        writer.add_tensor(p + "attn_k.bias", b(n_kv))
-        writer.add_tensor(p + "attn_v.weight", w(n_kv, N_EMBD))
-        writer.add_tensor(p + "attn_v.bias", b(n_kv))
-        writer.add_tensor(p + "attn_output.weight", w(N_EMBD, N_EMBD))
-        writer.add_tensor(p + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(p + "ffn_gate.weight", w(N_FF, N_EMBD))
-        writer.add_tensor(p + "ffn_up.weight", w(N_FF, N_EMBD))
-        writer.add_tensor(p + "ffn_down.weight", w(N_EMBD, N_FF))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_blocks_and_write(writer, w, n_kv, bias=b)  # (Qwen2 layout: q/k/v biases)
     return path
 
 

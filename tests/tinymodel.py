@@ -7,6 +7,7 @@ random logits almost never pick end-of-sequence and generations run for their fu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -80,12 +81,25 @@ def build_tiny_model(path: Path, seed: int = 0, heads: tuple[int, int] = (N_HEAD
     output = w(n_vocab, N_EMBD, scale=8.0)  # large logits: a clear argmax, no near-ties in greedy runs
     output[:3] = 0.0
     writer.add_tensor("output.weight", output)
+    add_blocks_and_write(writer, w, n_head_kv * head_dim)
+    return path
+
+
+def add_blocks_and_write(
+    writer: gguf.GGUFWriter,
+    w: Callable[..., np.ndarray],
+    n_kv: int,
+    bias: Callable[[int], np.ndarray] | None = None,
+) -> None:
+    """The transformer blocks (random weights from ``w``; q/k/v biases from ``bias`` when given, as Qwen2's), then
+    the file written and closed."""
     for i in range(N_LAYER):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(p + "attn_q.weight", w(N_EMBD, N_EMBD))
-        writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, N_EMBD))
-        writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, N_EMBD))
+        for name, rows in (("attn_q", N_EMBD), ("attn_k", n_kv), ("attn_v", n_kv)):
+            writer.add_tensor(p + name + ".weight", w(rows, N_EMBD))
+            if bias is not None:
+                writer.add_tensor(p + name + ".bias", bias(rows))
         writer.add_tensor(p + "attn_output.weight", w(N_EMBD, N_EMBD))
         writer.add_tensor(p + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
         writer.add_tensor(p + "ffn_gate.weight", w(N_FF, N_EMBD))
@@ -95,7 +109,6 @@ def build_tiny_model(path: Path, seed: int = 0, heads: tuple[int, int] = (N_HEAD
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 if __name__ == "__main__":
