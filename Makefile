@@ -12,7 +12,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 EXTRAS := model,test,gateway,remote,chat,examples
 # What goes into the wheel: a change to any of these rebuilds it and reinstalls it into .venv.
 PACKAGE_SOURCES := pyproject.toml setup.py MANIFEST.in README.md $(shell find protocol client gateway daemon -type d -not -name __pycache__) \
-	$(shell find protocol client gateway daemon -type f \( -name '*.py' -o -name '*.jinja' -o -name '*.html' \))
+	$(shell find protocol client gateway daemon -type f \( -name '*.py' -o -name '*.jinja' -o -name '*.html' -o -name '*.json' \))
 
 .PHONY: setup system-packages demo test test-fast lint bench clean FORCE
 

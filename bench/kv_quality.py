@@ -27,24 +27,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import default_model  # noqa: E402
 
-from kvpool.daemon.kv.codec.kv_types import StoreType  # noqa: E402
-from kvpool.daemon.kv.codec.state_format import parse  # noqa: E402
+from kvpool.daemon.kv.codec.kv_types import coding_named  # noqa: E402
 from kvpool.daemon.kv.codec.tier_codec import TierCodec  # noqa: E402
-from kvpool.daemon.kv.codec.transcode import Target, transcode  # noqa: E402
+from kvpool.daemon.llama.kv_sensitivity import ScoringModel, log_softmax, text_tokens  # noqa: E402
 from kvpool.daemon.llama.kv_settings import resolve_kv_settings  # noqa: E402
 from kvpool.daemon.llama.memory_plan import model_shape  # noqa: E402
 from kvpool.daemon.llama.model import Model  # noqa: E402
-
-
-class ScoringModel(Model):
-    """Every position of a turn gives its logits (the daemon's model gives one row per sequence)."""
-
-    def tune_context(self, params) -> None:  # type: ignore[no-untyped-def]
-        params.n_outputs_max = self.batch_capacity
-
-    def __init__(self, path: Path, **settings) -> None:  # type: ignore[no-untyped-def]
-        self.batch_capacity = settings["batch_size"]
-        super().__init__(path, **settings)
 
 
 @dataclass
@@ -54,7 +42,7 @@ class Setup:
     type_v: str = "f16"
     flash_attn: str = "auto"
     pool: str = "same"  # the type each turn's snapshot is stored at between turns
-    k_layers: dict[int, str] = field(default_factory=dict)  # the j-th K layer of the state at its own store type
+    k_layers: dict[int, str] = field(default_factory=dict)  # the j-th K layer of the state at its own coding
     model: Model | None = None
     codec: TierCodec | None = None
     kld: list[np.ndarray] = field(default_factory=list)
@@ -83,21 +71,6 @@ SETUPS = [
 ]
 
 
-def text_tokens(model: Model, count: int) -> list[int]:
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    tokens = model.tokenize(text[: count * 8], add_bos=True)
-    if len(tokens) < count:
-        raise SystemExit(f"the text has only {len(tokens)} tokens")
-    return tokens[:count]
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-
-
 def hibernate_and_restore(s: Setup) -> None:
     m, codec = s.model, s.codec
     assert m is not None and codec is not None
@@ -105,15 +78,11 @@ def hibernate_and_restore(s: Setup) -> None:
     buffer = (ctypes.c_uint8 * size)()
     assert m.save_state(0, buffer) == size
     state = bytes(buffer)
-    if codec.pool_type is not None and s.k_layers:
-        parsed = parse(state)
-        k_index = [i for i, layer in enumerate(parsed.layers) if layer.kind == "k"]
-        overrides = {k_index[j]: StoreType.named(t).k for j, t in s.k_layers.items()}
-        stored = transcode(parsed, Target(codec.pool_type.k, codec.pool_type.v, overrides))
-        s.snapshot_bytes = len(stored)
-        state = codec.to_hot(stored)
-    elif codec.pool_type is not None:
-        stored = codec.compress(state, codec.pool_type)
+    if codec.pool_type is not None:
+        to = codec.pool_type
+        if s.k_layers:
+            to = to.with_k_layers({j: coding_named(t) for j, t in s.k_layers.items()})
+        stored = codec.compress(state, to)
         assert stored is not None
         s.snapshot_bytes = len(stored)
         state = codec.to_hot(stored)

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from kvpool.client.flags import Choices, Flag
-from kvpool.daemon.kv.codec.kv_types import KV_TYPES, STORE_TYPES
+from kvpool.daemon.kv.codec.kv_types import KV_TYPES, PROFILE, STORE_TYPES
 from kvpool.daemon.llama.deterministic_mode import Determinism
 from kvpool.daemon.rpc.endpoints import ENDPOINT_PATTERN
 
@@ -192,9 +192,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # snapshots at ("same": the hot types, bytes untouched). pool_kv_policy "when_full" keeps new snapshots at
     # the hot types and compresses the least recently used ones when the pool is full, before spilling any;
     # "always" compresses every snapshot as it is written.
-    pool_kv_type: Annotated[one_of(*STORE_TYPES), Flag("the type pool snapshots may be kept at")] = "same"
+    # "profile": the model's precision profile (kvpool-kv-profile's file: K layers the answers need at codings of
+    # their own), found at kv_profile, else beside the model, else among the profiles kvpool ships; refused for
+    # another model.
+    pool_kv_type: Annotated[one_of(*STORE_TYPES, PROFILE), Flag("the type pool snapshots may be kept at")] = "same"
     pool_kv_policy: one_of("when_full", "always") = "when_full"
-    spill_kv_type: Annotated[one_of(*STORE_TYPES), Flag("the type spilled snapshots are stored")] = "same"
+    spill_kv_type: Annotated[one_of(*STORE_TYPES, PROFILE), Flag("the type spilled snapshots are stored")] = "same"
+    kv_profile: Annotated[str, Flag("the precision profile file for a tier whose type is profile")] = ""
     # Seconds a client may send nothing (not even heartbeats) or read nothing while it has a generation running
     # before the daemon stops that generation (CLIENT_UNRESPONSIVE). Until then its replies wait (up to 16 MiB per
     # connection) and its generations pause, holding their hot slots: a task process that is not scheduled for a
@@ -371,6 +375,11 @@ def load_config(
     if "default" not in tasks:
         raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
     _check_deterministic(config, source)
+    if config.kv_profile and PROFILE not in (config.pool_kv_type, config.spill_kv_type):
+        raise ConfigError(
+            f"{source}: kv_profile = {config.kv_profile!r} is set, but no tier stores by it; set pool_kv_type or "
+            'spill_kv_type = "profile", or leave kv_profile out.'
+        )
     return msgspec.structs.replace(config, tasks=tasks)
 
 

@@ -122,7 +122,8 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
     remote = open_remote(config, model, pool, spill, address)
     if remote is not None:
         stack.callback(remote.close)  # pending writes first (bounded), then the pool they read from
-    kv = KvManager(model, pool, spill, SessionTable(config, model.context_size), config, mirror=remote)
+    profile = plan.kv_profile.store_type() if plan.kv_profile is not None else None
+    kv = KvManager(model, pool, spill, SessionTable(config, model.context_size), config, mirror=remote, profile=profile)
     recover_sessions(kv)
     media = MediaCache(model.media, config.media_cache_size, beside=encodes_beside(config)) if model.media else None
     if media is not None:

@@ -13,6 +13,8 @@ from typing import Any
 
 from kvpool.daemon.config import Config, ConfigError, load_config
 from kvpool.daemon.engine.cpu_share import describe_cores
+from kvpool.daemon.kv.codec.kv_types import PROFILE
+from kvpool.daemon.kv.codec.precision_profile import PrecisionProfile, ProfileError, find_profile
 from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
 from kvpool.daemon.llama.cpu_repack import RepackChoice
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
@@ -21,6 +23,7 @@ from kvpool.daemon.llama.gguf_meta import GgufError
 from kvpool.daemon.llama.kv_settings import KvSettings, KvSettingsError, resolve_kv_settings
 from kvpool.daemon.llama.memory_plan import MemoryPlan, model_shape, plan_memory
 from kvpool.daemon.llama.model import Placement
+from kvpool.daemon.llama.model.loading import fingerprint
 from kvpool.daemon.llama.projector import ProjectorError, ProjectorPlan, plan_projector
 from kvpool.daemon.ops.logs import setup_logging
 from kvpool.daemon.rpc.connect import WorkersUnavailable, connect_workers
@@ -47,6 +50,7 @@ class StartPlan:
     repack: RepackChoice
     determinism: Determinism
     projector: ProjectorPlan | None = None
+    kv_profile: PrecisionProfile | None = None  # for a tier whose type is "profile"
 
     def print_memory(self) -> None:
         print(f"kvpoold: memory plan for {self.model_path.name}:\n{self.memory.table()}", file=sys.stderr)
@@ -66,14 +70,21 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         determinism = config.determinism
         repack = choose_repack(determinism.repack(config.cpu_repack), model_path)
         projector = plan_projector(config.mmproj)
-    except (ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, ProjectorError, OSError) as exc:
+        kv_profile = None
+        if PROFILE in (config.pool_kv_type, config.spill_kv_type):
+            kv_profile = find_profile(config.kv_profile, model_path, fingerprint(model_path), shape.n_layer)
+    except (
+        ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, ProjectorError, ProfileError, OSError
+    ) as exc:  # fmt: skip
         raise StartFailed(str(exc), 2) from None
-    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism, projector)
+    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism, projector, kv_profile)
     if check_only:
         print(f"kvpoold: {repack.describe()}", file=sys.stderr)
         print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
         print(f"kvpoold: {projector.describe() if projector else 'no projector (mmproj): text only'}", file=sys.stderr)
         print(f"kvpoold: {describe_cores(config.threads, config.threads_fixed_because)}", file=sys.stderr)
+        if kv_profile is not None:
+            print(f"kvpoold: precision profile: {kv_profile.describe()}", file=sys.stderr)
     if check_only or not memory.fits:
         plan.print_memory()
     if not memory.fits:
@@ -122,6 +133,8 @@ def log_plan(plan: StartPlan) -> None:
     )
     if plan.projector is not None:
         log.info("%s", plan.projector.describe())
+    if plan.kv_profile is not None:
+        log.info("precision profile: %s", plan.kv_profile.describe())
     for part in m.remote:
         log.info(
             "memory plan on rpc worker %s: %.0f MiB (%d layers%s: weights %.0f, hot KV %.0f, compute %.0f)",

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gemma  # the installed daemon serves the default model
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("protocol", "client", "gateway", "daemon")  # top-level folders that install as kvpool.<part>
-DATA = ("*.jinja", "*.html")
+DATA = ("*.jinja", "*.html", "*.kvprofile.json")
 LLAMA_CPP_VERSION = "0.3.36"
 INSTALL_S = 600.0
 
@@ -115,6 +115,11 @@ def test_the_installed_commands_serve_the_default_model(installed: Installed) ->
     assert "memory plan" in (check.stdout + check.stderr).lower()
     rpc = installed.run(installed.bin("kvpool"), "rpc-worker", "--help")
     assert rpc.returncode == 0 and "usage: kvpool rpc-worker" in rpc.stdout, rpc.stderr
+    # The default model's precision profile ships in the wheel: a pool that stores by it starts with nothing else.
+    profiled = installed.run(installed.bin("kvpoold"), "--check-config", "--pool-kv-type", "profile")
+    assert profiled.returncode == 0 and "precision profile: K " in profiled.stderr, profiled.stderr
+    helped = installed.run(installed.bin("kvpool-kv-profile"), "--help")
+    assert helped.returncode == 0 and "usage: kvpool-kv-profile" in helped.stdout, helped.stderr
     with daemon_of(installed) as address:
         generated = installed.run(
             installed.bin("kvpool"), "--address", address, "generate", "The capital of France is",

@@ -312,7 +312,7 @@ def test_a_layer_may_take_its_own_coding(tiny_states: dict[str, tuple[bytes, int
     state, _ = tiny_states["auto"]
     parsed = parse(state)
     second_k = [i for i, x in enumerate(parsed.layers) if x.kind == "k"][1]
-    stored = parse(transcode(parsed, Target(Q8, Q4, {second_k: StoreType.named("q4_0h").k})))
+    stored = parse(transcode(parsed, Target(Q8, Q4, {1: StoreType.named("q4_0h").k})))  # the second K layer
     codings = [x.coding.name for x in stored.layers]
     assert codings[second_k] == "q4_0h" and codings.count("q4_0h") == 1
     assert {c for x, c in zip(stored.layers, codings, strict=True) if x.kind == "k"} == {"q8_0", "q4_0h"}

@@ -36,6 +36,7 @@ import msgspec
 from kvpool.daemon.config import Config
 from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.checkpoints import Checkpoints
+from kvpool.daemon.kv.codec.kv_types import PROFILE, StoreType
 from kvpool.daemon.kv.codec.state_format import StateFormatError
 from kvpool.daemon.kv.codec.tier_codec import TierCodec
 from kvpool.daemon.kv.counters import TierCounters
@@ -81,8 +82,10 @@ class KvManager:
         sessions: SessionTable,
         config: Config,
         mirror: Mirror | None = None,
+        profile: StoreType | None = None,
     ):
-        """``mirror``: the cross-node tier, told of every commit and every session that leaves (None: none)."""
+        """``mirror``: the cross-node tier, told of every commit and every session that leaves (None: none).
+        ``profile``: the store type of the model's precision profile, for a tier whose type is "profile"."""
         self.model, self.pool, self.spill, self.sessions, self.config = model, pool, spill, sessions, config
         self.mirror = mirror
         self.free_slots = list(range(model.hot_slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -90,7 +93,7 @@ class KvManager:
         self.prefixes = PrefixCache(model, pool, config)
         self.counts = TierCounters()
         self.codec = TierCodec(
-            model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type, cell_ext=model.mrope
+            model.kv, config.pool_kv_type, config.pool_kv_policy, config.spill_kv_type, model.mrope, profile
         )
         stores = Stores(pool, spill, sessions, self.codec, self.counts)
         # With a mirror, checkpoints hold every cell, shared prefix included, so that another node can restore them.
@@ -547,11 +550,16 @@ class KvManager:
             "snapshot_raw_bytes": sum(x.hot_bytes for x in snaps),
         }
 
+    @staticmethod
+    def _tier_type(setting: str, stored: StoreType | None) -> str:
+        """A tier's type as set, and for "profile" what the profile stores."""
+        return f"{setting}: {stored.name}" if setting == PROFILE and stored is not None else setting
+
     def pool_status(self) -> PoolStatus:
         usage = self.pool.usage()
         return msgspec.structs.replace(
             usage,
-            kv_type=self.config.pool_kv_type,
+            kv_type=self._tier_type(self.config.pool_kv_type, self.codec.pool_type),
             kv_policy=self.config.pool_kv_policy,
             **self._snapshot_figures(TIER_POOL),
         )
@@ -561,7 +569,7 @@ class KvManager:
             dir=str(self.spill.path),
             used_bytes=self.spill.used_bytes,
             max_bytes=self.spill.max_bytes,
-            kv_type=self.config.spill_kv_type,
+            kv_type=self._tier_type(self.config.spill_kv_type, self.codec.spill_type),
             **self._snapshot_figures(TIER_DISK),
         )
 

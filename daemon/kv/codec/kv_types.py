@@ -74,30 +74,33 @@ class RowCoding:
 
 
 _PAIR = 1 << 20  # a store type id from here on names K's and V's codings (below: one ggml type for both)
+_BY_LAYER = 1 << 21  # with _PAIR: some K layers have codings of their own (a precision profile's)
 
 
 @dataclass(frozen=True, slots=True)
 class StoreType:
-    """What a warm or cold tier stores a snapshot's K and V rows at."""
+    """What a warm or cold tier stores a snapshot's K and V rows at: K's and V's codings, and K layers that take
+    a coding of their own (a precision profile's, codec/precision_profile.py), by their order among the state's K
+    layers. A record names only that there are such layers: every stored layer's own type field says its coding,
+    so a restore needs nothing else."""
 
     k: RowCoding
     v: RowCoding
+    k_layers: tuple[tuple[int, RowCoding], ...] = ()
+    by_layer: bool = False  # set for a profile's type (k_layers then holds its layers; read from an id, none)
 
     @property
     def name(self) -> str:
-        return self.k.name if self.k == self.v else f"{self.k.name}/{self.v.name}"
+        both = self.k.name if self.k == self.v else f"{self.k.name}/{self.v.name}"
+        return f"{both} by layer" if self.by_layer else both
 
     @property
     def id(self) -> int:
         """A snapshot record's kv_type: the ggml type for one plain type (as records have always said), else both
-        codings."""
-        if self.k == self.v and not self.k.rotated:
+        codings, and whether K layers have codings of their own."""
+        if self.k == self.v and not self.k.rotated and not self.by_layer:
             return self.k.kv_type.ggml_id
-        return _PAIR | self.k.type_field << 10 | self.v.type_field
-
-    def bytes_per_element(self) -> float:
-        """Of K and V together, per element of each."""
-        return self.k.kv_type.bytes_per_element() + self.v.kv_type.bytes_per_element()
+        return _PAIR | (_BY_LAYER if self.by_layer else 0) | self.k.type_field << 10 | self.v.type_field
 
     @classmethod
     def of_id(cls, type_id: int) -> StoreType:
@@ -105,9 +108,10 @@ class StoreType:
         if type_id < _PAIR:
             plain = RowCoding(BY_ID[type_id])
             return cls(plain, plain)
-        if type_id >= _PAIR << 1:
+        if type_id >= _BY_LAYER << 1:
             raise KeyError(type_id)
-        return cls(RowCoding.of_field(type_id >> 10 & 0x3FF), RowCoding.of_field(type_id & 0x3FF))
+        k, v = RowCoding.of_field(type_id >> 10 & 0x3FF), RowCoding.of_field(type_id & 0x3FF)
+        return cls(k, v, by_layer=bool(type_id & _BY_LAYER))
 
     @classmethod
     def known(cls, type_id: int) -> bool:
@@ -126,9 +130,28 @@ class StoreType:
                 f"{name!r} is no store type: one of {', '.join(QUANTIZED_STORE)}, an h after it for rotated rows, "
                 "and K/V for two"
             )
-        types = KV_TYPES | STORE_ONLY_TYPES
-        codings = [RowCoding(types[h.removesuffix("h")], h.endswith("h")) for h in halves]
+        codings = [coding_named(h) for h in halves]
         return cls(codings[0], codings[-1])
+
+    def with_k_layers(self, k_layers: dict[int, RowCoding]) -> StoreType:
+        """This type with the K layers named (their order among the state's K layers) at codings of their own."""
+        return StoreType(self.k, self.v, tuple(sorted(k_layers.items())), by_layer=True)
+
+    def bytes_per_element(self) -> float:
+        """Of K and V together, per element of each (K layers of their own not counted)."""
+        return self.k.kv_type.bytes_per_element() + self.v.kv_type.bytes_per_element()
+
+
+def coding_named(name: str) -> RowCoding:
+    """ "q5_1", "q4_0h" (rotated rows), or "f16" (a layer kept as the default hot KV holds it). Raises ValueError
+    naming what it takes."""
+    plain = name.removesuffix("h")
+    if name != "f16" and plain not in QUANTIZED_STORE:
+        raise ValueError(
+            f"{name!r} is no row coding: f16, or one of {', '.join(QUANTIZED_STORE)}, an h after it for rotated rows"
+        )
+    types = KV_TYPES | STORE_ONLY_TYPES
+    return RowCoding(types[name]) if name == "f16" else RowCoding(types[plain], name.endswith("h"))
 
 
 # (gguf quantizes them; f16 and bf16 are no smaller)
@@ -137,6 +160,9 @@ QUANTIZED_STORE = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "mxfp4", "tq2_0", "tq
 # (StoreType.named); the settings offer the ones on bench/kv_quality.py's frontier (docs/kv-compression.md): K
 # holds the precision, V takes 4 bits rotated at the noise floor.
 STORE_TYPES = ("same", "q8_0", "q8_0/q4_0h", "q5_1/q4_0h", "q4_0h", "q4_0")
+# ... or the model's precision profile: K and V at the profile's codings, its sensitive K layers at their own
+# (codec/precision_profile.py; kv_profile names the file).
+PROFILE = "profile"
 
 
 def kv_type(name: str) -> KvType:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from kvpool.daemon.kv.codec.kv_types import StoreType
+from kvpool.daemon.kv.codec.kv_types import PROFILE, StoreType
 from kvpool.daemon.kv.codec.state_format import StateBytes, StateFormatError, parse
 from kvpool.daemon.kv.codec.transcode import Target, transcode
 from kvpool.daemon.kv.pool.layout import HOT_TYPES
@@ -20,9 +20,20 @@ log = logging.getLogger("kvpool.kv")
 
 
 class TierCodec:
-    def __init__(self, hot: KvSettings, pool_type: str, pool_policy: str, spill_type: str, cell_ext: bool = False):
+    def __init__(
+        self,
+        hot: KvSettings,
+        pool_type: str,
+        pool_policy: str,
+        spill_type: str,
+        cell_ext: bool = False,
+        profile: StoreType | None = None,
+    ):
+        """``profile``: what a tier whose type is "profile" stores (the model's precision profile's store type,
+        codec/precision_profile.py)."""
         self.hot = hot
         self.cell_ext = cell_ext  # the model's cell records carry M-RoPE positions (state_format.parse)
+        self.profile = profile
         self.pool_type = self._store_type(pool_type)
         self.pool_policy = pool_policy
         self.spill_type = self._store_type(spill_type)
@@ -32,6 +43,10 @@ class TierCodec:
         """None: the tier stores the hot types (nothing to gain from types no smaller than they are)."""
         if name == "same":
             return None
+        if name == PROFILE:
+            if self.profile is None:
+                raise ValueError("a tier stores by the precision profile, and none was given")
+            return self.profile
         t = StoreType.named(name)
         hot_bytes = self.hot.type_k.bytes_per_element() + self.hot.type_v.bytes_per_element()
         return t if t.bytes_per_element() < hot_bytes else None

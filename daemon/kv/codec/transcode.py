@@ -21,17 +21,18 @@ class Target:
 
     k: KvType | RowCoding | None
     v: KvType | RowCoding | None
-    # Codings of single layers, by their index in the state's layers (its K layers, then its V layers, cache
-    # after cache), over the kind's: a precision per layer.
-    layers: Mapping[int, RowCoding] = field(default_factory=dict)
+    # Codings of single K layers over K's, by their order among the state's K layers (cache after cache: a
+    # sliding-window model's full-attention layers come first): a precision per layer.
+    k_layers: Mapping[int, RowCoding] = field(default_factory=dict)
 
     @classmethod
     def of(cls, store: StoreType) -> Target:
-        return cls(store.k, store.v)
+        return cls(store.k, store.v, dict(store.k_layers))
 
-    def for_layer(self, index: int, kind: str) -> RowCoding | None:
-        if index in self.layers:
-            return self.layers[index]
+    def for_layer(self, k_order: int | None, kind: str) -> RowCoding | None:
+        """``k_order``: a K layer's order among the state's K layers (None for a V layer)."""
+        if kind == "k" and k_order in self.k_layers:
+            return self.k_layers[k_order]
         to = self.k if kind == "k" else self.v
         return RowCoding(to) if isinstance(to, KvType) else to
 
@@ -63,8 +64,10 @@ def transcode(state: StateBytes | SequenceState, target: Target) -> bytearray:
     target's blocks, and transposed V, stay as they are). Raises StateFormatError for bytes it cannot read."""
     parsed = state if isinstance(state, SequenceState) else parse(state)
     replace: dict[int, tuple[RowCoding, bytes]] = {}
+    k_order = 0
     for index, layer in enumerate(parsed.layers):
-        to = target.for_layer(index, layer.kind)
+        to = target.for_layer(k_order if layer.kind == "k" else None, layer.kind)
+        k_order += layer.kind == "k"
         if to is None or to == layer.coding or not convertible(layer, to.kv_type):
             continue
         rows = np.frombuffer(parsed.data, np.uint8, layer.n_rows * layer.row_bytes, layer.data_offset)

@@ -11,8 +11,9 @@ from kvpool.daemon.kv.pool.allocator import Extent
 
 MAGIC = b"KVPOOL\x00\x01"
 # 2: prefix entries and records naming them; 3: records name their stored KV type; 4: XXH3; 5: a record's kv_type
-# may name two codings and rotated rows (codec/kv_types.py StoreType), which a daemon of layout 4 cannot name
-LAYOUT_VERSION = 5
+# may name two codings and rotated rows (codec/kv_types.py StoreType), which a daemon of layout 4 cannot name; 6: it
+# may say that K layers have codings of their own (a precision profile's), which a daemon of layout 5 cannot name
+LAYOUT_VERSION = 6
 HEADER_BYTES = 4096
 ALIGN = 64
 
