@@ -27,7 +27,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import default_model  # noqa: E402
 
-from kvpool.daemon.kv.codec.kv_types import coding_named  # noqa: E402
+from kvpool.daemon.kv.codec.kv_types import StoreType, coding_named  # noqa: E402
+from kvpool.daemon.kv.codec.state_format import parse  # noqa: E402
 from kvpool.daemon.kv.codec.tier_codec import TierCodec  # noqa: E402
 from kvpool.daemon.llama.kv_sensitivity import ScoringModel, log_softmax, text_tokens  # noqa: E402
 from kvpool.daemon.llama.kv_settings import resolve_kv_settings  # noqa: E402
@@ -43,6 +44,9 @@ class Setup:
     flash_attn: str = "auto"
     pool: str = "same"  # the type each turn's snapshot is stored at between turns
     k_layers: dict[int, str] = field(default_factory=dict)  # the j-th K layer of the state at its own coding
+    # A recent window, emulated: the last `cells` rows of these K layers as they come back from `coding` instead
+    # (the codec stores a layer at one coding; this measures what a split layer would give, its bytes counted)
+    recent: tuple[int, str, frozenset[int]] | None = None
     model: Model | None = None
     codec: TierCodec | None = None
     kld: list[np.ndarray] = field(default_factory=list)
@@ -85,11 +89,38 @@ def hibernate_and_restore(s: Setup) -> None:
         stored = codec.compress(state, to)
         assert stored is not None
         s.snapshot_bytes = len(stored)
-        state = codec.to_hot(stored)
+        restored = codec.to_hot(stored)
+        if s.recent is not None:
+            restored = with_recent_window(codec, state, to, stored, restored, s)
+        state = restored
     else:
         s.snapshot_bytes = size
     m.forget_sequence(0)
     assert m.load_state(0, (ctypes.c_uint8 * len(state)).from_buffer_copy(state))
+
+
+def with_recent_window(
+    codec: TierCodec, state: bytes, to: StoreType, stored: bytearray, restored: bytearray, s: Setup
+) -> bytearray:
+    """``restored`` (``stored`` written back) with the last rows of the window's K layers as they come back from the
+    window's coding, and ``s.snapshot_bytes`` grown by what storing those rows so costs over ``to``'s codings. A
+    sequence alone in its context fills its cells in position order, so its last rows are its most recent tokens."""
+    assert s.recent is not None
+    cells, name, layers = s.recent
+    hi = coding_named(name)
+    stored_hi = codec.compress(state, to.with_k_layers({**dict(to.k_layers), **dict.fromkeys(layers, hi)}))
+    assert stored_hi is not None
+    back = codec.to_hot(stored_hi)
+    from_hi = [x for x in parse(back).layers if x.kind == "k"]
+    lo = [x for x in parse(stored).layers if x.kind == "k"]
+    out = [x for x in parse(restored).layers if x.kind == "k"]
+    for j in sorted(layers):
+        a, b = out[j], from_hi[j]
+        n = min(cells, a.n_rows)
+        first = a.n_rows - n
+        restored[a.data_offset + first * a.row_bytes : a.end] = back[b.data_offset + first * b.row_bytes : b.end]
+        s.snapshot_bytes += n * (hi.kv_type.row_bytes(a.n_cols) - lo[j].row_bytes)
+    return restored
 
 
 def plot(results: Path) -> None:
@@ -144,8 +175,9 @@ def main() -> None:
     ap.add_argument(
         "--profiles",
         nargs="*",
-        metavar="LOW:J,J,..",
-        help="instead: --base with every K layer at LOW but those listed (their K at --base's)",
+        metavar="LOW:J,J,..[+CELLS:CODING:J,J,..]",
+        help="instead: --base with every K layer at LOW but those listed (their K at --base's); after a +, a recent "
+        "window, emulated: the last CELLS rows of the K layers listed as CODING gives them back",
     )
     ap.add_argument("--base", default="q8_0/q4_0h", help="the store type --k-layers and --profiles start from")
     args = ap.parse_args()
@@ -159,11 +191,17 @@ def main() -> None:
         ]
     if args.profiles is not None:
         SETUPS[2:] = [Setup(f"pool {args.base}", pool=args.base)]
-        for profile in args.profiles:
+        for spec in args.profiles:
+            profile, _, window = spec.partition("+")
             low, _, kept = profile.partition(":")
             keep = {int(j) for j in kept.split(",") if j}
             lowered = {j: low for j in range(n_layer) if j not in keep}
-            SETUPS.append(Setup(f"K {low} but #{kept or '-'}", pool=args.base, k_layers=lowered))
+            recent = None
+            if window:
+                cells, coding, layers = window.split(":")
+                recent = (int(cells), coding, frozenset(int(j) for j in layers.split(",")))
+            name = f"K {low} but #{kept or '-'}" + (f", last {cells} of #{layers} {coding}" if window else "")
+            SETUPS.append(Setup(name, pool=args.base, k_layers=lowered, recent=recent))
     path = Path(default_model(args.model))
     shape = model_shape(path)
     total = args.turn + args.positions + 1
@@ -207,7 +245,7 @@ def main() -> None:
         f"\nKV quality on {path.name}: {scored} scored positions of pydoc_data.topics, a snapshot round trip every "
         f"{args.turn} tokens; against f16 with flash attention (noise floor = flash attention off)"
     )
-    print(f"{'setup':<40} {'snapshot':>10} {'vs f16':>7} {'mean KLD':>9} {'x floor':>8} {'top-1':>7} {'ppl':>8}")
+    print(f"{'setup':<56} {'snapshot':>10} {'vs f16':>7} {'mean KLD':>9} {'x floor':>8} {'top-1':>7} {'ppl':>8}")
     rows = []
     for s in SETUPS:
         kld = float(np.concatenate(s.kld).mean())
@@ -216,7 +254,7 @@ def main() -> None:
         ratio = ref.snapshot_bytes / s.snapshot_bytes
         x_floor = kld / floor_kld if floor_kld else float("nan")
         print(
-            f"{s.name:<40} {s.snapshot_bytes / 1e6:>8.2f}MB {ratio:>6.2f}x {kld:>9.4f} {x_floor:>8.2f} "
+            f"{s.name:<56} {s.snapshot_bytes / 1e6:>8.2f}MB {ratio:>6.2f}x {kld:>9.4f} {x_floor:>8.2f} "
             f"{100 * top1:>6.1f}% {ppl:>8.3f}"
         )
         rows.append({"setup": s.name, "snapshot_bytes": s.snapshot_bytes, "kld": kld, "top1": top1, "ppl": ppl})
