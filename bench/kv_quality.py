@@ -102,9 +102,9 @@ def hibernate_and_restore(s: Setup) -> None:
 def with_recent_window(
     codec: TierCodec, state: bytes, to: StoreType, stored: bytearray, restored: bytearray, s: Setup
 ) -> bytearray:
-    """``restored`` (``stored`` written back) with the last rows of the window's K layers as they come back from the
-    window's coding, and ``s.snapshot_bytes`` grown by what storing those rows so costs over ``to``'s codings. A
-    sequence alone in its context fills its cells in position order, so its last rows are its most recent tokens."""
+    """``restored`` (``stored`` written back) with the rows of the window's K layers whose cells hold the newest
+    positions as they come back from the window's coding, and ``s.snapshot_bytes`` grown by what storing those rows
+    so costs over ``to``'s codings."""
     assert s.recent is not None
     cells, name, layers = s.recent
     hi = coding_named(name)
@@ -116,10 +116,12 @@ def with_recent_window(
     out = [x for x in parse(restored).layers if x.kind == "k"]
     for j in sorted(layers):
         a, b = out[j], from_hi[j]
-        n = min(cells, a.n_rows)
-        first = a.n_rows - n
-        restored[a.data_offset + first * a.row_bytes : a.end] = back[b.data_offset + first * b.row_bytes : b.end]
-        s.snapshot_bytes += n * (hi.kv_type.row_bytes(a.n_cols) - lo[j].row_bytes)
+        assert a.positions is not None and a.row_bytes == b.row_bytes
+        newest = np.argsort(a.positions, kind="stable")[-cells:]  # (a window layer reuses its cells)
+        rows = np.frombuffer(restored, np.uint8, a.n_rows * a.row_bytes, a.data_offset).reshape(a.n_rows, -1)
+        better = np.frombuffer(back, np.uint8, b.n_rows * b.row_bytes, b.data_offset).reshape(b.n_rows, -1)
+        rows[newest] = better[newest]
+        s.snapshot_bytes += len(newest) * (hi.kv_type.row_bytes(a.n_cols) - lo[j].row_bytes)
     return restored
 
 

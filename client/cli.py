@@ -320,13 +320,13 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps([{f: getattr(s, f) for f in s.__struct_fields__} for s in sessions], indent=2))
         return 0
     print(
-        f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'shared':>7} {'snapshot':>9} {'kv type':<9} "
+        f"{'session':<18} {'task':<10} {'tier':<5} {'tokens':>7} {'shared':>7} {'snapshot':>9} {'kv type':<10} "
         f"{'saved':<5} {'busy':<5} {'idle s':>8} {'age s':>8}  newest copy"
     )
     for s in sessions:
         print(
             f"{s.session:<18} {s.task:<10} {s.tier:<5} {s.context_tokens:>7} {s.shared_tokens:>7} "
-            f"{_bytes(s.snapshot_bytes):>9} {s.kv_type or '-':<9} {'yes' if s.saved else 'no':<5} "
+            f"{_bytes(s.snapshot_bytes):>9} {s.kv_type or '-':<10} {'yes' if s.saved else 'no':<5} "
             f"{'yes' if s.busy else 'no':<5} {s.idle_s:>8.1f} {s.age_s:>8.1f}  {newest_copy(s)}"
         )
     return 0

@@ -375,7 +375,14 @@ def load_config(
     if "default" not in tasks:
         raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
     _check_deterministic(config, source)
-    if config.kv_profile and PROFILE not in (config.pool_kv_type, config.spill_kv_type):
+    profiled = [key for key in ("pool_kv_type", "spill_kv_type") if getattr(config, key) == PROFILE]
+    if profiled and (config.cache_type_k, config.cache_type_v) != ("f16", "f16"):
+        raise ConfigError(
+            f'{source}: {profiled[0]} = "profile" goes with the f16 hot KV the profile was measured on, not '
+            f"cache_type_k = {config.cache_type_k!r} / cache_type_v = {config.cache_type_v!r}; choose a store type "
+            "smaller than the hot types (docs/kv-compression.md), or the f16 hot KV."
+        )
+    if config.kv_profile and not profiled:
         raise ConfigError(
             f"{source}: kv_profile = {config.kv_profile!r} is set, but no tier stores by it; set pool_kv_type or "
             'spill_kv_type = "profile", or leave kv_profile out.'

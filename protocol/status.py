@@ -145,7 +145,8 @@ class TaskStatus(Struct, kw_only=True):
 
 class TierSnapshots(Struct, kw_only=True):
     """The session snapshots a tier holds, and KV compression there: the type it may store them at ("same": the
-    hot types), and their bytes as stored and at the hot types."""
+    hot types; "profile: q5_1/q4_0h by layer": the model's precision profile and what it stores), and their bytes
+    as stored and at the hot types."""
 
     kv_type: str = "same"
     snapshots: int = 0

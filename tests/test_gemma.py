@@ -387,7 +387,7 @@ def test_the_voice_example_turns_utterances_into_device_calls(start_daemon: Call
     assert "refused" not in voice.stdout, voice.stdout  # every turn within the voice budget: the start is shared
 
 
-@pytest.mark.parametrize("pool_type", ["q8_0", "q8_0/q4_0h", "q4_0h"])
+@pytest.mark.parametrize("pool_type", ["q8_0", "q8_0/q4_0h", "q4_0h", "profile"])
 def test_compressed_snapshots_answer_as_before_past_the_window_on_a_shared_prefix(
     start_daemon: Callable[..., DaemonProcess], pool_type: str
 ) -> None:
@@ -431,6 +431,39 @@ def test_compressed_snapshots_answer_as_before_past_the_window_on_a_shared_prefi
         assert "Paris" in answers[0] and "Rome" in answers[1], answers
     if pool_type == "q8_0":
         assert compressed == exact
+
+
+def test_the_shipped_profile_names_the_models_k_layers_in_cache_order() -> None:
+    """Gemma 3's state holds its full-attention cache first (its 3 global layers, every cell), then its window cache
+    (15 layers, the newest cells only). The shipped precision profile names K layers in that order: its #0 and #1,
+    the most sensitive (docs/kv-compression.md), are global layers, and each layer is stored at the profile's word."""
+    from kvpool.daemon.kv.codec.precision_profile import find_profile
+    from kvpool.daemon.kv.codec.state_format import parse
+    from kvpool.daemon.kv.codec.transcode import Target, transcode
+    from kvpool.daemon.llama.default_model import resolve_model_path
+    from kvpool.daemon.llama.model import Model
+
+    path = resolve_model_path("")
+    model = Model(path, context_size=1024, hot_slots=1, batch_size=256, threads=2)
+    try:
+        profile = find_profile("", path, model.fingerprint, 18)
+        tokens = model.tokenize(
+            "The robot reported: battery at seventy percent, next stop the bakery. " * 60, add_bos=True
+        )
+        tokens = tokens[:800]
+        for first in range(0, len(tokens), 256):
+            model.batch.clear()
+            model.batch.add(0, tokens[first : first + 256], first, outputs=False)
+            assert model.decode() == 0
+        state = bytes(model.copy_state(0))
+    finally:
+        model.close()
+    stored = parse(transcode(state, Target.of(profile.store_type())))
+    k = [x for x in stored.layers if x.kind == "k"]
+    assert len(k) == 18 and [x.n_rows for x in k[:3]] == [800] * 3 and all(x.n_rows < 800 for x in k[3:])
+    assert [x.coding.name for x in k] == [profile.k_layers.get(j, profile.k) for j in range(18)]
+    assert {0, 1} <= profile.k_layers.keys() and {x.coding.name for x in k[:2]} == {"q8_0"}
+    assert {x.coding.name for x in stored.layers if x.kind == "v"} == {profile.v}
 
 
 def test_half_the_layers_on_an_rpc_worker_answer_as_the_all_local_model(

@@ -49,7 +49,7 @@ def test_a_profiles_store_type_keeps_its_layers_and_its_id_says_so() -> None:
     read = StoreType.of_id(profiled.id)  # a record names the halves and that layers differ, not which
     assert (read.k, read.v, read.by_layer, read.k_layers) == (base.k, base.v, True, ())
     assert StoreType.of_id(base.id) == base and StoreType.of_id(8) == StoreType.named("q8_0")  # old ids hold
-    assert not StoreType.known(profiled.id << 1)
+    assert not StoreType.known(profiled.id << 1) and not StoreType.known(profiled.id & ~(1 << 20))  # no pair bit
     target = Target.of(profiled)
     assert target.for_layer(0, "k") == coding_named("q8_0") and target.for_layer(1, "k") == base.k
     assert target.for_layer(None, "v") == base.v
@@ -69,7 +69,7 @@ def test_the_layers_cheapest_per_byte_are_lowered_within_the_allowance() -> None
     saving = {0: 100, 1: 100, 2: 10, 3: 100, 4: 1000}
     # cost per byte: #3 none (it measured below the base), #4 0.0003, #1 0.0005, #2 0.01, #0 0.005
     assert choose_lowered(base, kld, saving, most_kld=1.36) == [3, 4, 1]
-    # #4 alone would pass the allowance; the cheaper ones still fit beside the base
+    # #4 no longer fits; the ones after it in the order still do
     assert choose_lowered(base, kld, saving, most_kld=1.2) == [3, 1, 2]
     assert choose_lowered(base, kld, saving, most_kld=0.5) == []
     assert choose_lowered(base, kld, {**saving, 3: 0}, most_kld=1.36) == [4, 1]  # nothing saved: not lowered
@@ -130,3 +130,5 @@ def test_kv_profile_goes_only_with_a_tier_that_stores_by_it() -> None:
     assert load_config(overrides={"pool_kv_type": "profile"}).pool_kv_type == "profile"
     with pytest.raises(ConfigError, match="pool_kv_type"):
         load_config(overrides={"pool_kv_type": "by-layer"})
+    with pytest.raises(ConfigError, match="goes with the f16 hot KV the profile was measured on"):
+        load_config(overrides={"pool_kv_type": "profile", "cache_type_k": "q8_0"})

@@ -30,7 +30,7 @@ class DiskWrites:
         to = self.codec.spill_type
         if to is not None and snap.kv_type != to.id and snap.n_kv and self.pool.verify(snap):
             stored = compressed_pool_state(self.pool, self.codec, snap, to)
-            if stored is not None:
+            if stored is not None and len(stored) < snap.state_bytes:  # (else it is spilled as it is)
                 payload = with_tokens(stored, self.pool.tokens(snap))
                 self.write_disk(
                     s,

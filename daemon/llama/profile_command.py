@@ -28,7 +28,7 @@ from kvpool.daemon.kv.codec.precision_profile import (
 )
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
 from kvpool.daemon.llama.kv_sensitivity import Score, SensitivityMeter
-from kvpool.daemon.llama.model.loading import fingerprint
+from kvpool.daemon.llama.model.loading import ModelLoadError, fingerprint
 
 RETRIES = 6  # chosen profiles measured before settling for fewer lowered layers
 
@@ -61,17 +61,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or beside(model_path)
     started = time.perf_counter()
-    meter = SensitivityMeter(
-        model_path, context=args.context, score=args.score, windows=args.windows, threads=args.threads, text=text
-    )
     try:
-        profile = measure_profile(meter, model_path, base, low, args.most_kld, args.top1_points / 100)
-    except ValueError as exc:  # (a text too short for the windows)
+        meter = SensitivityMeter(
+            model_path, context=args.context, score=args.score, windows=args.windows, threads=args.threads, text=text
+        )
+    except (ValueError, ModelLoadError) as exc:  # (a text too short for the windows; a file llama.cpp cannot load)
         print(f"kvpool-kv-profile: {exc}", file=sys.stderr)
         return 2
+    try:
+        profile = measure_profile(meter, model_path, base, low, args.most_kld, args.top1_points / 100)
     finally:
         meter.close()
-    write_profile(profile, out)
+    try:
+        write_profile(profile, out)
+    except OSError as exc:
+        print(f"kvpool-kv-profile: cannot write {out} ({exc}); name a writable file with --out", file=sys.stderr)
+        return 1
     print(f"\n{out}: {profile.describe()} ({time.perf_counter() - started:.0f} s)")
     return 0
 

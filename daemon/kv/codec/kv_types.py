@@ -108,7 +108,7 @@ class StoreType:
         if type_id < _PAIR:
             plain = RowCoding(BY_ID[type_id])
             return cls(plain, plain)
-        if type_id >= _BY_LAYER << 1:
+        if type_id >= _BY_LAYER << 1 or not type_id & _PAIR:
             raise KeyError(type_id)
         k, v = RowCoding.of_field(type_id >> 10 & 0x3FF), RowCoding.of_field(type_id & 0x3FF)
         return cls(k, v, by_layer=bool(type_id & _BY_LAYER))

@@ -20,7 +20,7 @@ llama.cpp's format fails tests/test_kv_codec.py, which round-trips real states b
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +47,7 @@ class Rows:
     row_bytes: int
     offset: int  # where the type field starts; the rows follow its 12-byte header
     rotated: bool = False  # stored by kvpool after its rotation (codec/rotation.py): llama.cpp cannot load it so
+    positions: np.ndarray | None = field(default=None, compare=False)  # each row's cell position, in row order
 
     @property
     def coding(self) -> RowCoding:
@@ -131,13 +132,14 @@ def parse(state: StateBytes, cell_ext: bool = False) -> SequenceState:
             if v_trans > 1 or not 1 <= n_layer <= _MAX_LAYERS:
                 raise StateFormatError(f"a cache block has v_trans={v_trans} and {n_layer} layers")
             transposed |= bool(v_trans)
+            positions = meta[:, 0]
             for _layer in range(n_layer):
-                layers.append(_rows(r, "k", n_cells))
+                layers.append(_rows(r, "k", n_cells, positions))
             for _layer in range(n_layer):
                 if v_trans:
                     _skip_transposed(r, n_cells)
                 else:
-                    layers.append(_rows(r, "v", n_cells))
+                    layers.append(_rows(r, "v", n_cells, positions))
     return SequenceState(data, seq_id, tuple(layers), transposed, cells)
 
 
@@ -148,7 +150,7 @@ def _kv_type(type_id: int) -> KvType:
         raise StateFormatError(f"a layer has ggml type {type_id}, which kvpool cannot read") from None
 
 
-def _rows(r: _Reader, kind: str, n_cells: int) -> Rows:
+def _rows(r: _Reader, kind: str, n_cells: int, positions: np.ndarray) -> Rows:
     offset = r.pos
     type_field = r.take(_I32)
     rotated = type_field & ROTATED_FLAG != 0
@@ -157,7 +159,7 @@ def _rows(r: _Reader, kind: str, n_cells: int) -> Rows:
     if row_bytes == 0 or row_bytes % kv_type.block_bytes:
         raise StateFormatError(f"a {kind.upper()} row of {row_bytes} bytes is not whole {kv_type.name} blocks")
     r.skip(n_cells * row_bytes)
-    return Rows(kind, kv_type, n_cells, row_bytes, offset, rotated)
+    return Rows(kind, kv_type, n_cells, row_bytes, offset, rotated, positions)
 
 
 def _skip_transposed(r: _Reader, n_cells: int) -> None:
