@@ -27,12 +27,14 @@ from common import default_model, private_daemon  # noqa: E402
 
 from kvpool.client import Client  # noqa: E402
 from kvpool.daemon.config import parse_size  # noqa: E402
+from kvpool.daemon.kv.codec.precision_profile import find_profile  # noqa: E402
 from kvpool.daemon.kv.codec.tier_codec import TierCodec  # noqa: E402
 from kvpool.daemon.llama.kv_settings import KvSettings, resolve_kv_settings  # noqa: E402
 from kvpool.daemon.llama.memory_plan import model_shape  # noqa: E402
 from kvpool.daemon.llama.model import Model, SamplingParams  # noqa: E402
+from kvpool.daemon.llama.model.loading import fingerprint  # noqa: E402
 
-POOL_TYPES = ["same", "q8_0", "q8_0/q4_0h", "q5_1/q4_0h", "q4_0h", "q4_0"]
+POOL_TYPES = ["same", "q8_0", "q8_0/q4_0h", "q5_1/q4_0h", "q4_0h", "q4_0", "profile"]
 HOT_TYPES = ["f16", "q8_0", "q4_0"]
 STREAMS = 4
 DECODE_TOKENS = 64
@@ -74,6 +76,14 @@ def kv_settings(path: Path, k: str, v: str) -> KvSettings:
     return resolve_kv_settings(k, v, "auto", shape.head_k, shape.head_v)[0]
 
 
+def codec_for(kv: KvSettings, pool_type: str, path: Path) -> TierCodec:
+    """A codec storing at ``pool_type`` ("profile": the model's precision profile, as the daemon finds it)."""
+    profile = None
+    if pool_type == "profile":
+        profile = find_profile("", path, fingerprint(path), model_shape(path).n_layer).store_type()
+    return TierCodec(kv, pool_type, "always", "same", profile=profile)
+
+
 def prefill(m: Model, tokens: list[int]) -> float:
     m.forget_sequence(0)
     started = time.perf_counter()
@@ -95,7 +105,7 @@ def restore_vs_prefill(path: Path, tokens: int, repeat: int) -> dict[str, dict[s
     assert m.save_state(0, buffer) == size
     stored = {"same": bytes(buffer)}
     for t in POOL_TYPES[1:]:
-        codec = TierCodec(kv, t, "always", "same")
+        codec = codec_for(kv, t, path)
         assert codec.pool_type is not None
         compressed = codec.compress(stored["same"], codec.pool_type)
         assert compressed is not None
@@ -104,7 +114,7 @@ def restore_vs_prefill(path: Path, tokens: int, repeat: int) -> dict[str, dict[s
     for _ in range(repeat):
         times["prefill"].append(prefill(m, prompt))
         for t in POOL_TYPES:
-            codec = TierCodec(kv, t, "always", "same")
+            codec = codec_for(kv, t, path)
             m.forget_sequence(0)
             started = time.perf_counter()
             state = codec.to_hot(stored[t]) if t != "same" else stored[t]
