@@ -2,8 +2,9 @@
 
 Every K layer is lowered alone from the base coding to a lower one and the cost in KL divergence measured
 (kv_sensitivity.py); the layers that cost least per byte saved are lowered together while the sum of their costs
-stays within the quality asked for (a multiple of the noise floor), then the chosen profile is measured as a whole,
-and layers are given back, the costliest first, until it holds. The daemon uses the file with
+stays within the quality asked for (a multiple of the noise floor), then the chosen profile is measured as a whole:
+layers are given back, the costliest first, until it holds, then the next cheapest are lowered one by one while it
+still holds. The daemon uses the file with
 ``pool_kv_type = "profile"`` (or ``spill_kv_type``) and refuses it for any other model.
 
     kvpool-kv-profile [--model PATH] [--out PATH] [--base q8_0/q4_0h] [--low q5_1] [--most-kld 1.5]
@@ -30,7 +31,7 @@ from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
 from kvpool.daemon.llama.kv_sensitivity import Score, SensitivityMeter
 from kvpool.daemon.llama.model.loading import ModelLoadError, fingerprint
 
-RETRIES = 6  # chosen profiles measured before settling for fewer lowered layers
+RETRIES = 6  # profiles measured while giving layers back, and again while lowering more
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,12 +102,8 @@ def measure_profile(
     layer_kld = {j: s.mean_kld for j, s in enumerate(single_scores)}
     report_layers(floor, base_score, layer_kld, single_scores, layers, saving)
     limit = most_kld * floor.mean_kld
-    lowered = choose_lowered(base_score.mean_kld, layer_kld, saving, limit)
-    cost = {j: layer_kld[j] - base_score.mean_kld for j in lowered}
-    chosen, score = base, base_score
-    for _ in range(RETRIES):
-        if not lowered:
-            break
+
+    def trial(lowered: list[int]) -> tuple[StoreType, Score, bool]:
         candidate = lowered_type(base, low_k, set(range(n_k)) - set(lowered), n_k)
         _, (candidate_score,) = meter.measure([candidate])
         holds = candidate_score.mean_kld <= limit and candidate_score.top1 >= floor.top1 - top1_drop
@@ -115,10 +112,27 @@ def measure_profile(
             f"the floor, top-1 {100 * candidate_score.top1:.1f} % ({'holds' if holds else 'too far'})",
             file=sys.stderr,
         )
-        if holds:
+        return candidate, candidate_score, holds
+
+    lowered = choose_lowered(base_score.mean_kld, layer_kld, saving, limit)
+    chosen, score, held = base, base_score, False
+    # Lowering several layers costs less than the sum of their costs alone (measured: docs/kv-compression.md), so
+    # the summed choice is measured whole: give back the costliest while it is too far, then, once it holds, lower
+    # the next cheapest per byte while it still holds.
+    for _ in range(RETRIES):
+        if not lowered:
+            break
+        candidate, candidate_score, held = trial(lowered)
+        if held:
             chosen, score = candidate, candidate_score
             break
-        lowered.remove(max(lowered, key=lambda j: cost[j]))  # give back the costliest
+        lowered.remove(max(lowered, key=lambda j: layer_kld[j]))
+    by_price = sorted(saving, key=lambda j: (max(0.0, layer_kld[j] - base_score.mean_kld) / saving[j], j))
+    for j in [j for j in by_price if j not in lowered and saving[j] > 0][: RETRIES if held else 0]:
+        candidate, candidate_score, grows = trial([*lowered, j])
+        if grows:
+            lowered.append(j)
+            chosen, score = candidate, candidate_score
     return PrecisionProfile(
         kvpool_kv_profile=FORMAT,
         model=model_path.name,
