@@ -259,7 +259,11 @@ def med(values: list[float]) -> float:
 
 
 def plot(results: dict[str, dict[str, Cell]], scenarios: list[str], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plot: pip install 'kvpool[bench]')", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

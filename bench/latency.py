@@ -126,7 +126,11 @@ def run_setup(model: str, args: tuple[str, ...], seconds: float) -> dict[str, ob
 
 
 def plot(results: dict[str, dict[str, object]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plot: pip install 'kvpool[bench]')", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -239,7 +239,11 @@ def report(rates: dict[str, dict[str, list[float]]], workloads: list[str], strea
 
 
 def plot(rates: dict[str, dict[str, list[float]]], workloads: list[str], streams: list[int], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plot: pip install 'kvpool[bench]')", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
