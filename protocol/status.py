@@ -91,6 +91,7 @@ class CostFit(Struct, kw_only=True):
     per_token_ms: float
     per_output_ms: float
     per_10k_attention_ms: float
+    per_guessing_ms: float = 0.0  # a sequence's guessed rows cost this once, beside each row's own cost
     recent: float = 1.0  # the last few steps' time over the fit's: multiplies its predictions (a fast change)
 
 

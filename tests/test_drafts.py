@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool.daemon.engine.cost_model import CostModel, StepShape
+from kvpool.daemon.engine.cost_model import CostModel, StepShape, calibrate
 from kvpool.daemon.engine.drafts import RETRY_EVERY, RETRY_TOKENS, Drafter, with_drafts
 from kvpool.daemon.engine.step_work import Work
 
@@ -117,7 +118,7 @@ class Item:
 def cost(fixed: float, per_token: float, per_output: float) -> CostModel:
     model = CostModel()
     for fit in (model.small, model.large):
-        fit.usable = fit.theta = __import__("numpy").array([fixed, per_token, per_output, 0.0])
+        fit.usable = fit.theta = __import__("numpy").array([fixed, per_token, per_output, 0.0, 0.0])
     return model
 
 
@@ -137,6 +138,27 @@ def test_a_guess_gets_rows_while_its_expected_tokens_pay_for_them() -> None:
     # Taken once in fifty: not even its first row pays (2 % more tokens for 5 % more time).
     [w] = with_drafts([Work(Item(repetitive(0.02)), 1, True)], 64, 16, model, None)
     assert w.draft == ()
+
+
+def test_a_guess_whose_first_rows_cost_most_is_priced_so_and_a_long_one_pays() -> None:
+    """As bench/guess_rows.py measured on an AMD EPYC: a sequence's guessed rows cost a step a large amount once
+    (here 25 ms) beside each row's own cost. Calibrated on such a machine, the cost model prices a short and a long
+    guess alike right, so a well-taken guess gets its rows and a poor one none."""
+
+    def machine(start: int, n: int, outputs: int = 1) -> float:
+        return 0.015 + 0.0012 * n + 0.0006 * outputs + (0.025 if outputs > 1 else 0.0)
+
+    model = CostModel()
+    calibrate(model, machine, repeat=20, guess_rows=16)
+    for k in (1, 4, 6, 16):
+        assert math.isclose(
+            model.predict(StepShape.of([(128, 1 + k, 1 + k)])), machine(128, 1 + k, 1 + k), rel_tol=0.05
+        )
+    assert math.isclose(model.predict(StepShape.of([(128, 1, 1)])), machine(128, 1), rel_tol=0.05)
+    [w] = with_drafts([Work(Item(repetitive(0.95)), 1, True)], 64, 16, model, None)
+    assert len(w.draft) == 6  # 6 tokens of 95 % each: 6.0 tokens in 52.6 ms against 1 in 16.8
+    [w] = with_drafts([Work(Item(repetitive(0.3)), 1, True)], 64, 16, model, None)
+    assert w.draft == ()  # 1.4 tokens in 43.6 ms
 
 
 def test_guesses_stay_within_the_steps_cap_its_rows_and_the_answers_room() -> None:

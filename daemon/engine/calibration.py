@@ -16,7 +16,7 @@ def calibrate_on_slot(model: Model, slot: int, cost: CostModel) -> None:
     batch = model.batch
     vocab = model.n_vocab
 
-    def run(start: int, n: int) -> float:
+    def run(start: int, n: int, outputs: int = 1) -> float:
         for at in range(0, start, batch.capacity):  # the context, in batches the context accepts
             batch.clear()
             count = min(batch.capacity, start - at)
@@ -24,7 +24,7 @@ def calibrate_on_slot(model: Model, slot: int, cost: CostModel) -> None:
             model.decode()
         n = min(n, batch.capacity)
         batch.clear()
-        batch.add(slot, [t % vocab for t in range(7, 7 + n)], start, True)
+        batch.add(slot, [t % vocab for t in range(7, 7 + n)], start, outputs)
         began = time.perf_counter()
         model.decode()
         seconds = time.perf_counter() - began
@@ -32,7 +32,7 @@ def calibrate_on_slot(model: Model, slot: int, cost: CostModel) -> None:
         return seconds
 
     try:
-        calibrate(cost, run)
+        calibrate(cost, run, guess_rows=model.draft_rows)
     except Exception:  # the online updates will still fit the model; serving matters more
         log.exception("cost model calibration failed; starting from the prior")
         model.forget_sequence(slot)

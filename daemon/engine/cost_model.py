@@ -1,9 +1,12 @@
 """Predict how long an engine step takes, so the scheduler can size prompt chunks and admission can refuse
 a request whose first token cannot arrive within its budget. Pure numpy, no llama.cpp.
 
-A step's time is modelled as linear in four features: a fixed cost (reading the weights once), the tokens in
-the batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens) and the
-attention work (each token attends to its position's context). The coefficients are calibrated by a few
+A step's time is modelled as linear in five features: a fixed cost (reading the weights once), the tokens in
+the batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens), the attention
+work (each token attends to its position's context) and the sequences that feed guessed rows (engine/drafts.py).
+The last is there because a sequence's extra rows do not cost the same each: on an AMD EPYC the first few cost
+four times what the sixtieth does (bench/guess_rows.py: 10.7 ms a row at 5 rows, 4.9 at 64), which one cost per
+row cannot say, and a fit that tried overpriced every long guess. The coefficients are calibrated by a few
 synthetic decodes at start and then follow every measured step (recursive least squares that slowly
 forgets, so they track thermal throttling). A change of speed within seconds (a neighbour process taking a core,
 the thread count following it) is followed at once by a second, fast factor: how the last few steps' times
@@ -29,6 +32,7 @@ RECENT_RANGE = (0.2, 10.0)  # one step's measured / predicted is clipped to this
 # of a prediction differs between machines (0.010 + 140 x 0.001 is 0.15 with FMA, 0.15000000000000002 without).
 # Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
 TOLERANCE_S = 1e-6
+FEATURES = 5
 
 
 def within(seconds: float, limit: float) -> bool:
@@ -46,6 +50,7 @@ class StepShape:
     tokens: int  # tokens fed in the step
     outputs: int  # rows whose logits are needed (one per sampling generation)
     attention: int  # sum over the fed tokens of the context each attends to
+    guessing: int = 0  # sequences with more than one output row (a decode token and its guess)
 
     @staticmethod
     def of(chunks: list[tuple[int, int, int]]) -> StepShape:
@@ -53,10 +58,10 @@ class StepShape:
         tokens = sum(n for _, n, _ in chunks)
         outputs = sum(int(out) for _, _, out in chunks)
         attention = sum(n * start + n * (n + 1) // 2 for start, n, _ in chunks)
-        return StepShape(tokens, outputs, attention)
+        return StepShape(tokens, outputs, attention, sum(1 for _, _, out in chunks if int(out) > 1))
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4])
+        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, self.guessing])
 
 
 class _LinearFit:
@@ -64,9 +69,9 @@ class _LinearFit:
 
     def __init__(self) -> None:
         # A cautious prior (10 ms fixed, 2 ms per token) until calibration says otherwise.
-        self.theta = np.array([0.010, 0.002, 0.0, 0.0])
+        self.theta = np.array([0.010, 0.002, 0.0, 0.0, 0.0])
         self.usable = self.theta.copy()
-        self._p = np.eye(4) * 1e3
+        self._p = np.eye(FEATURES) * 1e3
         self.recent = 1.0  # the last steps' measured time over the fit's prediction
 
     def predict(self, x: np.ndarray) -> float:
@@ -85,12 +90,13 @@ class _LinearFit:
         self.recent += RECENT_WEIGHT * (min(max(ratio, RECENT_RANGE[0]), RECENT_RANGE[1]) - self.recent)
 
     def status(self) -> CostFit:
-        fixed, per_token, per_output, per_attention = (float(x) for x in self.theta)
+        fixed, per_token, per_output, per_attention, per_guessing = (float(x) for x in self.theta)
         return CostFit(
             fixed_ms=round(fixed * 1e3, 3),
             per_token_ms=round(per_token * 1e3, 4),
             per_output_ms=round(per_output * 1e3, 4),
             per_10k_attention_ms=round(per_attention * 1e3, 4),
+            per_guessing_ms=round(per_guessing * 1e3, 4),
             recent=round(self.recent, 3),
         )
 
@@ -134,17 +140,23 @@ class CostModel:
 # Shapes measured at start: (tokens already in the sequence, tokens fed).
 WARM_UP = [(0, 8), (0, 64)]
 CALIBRATION = [(0, 1), (0, 16), (128, 1), (128, 32), (0, 4), (0, 64), (0, 256), (128, 128), (256, 64)]
+# ... and with guesses: a decode token and k guessed rows, each with its logits, for the k a step may hold.
+GUESSES = (2, 5, 16)
 
 
-def calibrate(model: CostModel, run: Callable[[int, int], float], repeat: int = 1) -> None:
+def calibrate(model: CostModel, run: Callable[..., float], repeat: int = 1, guess_rows: int = 0) -> None:
     """Fit the model to a few measured shapes. ``run(start, n)`` builds ``start`` tokens of context (untimed),
-    returns the seconds a step feeding ``n`` more tokens and sampling once takes, and leaves the KV empty."""
+    returns the seconds a step feeding ``n`` more tokens and sampling once takes, and leaves the KV empty;
+    ``run(start, n, n)`` the same with logits for every fed token (a decode token and its guess), measured for
+    guesses of up to ``guess_rows`` rows (the model's room for them; 0: none)."""
     for start, n in WARM_UP:  # the first decodes pay one-time costs (buffers, threads): not the machine's speed
         run(start, n)
+    shapes = [(start, n, 1) for start, n in CALIBRATION]
+    shapes += [(128, 1 + k, 1 + k) for k in sorted({min(k, guess_rows) for k in GUESSES if guess_rows})]
     for _ in range(repeat):
-        for start, n in CALIBRATION:
-            seconds = run(start, n)
-            model.update(StepShape.of([(start, n, True)]), seconds)
+        for start, n, outputs in shapes:
+            seconds = run(start, n) if outputs == 1 else run(start, n, outputs)
+            model.update(StepShape.of([(start, n, outputs)]), seconds)
             model.calibration.append(CalibrationPoint(context=start, tokens=n, ms=round(seconds * 1e3, 3)))
-    model.calibration = model.calibration[-len(CALIBRATION) :]
+    model.calibration = model.calibration[-len(shapes) :]
     model.small.recent = model.large.recent = 1.0  # calibration's steps vary on purpose: no recent drift
