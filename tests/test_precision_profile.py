@@ -85,7 +85,7 @@ def test_a_profile_file_is_read_and_what_is_wrong_with_one_is_said(tmp_path: Pat
         read_profile(bad)
     for fields, words in (
         ({"k": "q3_k"}, "no row coding"),
-        ({"kvpool_kv_profile": 2}, "of format 2; this kvpool reads 1"),
+        ({"kvpool_kv_profile": 2, "newer": True}, "of format 2; this kvpool reads 1"),  # not its new field
         ({"extra": 1}, "unknown field"),
         ({"k_layers": {"x": "q8_0"}}, "no precision profile"),
     ):

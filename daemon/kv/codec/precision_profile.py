@@ -71,17 +71,22 @@ class PrecisionProfile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         return text
 
 
+class _Format(msgspec.Struct):
+    kvpool_kv_profile: int
+
+
 def read_profile(path: Path) -> PrecisionProfile:
+    """Raises ProfileError naming the file and what is wrong with it (another format first: its fields may be new)."""
     try:
-        profile = msgspec.json.decode(path.read_bytes(), type=PrecisionProfile)
+        data = path.read_bytes()
+        version = msgspec.json.decode(data, type=_Format).kvpool_kv_profile
+        if version != FORMAT:
+            raise ProfileError(f"{path} is a precision profile of format {version}; this kvpool reads {FORMAT}")
+        profile = msgspec.json.decode(data, type=PrecisionProfile)
     except FileNotFoundError:
         raise ProfileError(f"the precision profile {path} does not exist") from None
     except (OSError, msgspec.DecodeError) as exc:  # (ValidationError is a DecodeError)
         raise ProfileError(f"{path} is no precision profile kvpool can read: {exc}") from None
-    if profile.kvpool_kv_profile != FORMAT:
-        raise ProfileError(
-            f"{path} is a precision profile of format {profile.kvpool_kv_profile}; this kvpool reads {FORMAT}"
-        )
     try:
         profile.store_type()
     except ValueError as exc:
