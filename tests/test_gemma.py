@@ -637,4 +637,5 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
     assert runs["guessing"][0] == runs["plain"][0]
     counters = runs["guessing"][1].counters
     assert counters.accepted_tokens >= 32 and runs["plain"][1].counters.drafted_tokens == 0
-    assert counters.jumped_tokens >= 4 and runs["plain"][1].counters.jumped_tokens == 0
+    # (how much of the schema's forced text is guessed follows the measured step times: some, not a number)
+    assert counters.jumped_tokens >= 1 and runs["plain"][1].counters.jumped_tokens == 0
