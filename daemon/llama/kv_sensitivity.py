@@ -101,7 +101,8 @@ class SensitivityMeter:
         length = context + score + 1
         tokens = text_tokens(self.ref, length * windows, text)
         self.windows = [Window(tokens[w * length : (w + 1) * length], context) for w in range(windows)]
-        self.states: list[bytes] = []
+        self.states: list[bytes] = []  # each window's context, saved at f16 (by the first measure)
+        self.floor = Score()
 
     @property
     def positions(self) -> int:
@@ -150,17 +151,18 @@ class SensitivityMeter:
         return [(x.n_rows, x.n_cols) for x in parse(self.states[0], self.ref.mrope).layers if x.kind == "k"]
 
     def measure(self, setups: Sequence[StoreType]) -> tuple[Score, list[Score]]:
-        """The noise floor's score and each setup's, over every window."""
-        floor, scores = Score(), [Score() for _ in setups]
-        keep_states = not self.states
+        """The noise floor's score and each setup's, over every window (the floor and the saved states are
+        measured by the first call and kept)."""
+        first = not self.states
+        floor, scores = self.floor if not first else Score(), [Score() for _ in setups]
         for i, w in enumerate(self.windows):
             self._prefill(self.ref, w)
-            state = self._saved(self.ref) if keep_states else self.states[i]
-            if keep_states:
-                self.states.append(state)
+            state = self._saved(self.ref) if first else self.states[i]
             ref_logp = self._scored(self.ref, w)
-            self._prefill(self.floor_model, w)
-            floor.add(ref_logp, self._scored(self.floor_model, w))
+            if first:
+                self.states.append(state)
+                self._prefill(self.floor_model, w)
+                floor.add(ref_logp, self._scored(self.floor_model, w))
             for to, score in zip(setups, scores, strict=True):
                 stored = self.codec.compress(state, to)
                 assert stored is not None, "the codec reads every state this model writes"
@@ -169,4 +171,5 @@ class SensitivityMeter:
                 if not self.ref.load_state(0, (ctypes.c_uint8 * len(back)).from_buffer_copy(back)):
                     raise RuntimeError("llama.cpp refused a state written back at f16")
                 score.add(ref_logp, self._scored(self.ref, w))
+        self.floor = floor
         return floor, scores

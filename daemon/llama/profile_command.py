@@ -24,6 +24,7 @@ from kvpool.daemon.kv.codec.precision_profile import (
     Measured,
     PrecisionProfile,
     beside,
+    by_price,
     choose_lowered,
     write_profile,
 )
@@ -127,8 +128,8 @@ def measure_profile(
             chosen, score = candidate, candidate_score
             break
         lowered.remove(max(lowered, key=lambda j: layer_kld[j]))
-    by_price = sorted(saving, key=lambda j: (max(0.0, layer_kld[j] - base_score.mean_kld) / saving[j], j))
-    for j in [j for j in by_price if j not in lowered and saving[j] > 0][: RETRIES if held else 0]:
+    cheapest = by_price(base_score.mean_kld, layer_kld, saving)
+    for j in [j for j in cheapest if j not in lowered][: RETRIES if held else 0]:
         candidate, candidate_score, grows = trial([*lowered, j])
         if grows:
             lowered.append(j)

@@ -140,16 +140,21 @@ def _check_layers(profile: PrecisionProfile, path: Path, k_layer_count: int) -> 
         raise ProfileError(f"{path} names K layers {beyond}, and the model has {k_layer_count}")
 
 
+def by_price(base_kld: float, layer_kld: Mapping[int, float], saving: Mapping[int, int]) -> list[int]:
+    """The K layers that save bytes lowered, cheapest first: the KLD lowering each adds alone per byte it saves."""
+    cost = {j: max(0.0, layer_kld[j] - base_kld) for j in layer_kld if saving.get(j, 0) > 0}
+    return sorted(cost, key=lambda j: (cost[j] / saving[j], j))
+
+
 def choose_lowered(
     base_kld: float, layer_kld: Mapping[int, float], saving: Mapping[int, int], most_kld: float
 ) -> list[int]:
     """The K layers to lower, cheapest in KLD per byte saved first, while the KLDs their lowering adds, each
     measured alone, sum to at most ``most_kld`` over the base's (lowering two layers costs about what each costs
     alone; the command measures the sum it chose)."""
-    cost = {j: max(0.0, layer_kld[j] - base_kld) for j in layer_kld if saving.get(j, 0) > 0}
-    order = sorted(cost, key=lambda j: (cost[j] / saving[j], j))
+    cost = {j: max(0.0, layer_kld[j] - base_kld) for j in layer_kld}
     chosen, total = [], base_kld
-    for j in order:
+    for j in by_price(base_kld, layer_kld, saving):
         if total + cost[j] > most_kld:
             continue
         chosen.append(j)
