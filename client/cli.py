@@ -154,8 +154,9 @@ def _drafts(d: DraftStatus, c: Counters) -> str:
         jumped = "no jump-forward"
     if not d.most_tokens:
         return f"off (draft_tokens = 0); {jumped}"
+    least = f" (at least {d.least_tokens}, paying or not)" if d.least_tokens else ""
     return (
-        f"up to {d.most_tokens} a step, matched by up to {d.ngram} tokens: "
+        f"up to {d.most_tokens} a step{least}, matched by up to {d.ngram} tokens: "
         f"{c.accepted_tokens} of {c.drafted_tokens} guessed tokens taken; {jumped}"
     )
 

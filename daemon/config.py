@@ -242,6 +242,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     draft_tokens: Annotated[
         int, Meta(ge=0, le=DRAFT_TOKENS_MAX), Flag("guessed tokens a decoding session may feed a step (0: off)")
     ] = 16
+    # Guessed tokens a step feeds whenever a guess has them, paying or not (llama-server's --draft-min): for
+    # measuring what guesses cost, and for tests that must see guesses verified and refused whatever the step
+    # times. A deadline's step cap still bounds them. At most draft_tokens.
+    draft_min_tokens: Annotated[
+        int, Meta(ge=0, le=DRAFT_TOKENS_MAX), Flag("guessed tokens fed whenever a guess has them, paying or not")
+    ] = 0
     # The longest run of a context's last tokens looked for earlier in it (down to one token); the longest match
     # wins, so a line being copied is told from another that shares its last few tokens.
     draft_ngram: Annotated[int, Meta(ge=1, le=16), Flag("the longest n-gram a guess is matched by")] = 8
@@ -381,6 +387,11 @@ def load_config(
             f'{source}: {profiled[0]} = "profile" goes with the f16 hot KV the profile was measured on, not '
             f"cache_type_k = {config.cache_type_k!r} / cache_type_v = {config.cache_type_v!r}; choose a store type "
             "smaller than the hot types (docs/kv-compression.md), or the f16 hot KV."
+        )
+    if config.draft_min_tokens > config.draft_tokens:
+        raise ConfigError(
+            f"{source}: draft_min_tokens = {config.draft_min_tokens} is more than draft_tokens = "
+            f"{config.draft_tokens}, the most a guess may feed; lower it or raise draft_tokens."
         )
     if config.kv_profile and not profiled:
         raise ConfigError(

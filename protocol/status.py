@@ -336,6 +336,7 @@ class DraftStatus(Struct, kw_only=True):
     """Draftless speculation (draft_tokens; docs/speculative.md): guesses from each session's own tokens."""
 
     most_tokens: int  # guessed tokens a session may feed a step (0: off)
+    least_tokens: int = 0  # fed whenever a guess has them, paying or not (draft_min_tokens)
     ngram: int  # the longest n-gram a guess is matched by (what they gave: Counters.drafted/accepted_tokens)
     jump_forward: str = "off"  # what a grammar forces: "guess"ed, "append"ed unsampled, "off" (Counters.jumped_tokens)
 

@@ -32,6 +32,7 @@ def test_shipped_default_config_equals_the_built_in_defaults() -> None:
         ("[tasks.default]\n[tasks.'bad name']", "task name 'bad name'"),
         ("hot_slots = ", "not valid TOML"),
         ("log_level = 'loud'", "`log_level` = 'loud'"),
+        ("draft_tokens = 4\ndraft_min_tokens = 6", "draft_min_tokens = 6 is more than draft_tokens = 4"),
     ],
 )
 def test_bad_config_names_key_and_value(tmp_path: Path, text: str, expected: str) -> None:

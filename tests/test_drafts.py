@@ -161,6 +161,20 @@ def test_a_guess_whose_first_rows_cost_most_is_priced_so_and_a_long_one_pays() -
     assert w.draft == ()  # 1.4 tokens in 43.6 ms
 
 
+def test_the_least_a_guess_feeds_is_fed_unpaid_but_within_the_cap_and_the_guess() -> None:
+    """draft_min_tokens: a guess taken once in fifty pays for no row, and still feeds the least asked for; never
+    more than the guess has, and never past the step's cap."""
+    model = cost(0.020, 0.0005, 0.0005)
+    [w] = with_drafts([Work(Item(repetitive(0.02)), 1, True)], 64, 16, model, None, least=4)
+    assert w.draft == (4, 5, 6, 7)
+    [w] = with_drafts([Work(Item(repetitive(0.02)), 1, True)], 64, 16, model, None, least=30)
+    assert w.draft == (4, 5, 6, 7, 8, 1)  # all the guess has (at most 6)
+    [w] = with_drafts([Work(Item(repetitive(0.95)), 1, True)], 64, 16, model, None, least=2)
+    assert len(w.draft) == 6  # one that pays gets what pays
+    [w] = with_drafts([Work(Item(repetitive(0.02)), 1, True)], 64, 16, model, 0.0212, least=4)
+    assert w.draft == ()  # 4 rows would pass the cap: none
+
+
 def test_guesses_stay_within_the_steps_cap_its_rows_and_the_answers_room() -> None:
     model = cost(0.020, 0.0005, 0.0005)
     item = Item(repetitive(0.95))

@@ -625,7 +625,8 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
     ]  # fmt: skip
     common = ("--deterministic", "--hot-slots", "3", "--context-size", "4096", "--threads", "2")
     runs = {}
-    for name, extra in (("plain", ("--draft-tokens", "0")), ("guessing", ("--draft-tokens", "16"))):
+    guessing = ("--draft-tokens", "16", "--draft-min-tokens", "2")  # (at least 2 wherever a guess has them)
+    for name, extra in (("plain", ("--draft-tokens", "0")), ("guessing", guessing)):
         daemon = start_daemon(*common, *extra, model=None, name=name)
         with daemon.client(timeout=300.0) as client:
             sessions = [client.open_session() for _ in asks]
@@ -637,5 +638,5 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
     assert runs["guessing"][0] == runs["plain"][0]
     counters = runs["guessing"][1].counters
     assert counters.accepted_tokens >= 32 and runs["plain"][1].counters.drafted_tokens == 0
-    # (how much of the schema's forced text is guessed follows the measured step times: some, not a number)
-    assert counters.jumped_tokens >= 1 and runs["plain"][1].counters.jumped_tokens == 0
+    # (how much of the schema's forced text is guessed beyond the least follows the measured step times)
+    assert counters.jumped_tokens >= 4 and runs["plain"][1].counters.jumped_tokens == 0

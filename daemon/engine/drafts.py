@@ -173,12 +173,18 @@ D = TypeVar("D", bound=Drafting)
 
 
 def with_drafts(
-    step_work: Sequence[Work[D]], capacity: int, spare_outputs: int, cost: CostModel, time_cap: float | None
+    step_work: Sequence[Work[D]],
+    capacity: int,
+    spare_outputs: int,
+    cost: CostModel,
+    time_cap: float | None,
+    least: int = 0,
 ) -> list[Work[D]]:
     """The step's work with a guess for each decoding generation whose guess pays: the step's tokens per second
     (every generation's token, plus the guesses' expected ones) over its predicted time, one generation after the
     other, the most urgent first. ``capacity``: tokens one decode takes; ``spare_outputs``: output rows beyond one
-    per sequence the context has room for; ``time_cap``: the step's cap, which no guess may push it past."""
+    per sequence the context has room for; ``time_cap``: the step's cap, which no guess may push it past;
+    ``least``: guessed tokens fed whether they pay or not (draft_min_tokens), as many as the guess has."""
     shape = StepShape.of([(w.item.position, w.n_tokens, 1 if w.completes else 0) for w in step_work])
     made = float(sum(1 for w in step_work if w.completes))  # tokens the step gives without guesses
     seconds = cost.predict(shape)
@@ -201,8 +207,8 @@ def with_drafts(
             rate = (made + drafter.expected_tokens(k)) / predicted
             if rate > best_rate:
                 best, best_rate, best_seconds = k, rate, predicted
-        k = drafter.length(best, available)
-        if k != best:  # a retry: this step pays for its rows, if its cap allows them
+        k = max(drafter.length(best, available), min(least, available))
+        if k != best:  # a retry, or the least a guess feeds: this step pays for its rows, if its cap allows them
             best_seconds = cost.predict(_with_rows(shape, position, k))
             if not _fits(best_seconds, time_cap):
                 k, best_seconds = 0, seconds

@@ -184,6 +184,7 @@ class Engine:
                 self.model.draft_rows,
                 self.scheduler.cost,
                 self.scheduler.step_time_cap(),
+                self.config.draft_min_tokens,
             )
         self.kv.room_for_step(sum(w.n_tokens + len(w.draft) for w in step_work))
         threads = self.threads.for_next_step(may_probe=not self.scheduler.first_token_due())
@@ -569,7 +570,10 @@ class Engine:
         status.remote = self.remote.status()
         status.cpu = self.threads.status()
         status.drafts = DraftStatus(
-            most_tokens=self.config.draft_tokens, ngram=self.config.draft_ngram, jump_forward=self.config.jump_forward
+            most_tokens=self.config.draft_tokens,
+            least_tokens=self.config.draft_min_tokens,
+            ngram=self.config.draft_ngram,
+            jump_forward=self.config.jump_forward,
         )
         if self.media is not None:
             status.media = msgspec.structs.replace(
