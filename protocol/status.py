@@ -91,7 +91,8 @@ class CostFit(Struct, kw_only=True):
     per_token_ms: float
     per_output_ms: float
     per_10k_attention_ms: float
-    per_guessing_ms: float = 0.0  # a sequence's guessed rows cost this once, beside each row's own cost
+    several_outputs_ms: float = 0.0  # a step with more than one logits row (a matrix kernel) costs this once more
+    odd_outputs_ms: float = 0.0  # ... and this with an odd number of them (the kernel's last row, a pass alone)
     recent: float = 1.0  # the last few steps' time over the fit's: multiplies its predictions (a fast change)
 
 

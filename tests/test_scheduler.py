@@ -55,7 +55,8 @@ def fixed_cost(fixed_ms: float = 10.0, per_token_ms: float = 1.0) -> CostModel:
     """A cost model that knows exactly: fixed + per token (no output or attention cost)."""
     model = CostModel()
     for fit in (model.small, model.large):
-        fit.theta[:] = [fixed_ms / 1e3, per_token_ms / 1e3, 0.0, 0.0, 0.0]
+        fit.theta[:] = 0.0
+        fit.theta[:2] = [fixed_ms / 1e3, per_token_ms / 1e3]
         fit.usable = fit.theta.copy()
     return model
 

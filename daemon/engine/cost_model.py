@@ -1,12 +1,16 @@
 """Predict how long an engine step takes, so the scheduler can size prompt chunks and admission can refuse
 a request whose first token cannot arrive within its budget. Pure numpy, no llama.cpp.
 
-A step's time is modelled as linear in five features: a fixed cost (reading the weights once), the tokens in
+A step's time is modelled as linear in six features: a fixed cost (reading the weights once), the tokens in
 the batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens), the attention
-work (each token attends to its position's context) and the sequences that feed guessed rows (engine/drafts.py).
-The last is there because a sequence's extra rows do not cost the same each: on an AMD EPYC the first few cost
-four times what the sixtieth does (bench/guess_rows.py: 10.7 ms a row at 5 rows, 4.9 at 64), which one cost per
-row cannot say, and a fit that tried overpriced every long guess. The coefficients are calibrated by a few
+work (each token attends to its position's context), and two of the output rows' kernel: whether there are more
+than one, and whether they are an odd number past one. The last two are there because llama.cpp computes one
+logits row by a vector kernel and several by a matrix kernel of tiles two rows wide (llamafile's for Q8_0 and
+Q4_0 weights, as Gemma 3's tied output projection is), whose odd last row takes a pass of its own over the
+weights. On an AMD EPYC (bench/guess_rows.py) one row's logits cost 8 ms, two 20 ms, three 43 ms, four 22 ms: a
+step of three decoding sessions took 51 ms, of four 41 ms. A cost per row cannot say that; these two features let
+the fit say it where a CPU shows it, and come out near zero where it does not.
+The coefficients are calibrated by a few
 synthetic decodes at start and then follow every measured step (recursive least squares that slowly
 forgets, so they track thermal throttling). A change of speed within seconds (a neighbour process taking a core,
 the thread count following it) is followed at once by a second, fast factor: how the last few steps' times
@@ -32,7 +36,7 @@ RECENT_RANGE = (0.2, 10.0)  # one step's measured / predicted is clipped to this
 # of a prediction differs between machines (0.010 + 140 x 0.001 is 0.15 with FMA, 0.15000000000000002 without).
 # Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
 TOLERANCE_S = 1e-6
-FEATURES = 5
+FEATURES = 6
 
 
 def within(seconds: float, limit: float) -> bool:
@@ -50,7 +54,6 @@ class StepShape:
     tokens: int  # tokens fed in the step
     outputs: int  # rows whose logits are needed (one per sampling generation)
     attention: int  # sum over the fed tokens of the context each attends to
-    guessing: int = 0  # sequences with more than one output row (a decode token and its guess)
 
     @staticmethod
     def of(chunks: list[tuple[int, int, int]]) -> StepShape:
@@ -58,10 +61,16 @@ class StepShape:
         tokens = sum(n for _, n, _ in chunks)
         outputs = sum(int(out) for _, _, out in chunks)
         attention = sum(n * start + n * (n + 1) // 2 for start, n, _ in chunks)
-        return StepShape(tokens, outputs, attention, sum(1 for _, _, out in chunks if int(out) > 1))
+        return StepShape(tokens, outputs, attention)
+
+    @property
+    def odd_outputs(self) -> bool:
+        """An odd number of output rows past one: the matrix kernel's last row takes a pass of its own."""
+        return self.outputs > 1 and self.outputs % 2 == 1
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, self.guessing])
+        wide = 1.0 if self.outputs > 1 else 0.0
+        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, wide, float(self.odd_outputs)])
 
 
 class _LinearFit:
@@ -69,7 +78,7 @@ class _LinearFit:
 
     def __init__(self) -> None:
         # A cautious prior (10 ms fixed, 2 ms per token) until calibration says otherwise.
-        self.theta = np.array([0.010, 0.002, 0.0, 0.0, 0.0])
+        self.theta = np.array([0.010, 0.002, 0.0, 0.0, 0.0, 0.0])
         self.usable = self.theta.copy()
         self._p = np.eye(FEATURES) * 1e3
         self.recent = 1.0  # the last steps' measured time over the fit's prediction
@@ -90,13 +99,14 @@ class _LinearFit:
         self.recent += RECENT_WEIGHT * (min(max(ratio, RECENT_RANGE[0]), RECENT_RANGE[1]) - self.recent)
 
     def status(self) -> CostFit:
-        fixed, per_token, per_output, per_attention, per_guessing = (float(x) for x in self.theta)
+        fixed, per_token, per_output, per_attention, wide, odd = (float(x) for x in self.theta)
         return CostFit(
             fixed_ms=round(fixed * 1e3, 3),
             per_token_ms=round(per_token * 1e3, 4),
             per_output_ms=round(per_output * 1e3, 4),
             per_10k_attention_ms=round(per_attention * 1e3, 4),
-            per_guessing_ms=round(per_guessing * 1e3, 4),
+            several_outputs_ms=round(wide * 1e3, 4),
+            odd_outputs_ms=round(odd * 1e3, 4),
             recent=round(self.recent, 3),
         )
 
@@ -140,8 +150,9 @@ class CostModel:
 # Shapes measured at start: (tokens already in the sequence, tokens fed).
 WARM_UP = [(0, 8), (0, 64)]
 CALIBRATION = [(0, 1), (0, 16), (128, 1), (128, 32), (0, 4), (0, 64), (0, 256), (128, 128), (256, 64)]
-# ... and with guesses: a decode token and k guessed rows, each with its logits, for the k a step may hold.
-GUESSES = (2, 5, 16)
+# ... and with guesses: a decode token and k guessed rows, each with its logits, for the k a step may hold (odd
+# and even row counts, so that the matrix kernel's odd row is told from the rows' own cost).
+GUESSES = (1, 2, 3, 5, 16)
 
 
 def calibrate(model: CostModel, run: Callable[..., float], repeat: int = 1, guess_rows: int = 0) -> None:

@@ -228,7 +228,6 @@ def _with_rows(shape: StepShape, position: int, k: int) -> StepShape:
         shape.tokens + more.tokens - one.tokens,
         shape.outputs + more.outputs - one.outputs,
         shape.attention + more.attention - one.attention,
-        shape.guessing + more.guessing - one.guessing,
     )
 
 
