@@ -5,7 +5,10 @@ projection: Gemma 3's 262k-token vocabulary). This decodes one step of S sequenc
 logits for every row (as guesses are fed) and once for the last row only (as a prompt chunk is), and prints the
 step times and what each extra row cost. A step of guesses can give at most one token per guessed row, so no
 speculation that verifies its guesses passes 1 / (a row's time + its logits' time) tokens a second, however long
-its guesses and however many are taken (docs/speculative.md, docs/targets.md).
+its guesses and however many are taken (docs/speculative.md, docs/targets.md). The short shapes show how the
+logits rows' count is priced: llama.cpp computes one by a vector kernel and several by a matrix kernel two rows at
+a time, whose odd last row may take a pass of its own over the output weights (the step cost model's two logits
+features, engine/cost_model.py).
 
     python bench/guess_rows.py [--model PATH] [--threads 2] [--repeat 5]
 """
@@ -23,7 +26,12 @@ from common import default_model
 from kvpool.daemon.llama.model import Model
 
 CONTEXT = 200  # tokens each sequence holds before the measured steps
-SHAPES = [(1, 0), (1, 4), (1, 16), (1, 32), (1, 63), (4, 0), (4, 16), (4, 63), (8, 0), (8, 16), (8, 63)]
+# (sequences, guessed rows each): single rows and short guesses of either parity (llama.cpp's matrix kernel takes
+# logits rows two at a time, and an odd last row in a pass of its own), then long ones.
+SHAPES = [
+    (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 16), (1, 32), (1, 63),
+    (2, 0), (3, 0), (4, 0), (5, 0), (4, 16), (4, 63), (8, 0), (8, 16), (8, 63),
+]  # fmt: skip
 
 
 def main() -> int:
@@ -54,8 +62,8 @@ def main() -> int:
         return seconds
 
     print(f"one step, {args.threads} threads, medians of {args.repeat}")
-    print(f"{'sequences':>9} {'rows each':>9} {'logits every row ms':>20} {'last row only ms':>17} "
-          f"{'a row ms':>9} {'its logits ms':>14}")  # fmt: skip
+    print(f"{'sequences':>9} {'rows each':>9} {'logits rows':>11} {'logits every row ms':>20} "
+          f"{'last row only ms':>17} {'a row ms':>9} {'its logits ms':>14}")  # fmt: skip
     row_ms, logits_ms = [], []
     for seqs, k in SHAPES:
         every = statistics.median(step(seqs, k, True) for _ in range(args.repeat)) * 1000
@@ -67,7 +75,7 @@ def main() -> int:
         if extra >= 64:
             row_ms.append(row)
             logits_ms.append(logits)
-        print(f"{seqs:>9} {1 + k:>9} {every:>20.1f} {last:>17.1f} {row:>9.2f} {logits:>14.2f}")
+        print(f"{seqs:>9} {1 + k:>9} {seqs * (1 + k):>11} {every:>20.1f} {last:>17.1f} {row:>9.2f} {logits:>14.2f}")
     if row_ms:
         row, logits = statistics.median(row_ms), statistics.median(logits_ms)
         print(f"\nsteps of 64 guessed rows and more: a row {row:.2f} ms, its logits {logits:.2f} ms: "
