@@ -32,7 +32,7 @@ NO_GUESSES = ("--draft-tokens", "0")
 # lone logits row by a vector kernel, several by a matrix one): a greedy answer may take the other of two tokens
 # whose log-probabilities were this close, and from there it is another conversation (docs/speculative.md).
 FLOAT_TIE = 0.01
-TOP = 2  # log-probabilities asked for: the top two tell a float tie from a wrong token
+TOP = 1  # log-probabilities asked for (the comparison reads each token's own; none would report none)
 
 
 def same_but_at_float_ties(fast: list[list[TokenLogprob]], plain: list[list[TokenLogprob]]) -> None:
@@ -50,7 +50,7 @@ def same_but_at_float_ties(fast: list[list[TokenLogprob]], plain: list[list[Toke
 
 def answers(client: Client, prompts: list[str], max_tokens: int, turns: int = 2) -> list[list[TokenLogprob]]:
     """Every prompt's session, all generating at once (their rows share the steps), for ``turns`` turns: each
-    greedy token with its log-probability and the top two."""
+    greedy token with its log-probability."""
     sessions = [client.open_session() for _ in prompts]
     out: list[list[TokenLogprob]] = [[] for _ in prompts]
     for turn in range(turns):

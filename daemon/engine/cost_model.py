@@ -10,12 +10,12 @@ Q4_0 weights, as Gemma 3's tied output projection is), whose odd last row takes 
 weights. On an AMD EPYC (bench/guess_rows.py) one row's logits cost 8 ms, two 20 ms, three 43 ms, four 22 ms: a
 step of three decoding sessions took 51 ms, of four 41 ms. A cost per row cannot say that; these two features let
 the fit say it where a CPU shows it, and come out near zero where it does not.
-The coefficients are calibrated by a few
-synthetic decodes at start and then follow every measured step (recursive least squares that slowly
-forgets, so they track thermal throttling). A change of speed within seconds (a neighbour process taking a core,
-the thread count following it) is followed at once by a second, fast factor: how the last few steps' times
-compared with the fit's predictions, which multiplies the predictions until the fit has caught up. Admission and
-the voice task's deadline so use the step times as measured now, not at start.
+
+The coefficients are calibrated by a few synthetic decodes at start and then follow every measured step
+(recursive least squares that slowly forgets, so they track thermal throttling). A change of speed within seconds
+(a neighbour process taking a core, the thread count following it) is followed at once by a second, fast factor:
+how the last few steps' times compared with the fit's predictions, which multiplies the predictions until the fit
+has caught up. Admission and the voice task's deadline so use the step times as measured now, not at start.
 """
 
 from __future__ import annotations

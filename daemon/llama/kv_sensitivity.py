@@ -154,7 +154,8 @@ class SensitivityMeter:
         """The noise floor's score and each setup's, over every window (the floor and the saved states are
         measured by the first call and kept)."""
         first = not self.states
-        floor, scores = self.floor if not first else Score(), [Score() for _ in setups]
+        floor = Score() if first else self.floor
+        scores = [Score() for _ in setups]
         for i, w in enumerate(self.windows):
             self._prefill(self.ref, w)
             state = self._saved(self.ref) if first else self.states[i]

@@ -140,9 +140,14 @@ def _check_layers(profile: PrecisionProfile, path: Path, k_layer_count: int) -> 
         raise ProfileError(f"{path} names K layers {beyond}, and the model has {k_layer_count}")
 
 
+def added_kld(base_kld: float, layer_kld: Mapping[int, float]) -> dict[int, float]:
+    """The KLD lowering each K layer alone adds over the base's (none below zero: that is noise)."""
+    return {j: max(0.0, kld - base_kld) for j, kld in layer_kld.items()}
+
+
 def by_price(base_kld: float, layer_kld: Mapping[int, float], saving: Mapping[int, int]) -> list[int]:
     """The K layers that save bytes lowered, cheapest first: the KLD lowering each adds alone per byte it saves."""
-    cost = {j: max(0.0, layer_kld[j] - base_kld) for j in layer_kld if saving.get(j, 0) > 0}
+    cost = {j: c for j, c in added_kld(base_kld, layer_kld).items() if saving.get(j, 0) > 0}
     return sorted(cost, key=lambda j: (cost[j] / saving[j], j))
 
 
@@ -152,7 +157,7 @@ def choose_lowered(
     """The K layers to lower, cheapest in KLD per byte saved first, while the KLDs their lowering adds, each
     measured alone, sum to at most ``most_kld`` over the base's (lowering two layers costs about what each costs
     alone; the command measures the sum it chose)."""
-    cost = {j: max(0.0, layer_kld[j] - base_kld) for j in layer_kld}
+    cost = added_kld(base_kld, layer_kld)
     chosen, total = [], base_kld
     for j in by_price(base_kld, layer_kld, saving):
         if total + cost[j] > most_kld:
