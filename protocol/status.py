@@ -92,7 +92,8 @@ class CostFit(Struct, kw_only=True):
     per_output_ms: float
     per_10k_attention_ms: float
     several_outputs_ms: float = 0.0  # a step with more than one logits row (a matrix kernel) costs this once more
-    odd_outputs_ms: float = 0.0  # ... and this with an odd number of them (the kernel's last row, a pass alone)
+    odd_outputs_ms: float = 0.0  # ... and this with an odd number of them (a tile of two's last row, a pass alone)
+    outputs_past_fours_ms: float = 0.0  # ... and this with 1-3 past a multiple of four (a tile of four's, likewise)
     recent: float = 1.0  # the last few steps' time over the fit's: multiplies its predictions (a fast change)
 
 

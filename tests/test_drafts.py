@@ -185,6 +185,34 @@ def test_where_odd_logits_rows_cost_more_a_guess_evens_them_out_taken_or_not() -
     assert [len(w.draft) for w in with_drafts(work, 64, 16, even, None)] == [0, 0, 0]
 
 
+def zen4_avx512(start: int, n: int, outputs: int = 1) -> float:
+    """The same AMD EPYC with an AVX-512 build of llama.cpp (roughly, bench/guess_rows.py): the matrix kernel's
+    tiles are four logits rows wide, so three rows cost a tile like four, and five to seven a second pass."""
+    logits = 0.008 if outputs == 1 else 0.014 + 0.0021 * outputs + (0.016 if outputs > 4 and outputs % 4 else 0.0)
+    return 0.006 + 0.002 * n + logits
+
+
+def test_where_the_kernel_takes_logits_rows_four_at_a_time_the_fit_says_so_and_guesses_fill_its_tiles() -> None:
+    """Calibrated on an AVX-512 build, the cost model prices the rows past a multiple of four, not odd rows (and on
+    the AVX2 build the other way round); a well-taken guess stops at a whole tile, and five poorly-guessing
+    sessions get three guessed rows between them, which cost less than the fifth row's pass."""
+    tiles_of_four, tiles_of_two = CostModel(), CostModel()
+    calibrate(tiles_of_four, zen4_avx512, repeat=20, guess_rows=16)
+    calibrate(tiles_of_two, amd_epyc, repeat=20, guess_rows=16)
+    four, two = tiles_of_four.status().small_steps, tiles_of_two.status().small_steps
+    assert four.outputs_past_fours_ms > 15 and abs(four.odd_outputs_ms) < 0.5
+    assert two.odd_outputs_ms > 20 and abs(two.outputs_past_fours_ms) < 0.5
+    for k in range(17):
+        assert math.isclose(
+            tiles_of_four.predict(StepShape.of([(128, 1 + k, 1 + k)])), zen4_avx512(128, 1 + k, 1 + k), rel_tol=0.05
+        ), k
+    [w] = with_drafts([Work(Item(repetitive(0.95)), 1, True)], 64, 16, tiles_of_four, None)
+    assert len(w.draft) == 3  # 3.7 tokens in 36 ms, where 6 (of the most 6) would give 6.3 in 61
+    five = [Work(Item(repetitive(0.02)), 1, True) for _ in range(5)]
+    assert sum(len(w.draft) for w in with_drafts(five, 64, 16, tiles_of_four, None)) == 3
+    assert sum(len(w.draft) for w in with_drafts(five[:3], 64, 16, tiles_of_four, None)) == 0
+
+
 def test_the_least_a_guess_feeds_is_fed_unpaid_but_within_the_cap_and_the_guess() -> None:
     """draft_min_tokens: a guess taken once in fifty pays for no row, and still feeds the least asked for; never
     more than the guess has, and never past the step's cap."""

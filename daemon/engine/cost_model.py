@@ -1,15 +1,17 @@
 """Predict how long an engine step takes, so the scheduler can size prompt chunks and admission can refuse
 a request whose first token cannot arrive within its budget. Pure numpy, no llama.cpp.
 
-A step's time is modelled as linear in six features: a fixed cost (reading the weights once), the tokens in
+A step's time is modelled as linear in seven features: a fixed cost (reading the weights once), the tokens in
 the batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens), the attention
-work (each token attends to its position's context), and two of the output rows' kernel: whether there are more
-than one, and whether they are an odd number past one. The last two are there because llama.cpp computes one
-logits row by a vector kernel and several by a matrix kernel of tiles two rows wide (llamafile's for Q8_0 and
-Q4_0 weights, as Gemma 3's tied output projection is), whose odd last row takes a pass of its own over the
-weights. On an AMD EPYC (bench/guess_rows.py) one row's logits cost 8 ms, two 20 ms, three 43 ms, four 22 ms: a
-step of three decoding sessions took 51 ms, of four 41 ms. A cost per row cannot say that; these two features let
-the fit say it where a CPU shows it, and come out near zero where it does not.
+work (each token attends to its position's context), and three of the output rows' kernel: whether there are more
+than one, whether they are an odd number past one, and whether they pass a multiple of four by one to three. The
+last three are there because llama.cpp computes one logits row by a vector kernel and several by a matrix kernel
+(llamafile's for Q8_0 and Q4_0 weights, as Gemma 3's tied output projection is) whose tiles are two rows wide in
+an AVX2 build and four in an AVX-512 one; rows past the last whole tile take a pass of their own over the weights.
+On an AMD EPYC (bench/guess_rows.py) an AVX2 build's logits cost 8 ms for one row, 20 for two, 43 for three, 22
+for four: a step of three decoding sessions took 51 ms, of four 41 ms. An AVX-512 build of the same llama.cpp
+took 32 ms for a step of three logits rows, 37 for four, 56 for five. A cost per row cannot say that; these
+features let the fit say it where a build shows it, and come out near zero where it does not.
 
 The coefficients are calibrated by a few synthetic decodes at start and then follow every measured step
 (recursive least squares that slowly forgets, so they track thermal throttling). A change of speed within seconds
@@ -36,7 +38,7 @@ RECENT_RANGE = (0.2, 10.0)  # one step's measured / predicted is clipped to this
 # of a prediction differs between machines (0.010 + 140 x 0.001 is 0.15 with FMA, 0.15000000000000002 without).
 # Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
 TOLERANCE_S = 1e-6
-FEATURES = 6
+FEATURES = 7
 
 
 def within(seconds: float, limit: float) -> bool:
@@ -65,12 +67,21 @@ class StepShape:
 
     @property
     def odd_outputs(self) -> bool:
-        """An odd number of output rows past one: the matrix kernel's last row takes a pass of its own."""
+        """An odd number of output rows past one: a tile two rows wide leaves the last row a pass of its own."""
         return self.outputs > 1 and self.outputs % 2 == 1
+
+    @property
+    def outputs_past_fours(self) -> bool:
+        """More output rows than four, and not a multiple of four: a tile four rows wide leaves the last one to
+        three a pass of their own."""
+        return self.outputs > 4 and self.outputs % 4 != 0
 
     def features(self) -> np.ndarray:
         wide = 1.0 if self.outputs > 1 else 0.0
-        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, wide, float(self.odd_outputs)])
+        return np.array([
+            1.0, self.tokens, self.outputs, self.attention / 1e4, wide,
+            float(self.odd_outputs), float(self.outputs_past_fours),
+        ])  # fmt: skip
 
 
 class _LinearFit:
@@ -78,7 +89,7 @@ class _LinearFit:
 
     def __init__(self) -> None:
         # A cautious prior (10 ms fixed, 2 ms per token) until calibration says otherwise.
-        self.theta = np.array([0.010, 0.002, 0.0, 0.0, 0.0, 0.0])
+        self.theta = np.array([0.010, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0])
         self.usable = self.theta.copy()
         self._p = np.eye(FEATURES) * 1e3
         self.recent = 1.0  # the last steps' measured time over the fit's prediction
@@ -99,7 +110,7 @@ class _LinearFit:
         self.recent += RECENT_WEIGHT * (min(max(ratio, RECENT_RANGE[0]), RECENT_RANGE[1]) - self.recent)
 
     def status(self) -> CostFit:
-        fixed, per_token, per_output, per_attention, wide, odd = (float(x) for x in self.theta)
+        fixed, per_token, per_output, per_attention, wide, odd, past_fours = (float(x) for x in self.theta)
         return CostFit(
             fixed_ms=round(fixed * 1e3, 3),
             per_token_ms=round(per_token * 1e3, 4),
@@ -107,6 +118,7 @@ class _LinearFit:
             per_10k_attention_ms=round(per_attention * 1e3, 4),
             several_outputs_ms=round(wide * 1e3, 4),
             odd_outputs_ms=round(odd * 1e3, 4),
+            outputs_past_fours_ms=round(past_fours * 1e3, 4),
             recent=round(self.recent, 3),
         )
 
@@ -150,9 +162,10 @@ class CostModel:
 # Shapes measured at start: (tokens already in the sequence, tokens fed).
 WARM_UP = [(0, 8), (0, 64)]
 CALIBRATION = [(0, 1), (0, 16), (128, 1), (128, 32), (0, 4), (0, 64), (0, 256), (128, 128), (256, 64)]
-# ... and with guesses: a decode token and k guessed rows, each with its logits, for the k a step may hold (odd
-# and even row counts, so that the matrix kernel's odd row is told from the rows' own cost).
-GUESSES = (1, 2, 3, 5, 16)
+# ... and with guesses: a decode token and k guessed rows, each with its logits, for the k a step may hold (row
+# counts of either parity, within and past a multiple of four, so that a kernel's part tiles are told from the
+# rows' own cost).
+GUESSES = (1, 2, 3, 4, 5, 16)
 
 
 def calibrate(model: CostModel, run: Callable[..., float], repeat: int = 1, guess_rows: int = 0) -> None:
