@@ -15,8 +15,8 @@ from kvpool.daemon.config import Config, ConfigError, load_config
 from kvpool.daemon.engine.cpu_share import describe_cores
 from kvpool.daemon.kv.codec.kv_types import PROFILE
 from kvpool.daemon.kv.codec.precision_profile import PrecisionProfile, ProfileError, find_profile
-from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack
-from kvpool.daemon.llama.cpu_repack import RepackChoice
+from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack, instructions_left_idle
+from kvpool.daemon.llama.cpu_repack import RepackChoice, describe_idle
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
 from kvpool.daemon.llama.deterministic_mode import Determinism
 from kvpool.daemon.llama.gguf_meta import GgufError
@@ -51,6 +51,7 @@ class StartPlan:
     determinism: Determinism
     projector: ProjectorPlan | None = None
     kv_profile: PrecisionProfile | None = None  # for a tier whose type is "profile"
+    idle_instructions: tuple[str, ...] = ()  # the CPU's, which llama.cpp's kernels use and this build does not
 
     def print_memory(self) -> None:
         print(f"kvpoold: memory plan for {self.model_path.name}:\n{self.memory.table()}", file=sys.stderr)
@@ -69,6 +70,7 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         )
         determinism = config.determinism
         repack = choose_repack(determinism.repack(config.cpu_repack), model_path)
+        idle = tuple(instructions_left_idle())
         projector = plan_projector(config.mmproj)
         kv_profile = None
         if PROFILE in (config.pool_kv_type, config.spill_kv_type):
@@ -77,9 +79,10 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, ProjectorError, ProfileError, OSError
     ) as exc:  # fmt: skip
         raise StartFailed(str(exc), 2) from None
-    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism, projector, kv_profile)
+    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism, projector, kv_profile, idle)
     if check_only:
         print(f"kvpoold: {repack.describe()}", file=sys.stderr)
+        print(f"kvpoold: {describe_idle(list(idle))}", file=sys.stderr)
         print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
         print(f"kvpoold: {projector.describe() if projector else 'no projector (mmproj): text only'}", file=sys.stderr)
         print(f"kvpoold: {describe_cores(config.threads, config.threads_fixed_because)}", file=sys.stderr)
@@ -120,6 +123,7 @@ def log_plan(plan: StartPlan) -> None:
     m = plan.memory
     log.info("%s", describe_cores(plan.config.threads, plan.config.threads_fixed_because))
     log.info("%s", plan.repack.describe())
+    log.info("%s", describe_idle(list(plan.idle_instructions)))
     log.info("%s; %s", plan.kv.describe(), plan.kv_why)
     log.info(
         "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f, media %.0f)",

@@ -14,6 +14,8 @@ from kvpool.daemon.llama import cpu_probe
 from kvpool.daemon.llama.cpu_repack import (
     CpuInfo,
     decide_repack,
+    describe_idle,
+    idle_instructions,
     missing_instructions,
     needs_probe,
     parse_build_features,
@@ -42,6 +44,22 @@ def test_cpuinfo_of_x86_and_aarch64() -> None:
 def test_a_build_for_instructions_the_cpu_lacks_is_named() -> None:
     assert missing_instructions({"AVX2", "AVX512", "AMX_INT8", "REPACK"}, AMD_CPU) == ["AMX_INT8", "AVX512"]
     assert missing_instructions(parse_build_features(SYSTEM_INFO), AMD_CPU) == []
+
+
+def test_instruction_sets_the_cpu_has_and_the_build_leaves_unused_are_named() -> None:
+    portable = parse_build_features(SYSTEM_INFO)
+    zen4 = CpuInfo("AMD EPYC", AMD_CPU.flags | {"avx512f", "avx512_vnni", "avx512_bf16", "avx512bw"})
+    assert idle_instructions(portable, zen4) == ["AVX512", "AVX512_VNNI", "AVX512_BF16"]
+    assert idle_instructions(portable | {"AVX512", "AVX512_VNNI", "AVX512_BF16"}, zen4) == []
+    assert idle_instructions(portable, AMD_CPU) == []  # an AVX2 CPU: nothing left
+    alder_lake = CpuInfo("Intel Core", AMD_CPU.flags | {"avx_vnni"})
+    assert idle_instructions(portable, alder_lake) == ["AVX_VNNI"]
+    sapphire = CpuInfo("Intel Xeon", zen4.flags | {"avx_vnni"})
+    assert "AVX_VNNI" not in idle_instructions(portable, sapphire)  # its AVX-512 form covers it
+    pi5 = CpuInfo.parse("Features\t: fp asimd asimddp\n")
+    assert idle_instructions(parse_build_features("CPU : NEON = 1 | "), pi5) == ["DOTPROD"]
+    assert "AVX512, AVX512_VNNI" in describe_idle(["AVX512", "AVX512_VNNI"]) and "docs/build.md" in describe_idle(["X"])
+    assert "every instruction set" in describe_idle([])
 
 
 @pytest.mark.parametrize(("compiled", "advertised", "permitted"), list(itertools.product([True, False], repeat=3)))
@@ -131,6 +149,7 @@ def test_check_config_prints_the_repack_choice(tiny_model: Path, tmp_path: Path)
         )
         assert done.returncode == 0, done.stderr
         assert expected in done.stderr
+        assert "kvpoold: llama.cpp build: " in done.stderr  # what it leaves unused of this CPU, or that it uses all
 
 
 def test_daemon_logs_its_choice_and_serves(start_daemon) -> None:  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ from kvpool.daemon.llama.cpu_repack import (
     CpuInfo,
     RepackChoice,
     decide_repack,
+    idle_instructions,
     missing_instructions,
     parse_build_features,
 )
@@ -186,3 +187,10 @@ def choose_repack(mode: str, model_path: Path, cache_dir: Path | None = None) ->
         return bool(record["survived"]), f"{record['detail']}; verdict cached in {cache.directory}"
 
     return decide_repack(mode, features, cpu, amx_permitted(), probe)
+
+
+def instructions_left_idle(cache_dir: Path | None = None) -> list[str]:
+    """The instruction sets this CPU has that llama.cpp's kernels use and this build leaves unused (the build's
+    features as the child reported them, cached)."""
+    cpu = read_cpu_info()
+    return idle_instructions(build_features(cpu, VerdictCache((cache_dir or model_cache_dir()) / "cpu-probe")), cpu)

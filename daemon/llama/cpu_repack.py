@@ -99,6 +99,30 @@ def missing_instructions(build_features: Iterable[str], cpu: CpuInfo) -> list[st
     return sorted(f for f in build_features if f in _FEATURE_FLAGS and _FEATURE_FLAGS[f] not in cpu.flags)
 
 
+# Instruction sets llama.cpp has kernels for, which a portable build leaves idle (docs/build.md): on an AMD EPYC an
+# AVX-512 build's matrix kernel takes logits rows four at a time instead of two.
+_FASTER_WITH = ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "DOTPROD", "MATMUL_INT8")
+
+
+def idle_instructions(build_features: Iterable[str], cpu: CpuInfo) -> list[str]:
+    """Instruction sets this CPU advertises that llama.cpp's kernels use and this build was not compiled for."""
+    built = set(build_features)
+    idle = [f for f in _FASTER_WITH if f not in built and _FEATURE_FLAGS[f] in cpu.flags]
+    if "AVX512_VNNI" in built or "AVX512_VNNI" in idle:  # the 512-bit form does what AVX-VNNI's 256-bit one does
+        idle = [f for f in idle if f != "AVX_VNNI"]
+    return idle
+
+
+def describe_idle(idle: list[str]) -> str:
+    """The start's line on what the build leaves unused."""
+    if not idle:
+        return "llama.cpp build: uses every instruction set of this CPU that its kernels know"
+    return (
+        f"llama.cpp build: this CPU also has {', '.join(idle)}, which this build leaves unused (docs/build.md: the "
+        "CMAKE_ARGS for them, and what they gave on an AMD EPYC)"
+    )
+
+
 def needs_probe(build_features: frozenset[str], cpu: CpuInfo, amx_permitted: bool) -> bool:
     """Only AMX needs a probe: the build has its kernels, the CPU advertises it and the kernel grants the tile
     state. Without the grant ggml does not offer its AMX buffer type at all, and the other repacks are safe."""
