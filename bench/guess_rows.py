@@ -6,9 +6,9 @@ logits for every row (as guesses are fed) and once for the last row only (as a p
 step times and what each extra row cost. A step of guesses can give at most one token per guessed row, so no
 speculation that verifies its guesses passes 1 / (a row's time + its logits' time) tokens a second, however long
 its guesses and however many are taken (docs/speculative.md, docs/targets.md). The short shapes show how the
-logits rows' count is priced: llama.cpp computes one by a vector kernel and several by a matrix kernel two rows at
-a time, whose odd last row may take a pass of its own over the output weights (the step cost model's two logits
-features, engine/cost_model.py).
+logits rows' count is priced: llama.cpp computes one by a vector kernel and several by a matrix kernel in tiles two
+rows wide (an AVX2 build) or four (an AVX-512 one), whose rows past the last whole tile may take a pass of their own
+over the output weights (the step cost model's logits features, engine/cost_model.py).
 
     python bench/guess_rows.py [--model PATH] [--threads 2] [--repeat 5]
 """
@@ -26,8 +26,9 @@ from common import default_model
 from kvpool.daemon.llama.model import Model
 
 CONTEXT = 200  # tokens each sequence holds before the measured steps
-# (sequences, guessed rows each): single rows and short guesses of either parity (llama.cpp's matrix kernel takes
-# logits rows two at a time, and an odd last row in a pass of its own), then long ones.
+# (sequences, guessed rows each): single rows and short guesses within and past a tile (llama.cpp's matrix kernel
+# takes logits rows in tiles of two or four, and the rows past the last whole tile in a pass of their own), then
+# long ones.
 SHAPES = [
     (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 16), (1, 32), (1, 63),
     (2, 0), (3, 0), (4, 0), (5, 0), (4, 16), (4, 63), (8, 0), (8, 16), (8, 63),
