@@ -15,7 +15,7 @@ from kvpool.daemon.config import Config, ConfigError, load_config
 from kvpool.daemon.engine.cpu_share import describe_cores
 from kvpool.daemon.kv.codec.kv_types import PROFILE
 from kvpool.daemon.kv.codec.precision_profile import PrecisionProfile, ProfileError, find_profile
-from kvpool.daemon.llama.cpu_probe import CpuUnsupported, choose_repack, instructions_left_idle
+from kvpool.daemon.llama.cpu_probe import CpuUnsupported, check_cpu
 from kvpool.daemon.llama.cpu_repack import RepackChoice, describe_idle
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
 from kvpool.daemon.llama.deterministic_mode import Determinism
@@ -69,8 +69,7 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
             config.cache_type_k, config.cache_type_v, config.flash_attn, shape.head_k, shape.head_v
         )
         determinism = config.determinism
-        repack = choose_repack(determinism.repack(config.cpu_repack), model_path)
-        idle = tuple(instructions_left_idle())
+        repack, idle = check_cpu(determinism.repack(config.cpu_repack), model_path)
         projector = plan_projector(config.mmproj)
         kv_profile = None
         if PROFILE in (config.pool_kv_type, config.spill_kv_type):
@@ -79,10 +78,10 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
         ConfigError, ModelNotFound, GgufError, CpuUnsupported, KvSettingsError, ProjectorError, ProfileError, OSError
     ) as exc:  # fmt: skip
         raise StartFailed(str(exc), 2) from None
-    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism, projector, kv_profile, idle)
+    plan = StartPlan(config, model_path, memory, kv, kv_why, repack, determinism, projector, kv_profile, tuple(idle))
     if check_only:
         print(f"kvpoold: {repack.describe()}", file=sys.stderr)
-        print(f"kvpoold: {describe_idle(list(idle))}", file=sys.stderr)
+        print(f"kvpoold: {describe_idle(idle)}", file=sys.stderr)
         print(f"kvpoold: {kv.describe()}; {kv_why}", file=sys.stderr)
         print(f"kvpoold: {projector.describe() if projector else 'no projector (mmproj): text only'}", file=sys.stderr)
         print(f"kvpoold: {describe_cores(config.threads, config.threads_fixed_because)}", file=sys.stderr)
@@ -123,7 +122,7 @@ def log_plan(plan: StartPlan) -> None:
     m = plan.memory
     log.info("%s", describe_cores(plan.config.threads, plan.config.threads_fixed_because))
     log.info("%s", plan.repack.describe())
-    log.info("%s", describe_idle(list(plan.idle_instructions)))
+    log.info("%s", describe_idle(plan.idle_instructions))
     log.info("%s; %s", plan.kv.describe(), plan.kv_why)
     log.info(
         "memory plan: %.0f MiB (weights %.0f, hot KV %.0f, compute %.0f, pool %.0f, runtime %.0f, media %.0f)",

@@ -38,7 +38,8 @@ RECENT_RANGE = (0.2, 10.0)  # one step's measured / predicted is clipped to this
 # of a prediction differs between machines (0.010 + 140 x 0.001 is 0.15 with FMA, 0.15000000000000002 without).
 # Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
 TOLERANCE_S = 1e-6
-FEATURES = 7
+TILE_WIDTHS = (2, 4)  # the logits kernel's tile widths: an AVX2 build's, an AVX-512 one's
+FEATURES = 5 + len(TILE_WIDTHS)
 
 
 def within(seconds: float, limit: float) -> bool:
@@ -65,23 +66,15 @@ class StepShape:
         attention = sum(n * start + n * (n + 1) // 2 for start, n, _ in chunks)
         return StepShape(tokens, outputs, attention)
 
-    @property
-    def odd_outputs(self) -> bool:
-        """An odd number of output rows past one: a tile two rows wide leaves the last row a pass of its own."""
-        return self.outputs > 1 and self.outputs % 2 == 1
-
-    @property
-    def outputs_past_fours(self) -> bool:
-        """More output rows than four, and not a multiple of four: a tile four rows wide leaves the last one to
-        three a pass of their own."""
-        return self.outputs > 4 and self.outputs % 4 != 0
+    def rows_past_tiles(self, width: int) -> bool:
+        """More output rows than a tile ``width`` rows wide holds, and not a whole number of tiles: the matrix
+        kernel gives the rows past the last whole tile a pass of their own (width 2: an odd number past one)."""
+        return self.outputs > width and self.outputs % width != 0
 
     def features(self) -> np.ndarray:
         wide = 1.0 if self.outputs > 1 else 0.0
-        return np.array([
-            1.0, self.tokens, self.outputs, self.attention / 1e4, wide,
-            float(self.odd_outputs), float(self.outputs_past_fours),
-        ])  # fmt: skip
+        past_tiles = [float(self.rows_past_tiles(width)) for width in TILE_WIDTHS]
+        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, wide, *past_tiles])
 
 
 class _LinearFit:
@@ -89,7 +82,8 @@ class _LinearFit:
 
     def __init__(self) -> None:
         # A cautious prior (10 ms fixed, 2 ms per token) until calibration says otherwise.
-        self.theta = np.array([0.010, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0])
+        self.theta = np.zeros(FEATURES)
+        self.theta[:2] = (0.010, 0.002)
         self.usable = self.theta.copy()
         self._p = np.eye(FEATURES) * 1e3
         self.recent = 1.0  # the last steps' measured time over the fit's prediction

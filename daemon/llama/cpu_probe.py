@@ -168,8 +168,10 @@ def build_features(cpu: CpuInfo, cache: VerdictCache) -> frozenset[str]:
     return features
 
 
-def choose_repack(mode: str, model_path: Path, cache_dir: Path | None = None) -> RepackChoice:
-    """Decide ``cpu_repack`` for serving ``model_path`` here; CpuUnsupported when llama.cpp cannot run at all."""
+def check_cpu(mode: str, model_path: Path, cache_dir: Path | None = None) -> tuple[RepackChoice, list[str]]:
+    """Decide ``cpu_repack`` for serving ``model_path`` here, and name the instruction sets this CPU has that
+    llama.cpp's kernels use and the build leaves idle: the CPU and the build's features are read once for both.
+    CpuUnsupported when llama.cpp cannot run at all."""
     cpu = read_cpu_info()
     cache = VerdictCache((cache_dir or model_cache_dir()) / "cpu-probe")
     features = build_features(cpu, cache)
@@ -186,11 +188,9 @@ def choose_repack(mode: str, model_path: Path, cache_dir: Path | None = None) ->
             cache.put(key, record)
         return bool(record["survived"]), f"{record['detail']}; verdict cached in {cache.directory}"
 
-    return decide_repack(mode, features, cpu, amx_permitted(), probe)
+    return decide_repack(mode, features, cpu, amx_permitted(), probe), idle_instructions(features, cpu)
 
 
-def instructions_left_idle(cache_dir: Path | None = None) -> list[str]:
-    """The instruction sets this CPU has that llama.cpp's kernels use and this build leaves unused (the build's
-    features as the child reported them, cached)."""
-    cpu = read_cpu_info()
-    return idle_instructions(build_features(cpu, VerdictCache((cache_dir or model_cache_dir()) / "cpu-probe")), cpu)
+def choose_repack(mode: str, model_path: Path, cache_dir: Path | None = None) -> RepackChoice:
+    """Decide ``cpu_repack`` for serving ``model_path`` here; CpuUnsupported when llama.cpp cannot run at all."""
+    return check_cpu(mode, model_path, cache_dir)[0]

@@ -11,7 +11,7 @@ when a probe is needed and what its answer means.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 REPACK_MODES = ("auto", "on", "off")
@@ -113,7 +113,7 @@ def idle_instructions(build_features: Iterable[str], cpu: CpuInfo) -> list[str]:
     return idle
 
 
-def describe_idle(idle: list[str]) -> str:
+def describe_idle(idle: Sequence[str]) -> str:
     """The start's line on what the build leaves unused."""
     if not idle:
         return "llama.cpp build: uses every instruction set of this CPU that its kernels know"
