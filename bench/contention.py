@@ -114,6 +114,7 @@ class Server:
     """What the bench asks of each server."""
 
     name: str
+    refusal: dict[str, object] | None = None  # why the last refused turn was refused: its error's detail
 
     def decode_rate(self) -> float: ...
     def streams(self, n: int) -> float: ...
@@ -145,7 +146,10 @@ class Kvpool(Server):
         try:
             for _chunk in self.voice.generate(f"User: question {turn}, what now?\nAssistant:", max_tokens=8, **GREEDY):
                 first = first or time.monotonic()
-        except KvpoolError:
+        except KvpoolError as error:
+            status = msgspec.to_builtins(self.client.status())
+            recent = {k: status["scheduler"]["cost_model"][f"{k}_steps"]["recent"] for k in ("small", "large")}
+            self.refusal = {"turn": turn, "code": str(error.code), **error.detail, "recent": recent, **status["cpu"]}
             return None
         return (first - sent) * 1e3 if first else None
 
@@ -230,6 +234,7 @@ class Cell:
     rate4: list[float] = field(default_factory=list)
     voice_ms: list[float] = field(default_factory=list)
     refused: int = 0
+    refusals: list[dict[str, object]] = field(default_factory=list)  # each refused turn's estimate and its parts
     turns: int = 0
     status: list[dict[str, object]] = field(default_factory=list)
 
@@ -244,6 +249,7 @@ def measure(server: Server, cell: Cell, voice_turns: int, rng: random.Random) ->
         cell.turns += 1
         if ms is None:
             cell.refused += 1
+            cell.refusals.append(server.refusal or {"turn": turn})
         else:
             cell.voice_ms.append(ms)
         time.sleep(rng.uniform(0.2, 0.5))  # the next turn's pace
