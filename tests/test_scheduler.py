@@ -236,6 +236,56 @@ def test_predictions_follow_a_step_that_slows_down_within_a_few_steps_and_come_b
     assert math.isclose(model.predict(decode), before, rel_tol=0.15)
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def steps_on(model: CostModel, clock: FakeClock, shape: StepShape, seconds: float, n: int) -> None:
+    """``n`` steps of ``shape``, each taking ``seconds``, one right after the other."""
+    for _ in range(n):
+        clock.now += seconds
+        model.update(shape, seconds)
+
+
+def test_a_slow_moment_fades_once_no_step_runs_but_a_lasting_slowdown_stays() -> None:
+    # A few slow steps and then nothing (a voice turn beside a neighbour that was briefly greedy): the fast factor
+    # must not stay up, or admission refuses the next voice request, and every one after it, since a refused
+    # request runs no step that could show the machine is fast again.
+    clock = FakeClock()
+    model = CostModel(clock=clock)
+    calibrate(model, lambda start, n, outputs=1: 0.02 + 0.0015 * n, repeat=20)
+    decode = StepShape.of([(100, 1, True)])
+    normal = model.predict(decode)
+    steps_on(model, clock, decode, normal, 30)
+    steps_on(model, clock, decode, 4 * normal, 4)
+    assert model.predict(decode) > 2.5 * normal  # right after them, the slow steps count
+    clock.now += 0.1
+    assert model.predict(decode) > 2.0 * normal  # a pause between turns does not undo them
+    clock.now += 2.0
+    assert model.predict(decode) < 1.6 * normal  # two seconds with no step: back near the settled speed
+    steps_on(model, clock, decode, normal, 8)
+    assert math.isclose(model.predict(decode), normal, rel_tol=0.15)
+    # A neighbour that stays: forty steps at three times the time are the settled speed, kept over a pause.
+    steps_on(model, clock, decode, 3 * normal, 40)
+    clock.now += 5.0
+    assert model.predict(decode) > 2.4 * normal
+
+
+def test_the_fast_factor_does_not_fade_during_the_steps_themselves() -> None:
+    # Long steps one right after another are not idle time: a slowdown they show is kept at full weight.
+    clock = FakeClock()
+    model = CostModel(clock=clock)
+    calibrate(model, lambda start, n, outputs=1: 0.2 + 0.0015 * n, repeat=20)
+    decode = StepShape.of([(100, 1, True)])
+    normal = model.predict(decode)
+    steps_on(model, clock, decode, 3 * normal, 8)  # each over 0.6 s, longer than the idle half-life
+    assert model.predict(decode) > 2.5 * normal
+
+
 # ---------------------------------------------------------------- the Scheduler, on the fake model's tiers
 
 

@@ -18,11 +18,18 @@ The coefficients are calibrated by a few synthetic decodes at start and then fol
 (a neighbour process taking a core, the thread count following it) is followed at once by a second, fast factor:
 how the last few steps' times compared with the fit's predictions, which multiplies the predictions until the fit
 has caught up. Admission and the voice task's deadline so use the step times as measured now, not at start.
+
+The fast factor says how the steps under way run. Once no step has run for a while it says less and less, so it
+returns towards a slower one (about the last fifty steps) with a half-life of idle time. Without that, a few slow
+steps followed by nothing could refuse a voice request, and then every next one: a refused request runs no step
+that could show the machine is fast again (seen beside a memory-heavy neighbour: eight turns in a row refused
+after one slow turn, with nothing else running).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +41,8 @@ FORGET = 0.995  # weight of the past per update: about the last 200 steps count
 SMALL_STEP = 32  # tokens: steps up to this size use the small-step fit
 RECENT_WEIGHT = 0.25  # of the latest step in the fast factor: about the last 4 steps count
 RECENT_RANGE = (0.2, 10.0)  # one step's measured / predicted is clipped to this before it counts
+SETTLED_WEIGHT = 0.02  # of the latest step in the slower factor the fast one returns to: about the last 50 steps
+IDLE_HALF_LIFE_S = 0.5  # with no step run for this long, the fast factor is halfway back to the slower one
 # A prediction is a sum of products, and whether numpy's dot fuses a multiply-add depends on the CPU: the last bit
 # of a prediction differs between machines (0.010 + 140 x 0.001 is 0.15 with FMA, 0.15000000000000002 without).
 # Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
@@ -80,16 +89,25 @@ class StepShape:
 class _LinearFit:
     """Recursive least squares over the step features, slowly forgetting old steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         # A cautious prior (10 ms fixed, 2 ms per token) until calibration says otherwise.
         self.theta = np.zeros(FEATURES)
         self.theta[:2] = (0.010, 0.002)
         self.usable = self.theta.copy()
         self._p = np.eye(FEATURES) * 1e3
         self.recent = 1.0  # the last steps' measured time over the fit's prediction
+        self.settled = 1.0  # the same over more steps: where the fast factor returns to while no step runs
+        self._clock = clock
+        self._updated = clock()
+
+    def factor(self, at: float | None = None) -> float:
+        """The fast factor now (or ``at``): as the last steps measured it, fading towards the settled one for the
+        time since the last step ended."""
+        idle = max(0.0, (self._clock() if at is None else at) - self._updated)
+        return self.settled + (self.recent - self.settled) * 0.5 ** (idle / IDLE_HALF_LIFE_S)
 
     def predict(self, x: np.ndarray) -> float:
-        return max(1e-4, dot(x, self.usable) * self.recent)
+        return max(1e-4, dot(x, self.usable) * self.factor())
 
     def update(self, x: np.ndarray, seconds: float) -> None:
         px = self._p @ x
@@ -100,8 +118,17 @@ class _LinearFit:
         self.usable = np.concatenate([self.theta[:1], np.maximum(self.theta[1:], 0.0)])
         # What the fit has not caught up with, measured after its update: a shape it knew little of moves the fit
         # itself, and counting that step's surprise twice would overshoot.
-        ratio = seconds / max(1e-4, dot(x, self.usable))
-        self.recent += RECENT_WEIGHT * (min(max(ratio, RECENT_RANGE[0]), RECENT_RANGE[1]) - self.recent)
+        ratio = min(max(seconds / max(1e-4, dot(x, self.usable)), RECENT_RANGE[0]), RECENT_RANGE[1])
+        now = self._clock()
+        before = self.factor(at=now - seconds)  # the step's own time is not idle time
+        self.recent = before + RECENT_WEIGHT * (ratio - before)
+        self.settled += SETTLED_WEIGHT * (ratio - self.settled)
+        self._updated = now
+
+    def reset_factors(self) -> None:
+        """No drift: predictions are the fit's own."""
+        self.recent = self.settled = 1.0
+        self._updated = self._clock()
 
     def status(self) -> CostFit:
         fixed, per_token, per_output, per_attention, wide, odd, past_fours = (float(x) for x in self.theta)
@@ -113,7 +140,7 @@ class _LinearFit:
             several_outputs_ms=round(wide * 1e3, 4),
             odd_outputs_ms=round(odd * 1e3, 4),
             outputs_past_fours_ms=round(past_fours * 1e3, 4),
-            recent=round(self.recent, 3),
+            recent=round(self.factor(), 3),
         )
 
 
@@ -123,8 +150,8 @@ class CostModel:
     fitted to a stream of large chunks would mispredict the short step a voice request needs, and the other way
     round."""
 
-    def __init__(self) -> None:
-        self.small, self.large = _LinearFit(), _LinearFit()
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.small, self.large = _LinearFit(clock), _LinearFit(clock)
         self.updates = 0
         self.calibration: list[CalibrationPoint] = []
 
@@ -177,4 +204,5 @@ def calibrate(model: CostModel, run: Callable[..., float], repeat: int = 1, gues
             model.update(StepShape.of([(start, n, outputs)]), seconds)
             model.calibration.append(CalibrationPoint(context=start, tokens=n, ms=round(seconds * 1e3, 3)))
     model.calibration = model.calibration[-len(shapes) :]
-    model.small.recent = model.large.recent = 1.0  # calibration's steps vary on purpose: no recent drift
+    for fit in (model.small, model.large):
+        fit.reset_factors()  # calibration's steps vary on purpose: no drift
