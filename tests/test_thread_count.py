@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvpool.daemon.engine.cpu_share import IdleCores, IdleSampler, cgroup_quota, usable_cores
-from kvpool.daemon.engine.thread_count import PROBE_MAX_S, ThreadCount
+from kvpool.daemon.engine.thread_count import PROBE_MAX_S, PROBE_STEPS, ThreadCount
 
 STEP_S = 0.04  # a decode step's time at start
 
@@ -93,6 +93,23 @@ def test_it_comes_back_by_probing_when_no_core_shows_idle() -> None:
     while count.now == 1 and machine.t - started < 2 * PROBE_MAX_S:
         machine.run(count, 1)
     assert count.now == 2
+
+
+def test_a_heavier_moment_that_passes_does_not_make_a_probe_look_better_than_it_is() -> None:
+    # Beside one neighbour at one thread; two more run for a moment (three busy processes on two cores), then stop.
+    # The steps at one thread speed up again, which calls for a probe of two: it must be judged against how one
+    # thread runs now, not during the heavier moment, or two threads beside the neighbour win on stale numbers
+    # (seen beside a numpy loop: voice turns of 265 ms until it switched back).
+    machine = Machine(BESIDE_ONE, idle=0.0, cores=SHARED)
+    count = counted(machine)
+    machine.run(count, 200)
+    assert count.now == 1
+    machine.slowdown = {1: 3.1, 2: 5.0}
+    machine.run(count, 24)
+    machine.slowdown = {1: 1.5, 2: 1.75}  # as measured: one thread beside the one neighbour left is still faster
+    used = machine.run(count, 200)
+    assert count.now == 1 and count.switches == 1, used
+    assert used.count(2) <= 2 * PROBE_STEPS
 
 
 def test_probes_that_do_not_pay_back_off() -> None:

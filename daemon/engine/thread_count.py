@@ -9,7 +9,9 @@ on 2 cores beside one busy process, 2 threads decoded a quarter as fast as alone
 
 - At its current count the governor keeps the steps' recent slowdown. When it grows by WORSE over its settled level
   (a neighbour started), a probe runs a few steps at one thread fewer; a probe that measures clearly faster
-  (BETTER) is kept.
+  (BETTER) is kept. It is judged against the current count's steps right after it, not before: a probe called for
+  because the steps sped up (a neighbour left) would otherwise be compared with the slower steps before, and win
+  on stale numbers.
 - Below the ceiling it probes one thread more (and one fewer, if any) every PROBE_EVERY_S, doubling the interval
   after each probe that did not pay (up to PROBE_MAX_S), and at once when the CPUs it may use show an idle core
   while it steps (/proc/stat: the neighbour left). At the ceiling it probes one fewer on the same schedule only
@@ -46,6 +48,8 @@ class _Probe:
     threads: int
     started: float
     slowdowns: list[float] = field(default_factory=list)
+    measured: bool = False  # its steps are done: the current count's next steps are what it is judged against
+    after: list[float] = field(default_factory=list)
 
 
 class ThreadCount:
@@ -79,13 +83,15 @@ class ThreadCount:
 
     @property
     def probing(self) -> bool:
-        return self._probe is not None
+        """The next step runs at a count other than the current one, to measure it."""
+        return self._probe is not None and not self._probe.measured
 
     def for_next_step(self, may_probe: bool) -> int:
         """The threads the next step decodes with."""
         if not self.adaptive:
             return self.most
-        if self._probe is not None and not may_probe:  # a deadline is due: no step at a count that may be slower
+        if self._probe is not None and not self._probe.measured and not may_probe:
+            # A deadline is due: no step at a count that may be slower.
             self._probe = None
             self._probe_ended = self._clock()
             self._next_probe = self._probe_ended + self._interval
@@ -94,7 +100,7 @@ class ThreadCount:
             if candidate is not None:
                 self._probe = _Probe(candidate, self._clock())
                 self.probes += 1
-        return self._probe.threads if self._probe is not None else self.now
+        return self._probe.threads if self._probe is not None and not self._probe.measured else self.now
 
     def _candidate(self) -> int | None:
         if self._suspect and self.now > 1:
@@ -127,16 +133,22 @@ class ThreadCount:
             self._recent.append(slowdown)  # still shown: an operator sees the neighbours' cost
             return
         probe = self._probe
-        if probe is not None and threads == probe.threads:
+        if probe is not None and not probe.measured and threads == probe.threads:
             probe.slowdowns.append(slowdown)
             n = len(probe.slowdowns)
             if n >= PROBE_STEPS and self._clock() - probe.started >= PROBE_MIN_S:
-                self._end_probe(probe)
+                probe.measured = True
             elif n >= CLEARLY_STEPS and min(probe.slowdowns) > self._current() * CLEARLY_WORSE:
-                self._end_probe(probe)  # a probe that is clearly slower costs no more steps
+                self._end_probe(probe, self._current())  # a probe that is clearly slower costs no more steps
             return
         if threads != self.now:
             return
+        if probe is not None and probe.measured:
+            probe.after.append(slowdown)
+            if len(probe.after) >= PROBE_STEPS:
+                self._end_probe(probe, statistics.median(probe.after))
+                if self.now != threads:
+                    return  # it switched: this step was the count it left
         self._recent.append(slowdown)
         if len(self._recent) < RECENT:
             return
@@ -155,12 +167,12 @@ class ThreadCount:
     def _current(self) -> float:
         return statistics.median(self._recent) if self._recent else 1.0
 
-    def _end_probe(self, probe: _Probe) -> None:
+    def _end_probe(self, probe: _Probe, current: float) -> None:
+        """Keep the probed count if it measured clearly faster than ``current``: the current count's speed."""
         self._probe = None
         self._suspect = False
         self._probe_ended = self._clock()
         measured = statistics.median(probe.slowdowns)
-        current = self._current() if self._recent else measured
         if measured < current * BETTER:
             self.now = probe.threads
             self.switches += 1
