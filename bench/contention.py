@@ -18,11 +18,13 @@ Each cell is the median over --rounds (voice: all turns pooled). The ratios: bes
 kvpool / llama-server. kvpoold's status (its thread count and step slowdown) is read at each scenario's end.
 
     python bench/contention.py [--rounds 3] [--voice-turns 12] [--llama-server PATH] [--kvpool NAME=FLAGS ...]
-                               [--scenarios alone "1 python" ...]
+                               [--scenarios alone "1 python" ...] [--before PYTHON]
 
 --kvpool adds a kvpoold variant (FLAGS: its extra command-line flags, e.g. "fixed=--no-adapt-threads", and
 environment variables, e.g. "spin=--no-adapt-threads GOMP_SPINCOUNT=1000");
-without it, kvpoold runs as shipped and with its thread count fixed. Raw numbers go to bench/out/contention.json,
+without it, kvpoold runs as shipped and with its thread count fixed. --before adds "kvpool before": kvpoold as
+shipped, run by another install's Python (a worktree at an older commit), for a change's effect side by side.
+Raw numbers go to bench/out/contention.json,
 a plot to bench/out/contention.png.
 """
 
@@ -298,6 +300,7 @@ def main() -> int:
     ap.add_argument("--voice-turns", type=int, default=12)
     ap.add_argument("--llama-server", help="a llama-server binary (default: one scripts/build-llama-server.sh built)")
     ap.add_argument("--kvpool", action="append", default=[], metavar="NAME=FLAGS", help="a kvpoold variant")
+    ap.add_argument("--before", metavar="PYTHON", help="also kvpoold as shipped from this Python's install")
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     args = ap.parse_args()
     if args.role:
@@ -307,6 +310,9 @@ def main() -> int:
     variants = dict(DEFAULT_VARIANTS)
     if args.kvpool:
         variants = {name: tuple(shlex.split(flags)) for name, _, flags in (v.partition("=") for v in args.kvpool)}
+    pythons = {name: sys.executable for name in variants}
+    if args.before:
+        variants["kvpool before"], pythons["kvpool before"] = (), args.before
     binary = llama_server_binary(args.llama_server)
     rng = random.Random(7)
     with contextlib.ExitStack() as stack:
@@ -315,7 +321,9 @@ def main() -> int:
             env = dict(f.split("=", 1) for f in flags if ENV_VAR.match(f))  # e.g. GOMP_SPINCOUNT=1000
             options = [f for f in flags if not ENV_VAR.match(f)]
             daemon = stack.enter_context(
-                private_daemon(model, "--config", str(CONFIG), "--threads", str(THREADS), *options, env=env)
+                private_daemon(
+                    model, "--config", str(CONFIG), "--threads", str(THREADS), *options, python=pythons[name], env=env
+                )
             )
             server = Kvpool(name, daemon.address)
             stack.callback(server.client.close)
