@@ -17,8 +17,11 @@ guesses are compared with its answers without, token for token, and its guess co
     python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--draft-step-rows 16]
                                 [--llama-server PATH]
                                 [--workloads chat json copy] [--streams 1 4 8] [--jump-compare] [--no-anchors]
+                                [--before PYTHON]
 
-Raw numbers go to bench/out/speculative.json, a plot to bench/out/speculative.png.
+--before adds "kvpool guesses before": kvpoold with guesses run by another install's Python (a worktree at an older
+commit), for a change's effect side by side. Raw numbers go to bench/out/speculative.json, a plot to
+bench/out/speculative.png.
 """
 
 from __future__ import annotations
@@ -242,7 +245,7 @@ def report(rates: dict[str, dict[str, list[float]]], workloads: list[str], strea
             key = f"{w}/{n}"
             print(f"{w:<8} {n:>7} " + " ".join(f"{med(rates[name][key]):>22.1f}" for name in names))
     base, fast = "kvpool", "kvpool guesses"
-    anchors = [name for name in names if name.startswith("llama-server")]
+    anchors = [name for name in names if name.startswith("llama-server") or name == f"{fast} before"]
     if base in rates and fast in rates:
         print("\nratios (medians)")
         cols = [f"{fast} / {base}"] + [f"{fast} / {a}" for a in anchors]
@@ -296,6 +299,7 @@ def main() -> int:
     ap.add_argument(
         "--jump-compare", action="store_true", help="also kvpool with guesses but without grammar jump-forward"
     )
+    ap.add_argument("--before", metavar="PYTHON", help="also kvpool with guesses from this Python's install")
     args = ap.parse_args()
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
@@ -310,6 +314,10 @@ def main() -> int:
         servers: list[Server] = []
         guessing = ("--draft-tokens", str(args.draft_tokens), "--draft-step-rows", str(args.draft_step_rows))
         kvpools = [("kvpool", ("--draft-tokens", "0", "--jump-forward", "off")), ("kvpool guesses", guessing)]
+        pythons = {name: sys.executable for name, _ in kvpools}
+        if args.before:
+            kvpools.append(("kvpool guesses before", guessing))
+            pythons["kvpool guesses before"] = args.before
         if args.jump_compare:
             kvpools += [
                 ("kvpool forced appended", (*guessing, "--jump-forward", "append")),
@@ -317,7 +325,8 @@ def main() -> int:
                 ("kvpool appends alone", ("--draft-tokens", "0", "--jump-forward", "append")),
             ]
         for name, flags in kvpools:
-            daemon = stack.enter_context(private_daemon(model, *common, *flags))
+            python = pythons.get(name, sys.executable)
+            daemon = stack.enter_context(private_daemon(model, *common, *flags, python=python))
             servers.append(Kvpool(name, daemon.address))
         if binary and not args.no_anchors:
             servers += [LlamaServer(name, binary, model, flags) for name, flags in anchors.items()]
