@@ -251,15 +251,21 @@ def steps_on(model: CostModel, clock: FakeClock, shape: StepShape, seconds: floa
         model.update(shape, seconds)
 
 
+def calibrated_on(clock: FakeClock, fixed_s: float) -> tuple[CostModel, StepShape, float]:
+    """A cost model on ``clock``, calibrated on steps of ``fixed_s`` plus 1.5 ms a token; a decode step's shape and
+    its predicted seconds."""
+    model = CostModel(clock=clock)
+    calibrate(model, lambda start, n, outputs=1: fixed_s + 0.0015 * n, repeat=20)
+    decode = StepShape.of([(100, 1, True)])
+    return model, decode, model.predict(decode)
+
+
 def test_a_slow_moment_fades_once_no_step_runs_but_a_lasting_slowdown_stays() -> None:
     # A few slow steps and then nothing (a voice turn beside a neighbour that was briefly greedy): the fast factor
     # must not stay up, or admission refuses the next voice request, and every one after it, since a refused
     # request runs no step that could show the machine is fast again.
     clock = FakeClock()
-    model = CostModel(clock=clock)
-    calibrate(model, lambda start, n, outputs=1: 0.02 + 0.0015 * n, repeat=20)
-    decode = StepShape.of([(100, 1, True)])
-    normal = model.predict(decode)
+    model, decode, normal = calibrated_on(clock, 0.02)
     steps_on(model, clock, decode, normal, 30)
     steps_on(model, clock, decode, 4 * normal, 4)
     assert model.predict(decode) > 2.5 * normal  # right after them, the slow steps count
@@ -278,10 +284,7 @@ def test_a_slow_moment_fades_once_no_step_runs_but_a_lasting_slowdown_stays() ->
 def test_the_fast_factor_does_not_fade_during_the_steps_themselves() -> None:
     # Long steps one right after another are not idle time: a slowdown they show is kept at full weight.
     clock = FakeClock()
-    model = CostModel(clock=clock)
-    calibrate(model, lambda start, n, outputs=1: 0.2 + 0.0015 * n, repeat=20)
-    decode = StepShape.of([(100, 1, True)])
-    normal = model.predict(decode)
+    model, decode, normal = calibrated_on(clock, 0.2)
     steps_on(model, clock, decode, 3 * normal, 8)  # each over 0.6 s, longer than the idle half-life
     assert model.predict(decode) > 2.5 * normal
 
