@@ -112,6 +112,24 @@ def test_a_heavier_moment_that_passes_does_not_make_a_probe_look_better_than_it_
     assert used.count(2) <= 2 * PROBE_STEPS
 
 
+def test_a_probe_and_the_steps_it_is_judged_against_must_be_of_one_moment() -> None:
+    # The neighbour leaves, a probe of two threads measures fast; then the engine waits five seconds, the neighbour
+    # comes back, and the next steps at one thread are slow. Two moments: no verdict (two threads would lose now).
+    machine = Machine(BESIDE_ONE, idle=0.0, cores=SHARED)
+    count = counted(machine)
+    machine.run(count, 200)
+    assert count.now == 1
+    machine.slowdown, machine.idle, machine.cores = ALONE, 1.0, {}
+    used: list[int] = []
+    while not (used and used[-1] == 2 and not count.probing):  # until the probe's own steps are done
+        used += machine.run(count, 1)
+    assert used.count(2) == PROBE_STEPS
+    machine.t += 5.0
+    machine.slowdown, machine.idle, machine.cores = BESIDE_ONE, 0.0, SHARED
+    machine.run(count, PROBE_STEPS + 4)
+    assert count.now == 1 and count.switches == 1
+
+
 def test_probes_that_do_not_pay_back_off() -> None:
     machine = Machine(BESIDE_ONE, idle=0.0, cores=SHARED)
     count = counted(machine)

@@ -11,7 +11,8 @@ on 2 cores beside one busy process, 2 threads decoded a quarter as fast as alone
   (a neighbour started), a probe runs a few steps at one thread fewer; a probe that measures clearly faster
   (BETTER) is kept. It is judged against the current count's steps right after it, not before: a probe called for
   because the steps sped up (a neighbour left) would otherwise be compared with the slower steps before, and win
-  on stale numbers.
+  on stale numbers; a probe whose steps and those after it lie more than PAIR_WITHIN_S apart (the engine waited
+  between them) gives no verdict.
 - Below the ceiling it probes one thread more (and one fewer, if any) every PROBE_EVERY_S, doubling the interval
   after each probe that did not pay (up to PROBE_MAX_S), and at once when the CPUs it may use show an idle core
   while it steps (/proc/stat: the neighbour left). At the ceiling it probes one fewer on the same schedule only
@@ -34,6 +35,7 @@ from kvpool.protocol.status import CpuStatus
 RECENT = 8  # steps at the current count its slowdown is judged over
 PROBE_STEPS = 4  # steps a probe runs at the other count, and at least PROBE_MIN_S
 PROBE_MIN_S = 0.1
+PAIR_WITHIN_S = 2.0  # a probe and the steps it is judged against this long apart compare two moments: dropped
 CLEARLY_STEPS, CLEARLY_WORSE = 2, 1.5  # a probe whose first steps are all this much slower ends at once
 WORSE = 1.3  # the recent slowdown over the settled level that suspects a neighbour
 BETTER = 0.9  # a probed count is kept when its slowdown is below this fraction of the current one's
@@ -49,6 +51,7 @@ class _Probe:
     started: float
     slowdowns: list[float] = field(default_factory=list)
     measured: bool = False  # its steps are done: the current count's next steps are what it is judged against
+    measured_at: float = 0.0
     after: list[float] = field(default_factory=list)
 
 
@@ -91,10 +94,7 @@ class ThreadCount:
         if not self.adaptive:
             return self.most
         if self._probe is not None and not self._probe.measured and not may_probe:
-            # A deadline is due: no step at a count that may be slower.
-            self._probe = None
-            self._probe_ended = self._clock()
-            self._next_probe = self._probe_ended + self._interval
+            self._give_up_probe()  # a deadline is due: no step at a count that may be slower
         if self._probe is None and may_probe and len(self._recent) >= RECENT // 2:
             candidate = self._candidate()
             if candidate is not None:
@@ -127,7 +127,7 @@ class ThreadCount:
         calibrated prediction, and its process had ``cores`` CPUs' worth of time while it ran."""
         if slowdown <= 0 or lent:
             return  # a step with a thread lent to an encode: not this count's speed
-        if cores is not None and threads == self.now and self._probe is None:
+        if cores is not None and threads == self.now and not self.probing:
             self._cores.append(cores)  # (also when fixed: shown)
         if not self.adaptive:
             self._recent.append(slowdown)  # still shown: an operator sees the neighbours' cost
@@ -137,12 +137,15 @@ class ThreadCount:
             probe.slowdowns.append(slowdown)
             n = len(probe.slowdowns)
             if n >= PROBE_STEPS and self._clock() - probe.started >= PROBE_MIN_S:
-                probe.measured = True
+                probe.measured, probe.measured_at = True, self._clock()
             elif n >= CLEARLY_STEPS and min(probe.slowdowns) > self._current() * CLEARLY_WORSE:
                 self._end_probe(probe, self._current())  # a probe that is clearly slower costs no more steps
             return
         if threads != self.now:
             return
+        if probe is not None and probe.measured and self._clock() - probe.measured_at > PAIR_WITHIN_S:
+            self._give_up_probe()  # the engine waited between the probe and these steps: two moments, no verdict
+            probe = None
         if probe is not None and probe.measured:
             probe.after.append(slowdown)
             if len(probe.after) >= PROBE_STEPS:
@@ -163,6 +166,12 @@ class ThreadCount:
         elif latest < self._level / WORSE:
             self._level = latest  # faster than it was (a neighbour left): more threads may pay now
             self._next_probe = self._clock()
+
+    def _give_up_probe(self) -> None:
+        """No verdict: the count stays, and the next probe comes on the usual schedule."""
+        self._probe = None
+        self._probe_ended = self._clock()
+        self._next_probe = self._probe_ended + self._interval
 
     def _current(self) -> float:
         return statistics.median(self._recent) if self._recent else 1.0
