@@ -307,12 +307,12 @@ class RemoteWriter:
             if payload is not None:
                 payload.release()
         if not intact:
+            if payload is not None:  # dropped before anyone is told, so that whoever hears "stale" finds it gone
+                with contextlib.suppress(RemoteUnavailable):  # else it expires by itself (STAGE_MS)
+                    self.store.unstage(job.session, held)
             self.counts.stale += 1
             self.events.put(Event("stale", job.session))
             self._notify(job, False, "its checkpoint changed while it was queued; retry")
-            if payload is not None:
-                with contextlib.suppress(RemoteUnavailable):  # else it expires by itself (STAGE_MS)
-                    self.store.unstage(job.session, held)
             return False
         head = rec.encode(record)
         if not self.store.commit(job.session, held, head, self.ttl_ms):
