@@ -144,7 +144,7 @@ class Kvpool(Server):
         return all_at_once(one, n)
 
     def voice_turn(self, turn: int) -> float | None:
-        sent, first = time.monotonic(), None
+        sent, first, self.refusal = time.monotonic(), None, None
         try:
             for _chunk in self.voice.generate(f"User: question {turn}, what now?\nAssistant:", max_tokens=8, **GREEDY):
                 first = first or time.monotonic()
@@ -310,7 +310,7 @@ def main() -> int:
     variants = dict(DEFAULT_VARIANTS)
     if args.kvpool:
         variants = {name: tuple(shlex.split(flags)) for name, _, flags in (v.partition("=") for v in args.kvpool)}
-    pythons = {name: sys.executable for name in variants}
+    pythons: dict[str, str] = {}  # a variant run by another install; the rest by this one
     if args.before:
         variants["kvpool before"], pythons["kvpool before"] = (), args.before
     binary = llama_server_binary(args.llama_server)
@@ -320,9 +320,10 @@ def main() -> int:
         for name, flags in variants.items():
             env = dict(f.split("=", 1) for f in flags if ENV_VAR.match(f))  # e.g. GOMP_SPINCOUNT=1000
             options = [f for f in flags if not ENV_VAR.match(f)]
+            python = pythons.get(name, sys.executable)
             daemon = stack.enter_context(
                 private_daemon(
-                    model, "--config", str(CONFIG), "--threads", str(THREADS), *options, python=pythons[name], env=env
+                    model, "--config", str(CONFIG), "--threads", str(THREADS), *options, python=python, env=env
                 )
             )
             server = Kvpool(name, daemon.address)

@@ -245,16 +245,16 @@ def report(rates: dict[str, dict[str, list[float]]], workloads: list[str], strea
             key = f"{w}/{n}"
             print(f"{w:<8} {n:>7} " + " ".join(f"{med(rates[name][key]):>22.1f}" for name in names))
     base, fast = "kvpool", "kvpool guesses"
-    anchors = [name for name in names if name.startswith("llama-server") or name == f"{fast} before"]
+    others = [name for name in names if name.startswith("llama-server") or name == f"{fast} before"]
     if base in rates and fast in rates:
         print("\nratios (medians)")
-        cols = [f"{fast} / {base}"] + [f"{fast} / {a}" for a in anchors]
+        cols = [f"{fast} / {base}"] + [f"{fast} / {a}" for a in others]
         print(f"{'workload':<8} {'streams':>7} " + " ".join(f"{c:>36}" for c in cols))
         for w in workloads:
             for n in streams:
                 key = f"{w}/{n}"
                 f = med(rates[fast][key])
-                values = [f / med(rates[base][key])] + [f / med(rates[a][key]) for a in anchors]
+                values = [f / med(rates[base][key])] + [f / med(rates[a][key]) for a in others]
                 print(f"{w:<8} {n:>7} " + " ".join(f"{v:>35.2f}x" for v in values))
 
 
@@ -314,7 +314,7 @@ def main() -> int:
         servers: list[Server] = []
         guessing = ("--draft-tokens", str(args.draft_tokens), "--draft-step-rows", str(args.draft_step_rows))
         kvpools = [("kvpool", ("--draft-tokens", "0", "--jump-forward", "off")), ("kvpool guesses", guessing)]
-        pythons = {name: sys.executable for name, _ in kvpools}
+        pythons: dict[str, str] = {}  # a daemon run by another install; the rest by this one
         if args.before:
             kvpools.append(("kvpool guesses before", guessing))
             pythons["kvpool guesses before"] = args.before

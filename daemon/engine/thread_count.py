@@ -50,8 +50,7 @@ class _Probe:
     threads: int
     started: float
     slowdowns: list[float] = field(default_factory=list)
-    measured: bool = False  # its steps are done: the current count's next steps are what it is judged against
-    measured_at: float = 0.0
+    measured_at: float | None = None  # its steps are done: the current count's next steps are what it is judged against
     after: list[float] = field(default_factory=list)
 
 
@@ -87,20 +86,20 @@ class ThreadCount:
     @property
     def probing(self) -> bool:
         """The next step runs at a count other than the current one, to measure it."""
-        return self._probe is not None and not self._probe.measured
+        return self._probe is not None and self._probe.measured_at is None
 
     def for_next_step(self, may_probe: bool) -> int:
         """The threads the next step decodes with."""
         if not self.adaptive:
             return self.most
-        if self._probe is not None and not self._probe.measured and not may_probe:
-            self._give_up_probe()  # a deadline is due: no step at a count that may be slower
+        if self.probing and not may_probe:
+            self._close_probe()  # a deadline is due: no step at a count that may be slower
         if self._probe is None and may_probe and len(self._recent) >= RECENT // 2:
             candidate = self._candidate()
             if candidate is not None:
                 self._probe = _Probe(candidate, self._clock())
                 self.probes += 1
-        return self._probe.threads if self._probe is not None and not self._probe.measured else self.now
+        return self._probe.threads if self._probe is not None and self.probing else self.now
 
     def _candidate(self) -> int | None:
         if self._suspect and self.now > 1:
@@ -133,25 +132,25 @@ class ThreadCount:
             self._recent.append(slowdown)  # still shown: an operator sees the neighbours' cost
             return
         probe = self._probe
-        if probe is not None and not probe.measured and threads == probe.threads:
+        if probe is not None and probe.measured_at is None and threads == probe.threads:
             probe.slowdowns.append(slowdown)
             n = len(probe.slowdowns)
             if n >= PROBE_STEPS and self._clock() - probe.started >= PROBE_MIN_S:
-                probe.measured, probe.measured_at = True, self._clock()
+                probe.measured_at = self._clock()
             elif n >= CLEARLY_STEPS and min(probe.slowdowns) > self._current() * CLEARLY_WORSE:
                 self._end_probe(probe, self._current())  # a probe that is clearly slower costs no more steps
             return
         if threads != self.now:
             return
-        if probe is not None and probe.measured and self._clock() - probe.measured_at > PAIR_WITHIN_S:
-            self._give_up_probe()  # the engine waited between the probe and these steps: two moments, no verdict
-            probe = None
-        if probe is not None and probe.measured:
-            probe.after.append(slowdown)
-            if len(probe.after) >= PROBE_STEPS:
-                self._end_probe(probe, statistics.median(probe.after))
-                if self.now != threads:
-                    return  # it switched: this step was the count it left
+        if probe is not None and probe.measured_at is not None:
+            if self._clock() - probe.measured_at > PAIR_WITHIN_S:
+                self._close_probe()  # the engine waited between the probe and these steps: two moments, no verdict
+            else:
+                probe.after.append(slowdown)
+                if len(probe.after) >= PROBE_STEPS:
+                    self._end_probe(probe, statistics.median(probe.after))
+                    if self.now != threads:
+                        return  # it switched: this step was the count it left
         self._recent.append(slowdown)
         if len(self._recent) < RECENT:
             return
@@ -167,8 +166,8 @@ class ThreadCount:
             self._level = latest  # faster than it was (a neighbour left): more threads may pay now
             self._next_probe = self._clock()
 
-    def _give_up_probe(self) -> None:
-        """No verdict: the count stays, and the next probe comes on the usual schedule."""
+    def _close_probe(self) -> None:
+        """The probe is over (with no verdict, the count stays): the next one comes after the interval."""
         self._probe = None
         self._probe_ended = self._clock()
         self._next_probe = self._probe_ended + self._interval
@@ -178,9 +177,7 @@ class ThreadCount:
 
     def _end_probe(self, probe: _Probe, current: float) -> None:
         """Keep the probed count if it measured clearly faster than ``current``: the current count's speed."""
-        self._probe = None
         self._suspect = False
-        self._probe_ended = self._clock()
         measured = statistics.median(probe.slowdowns)
         if measured < current * BETTER:
             self.now = probe.threads
@@ -191,7 +188,7 @@ class ThreadCount:
             self._interval = PROBE_EVERY_S
         else:
             self._interval = min(self._interval * 2, PROBE_MAX_S)
-        self._next_probe = self._clock() + self._interval
+        self._close_probe()
 
     def status(self) -> CpuStatus:
         return CpuStatus(
