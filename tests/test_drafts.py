@@ -252,3 +252,41 @@ def test_only_a_decode_token_gets_a_guess_and_each_guess_counts_in_the_next_ones
     assert len(out[2].draft) == 6 and len(out[3].draft) == 1  # the second gets the one spare row left
     shape = StepShape.of([(100, 40, 0), (100, 1, 1), (100, 7, 7), (100, 2, 2)])
     assert shape.outputs == 10 and shape.tokens == 50
+
+
+def record(value: int) -> list[int]:
+    """A record of a list: its key, its value, the rest of it (the same in every record)."""
+    return [10, 11, 12, value, 20, 21, 22, 23]
+
+
+def test_where_the_last_token_replaced_another_the_guess_is_what_followed_the_one_it_replaced() -> None:
+    # The second record's value differs: no earlier place ends with it, but "10 11 12" stood before another value.
+    d = drafter(record(1) + record(2)[:4], most=4)
+    assert d.guess() == [20, 21, 22, 23] and d.matched == -3
+    # A match that ends with the last token is preferred to a substitution with as long a context before it.
+    d = drafter([7, 11, 12, 2, 30, 31, *record(1), *record(2)[:4]], most=2)
+    assert d.guess() == [30, 31] and d.matched == 3
+    # Two tokens before the replaced one are too few to guess from.
+    assert drafter([11, 12, 1, 20, 21, 11, 12, 2]).guess() == []
+
+
+def test_a_guess_that_starts_at_a_slot_that_changed_is_measured_apart_and_starts_low() -> None:
+    tokens = record(1)
+    d = drafter(tokens, most=4)
+    for token in record(2):  # the engine asks for a guess every step
+        d.guess()
+        tokens.append(token)
+    for _ in range(8):  # guesses of the records' common part, all taken
+        d.observe(4, 4)
+    tokens += [10, 11, 12]
+    assert d.guess() == [2, 20, 21, 22]  # the third record's value: the second's, which replaced the first's
+    assert d.acceptance < 0.3
+    tokens.append(3)
+    assert d.guess() == [20, 21, 22, 23] and d.matched == -3
+    assert d.acceptance > 0.9  # the rest of the record: as the other guesses measured
+    # A slot whose value was refused where it was guessed changes too.
+    d = drafter(tokens := [*record(1), 10, 11, 12], most=4)
+    assert d.guess() == [1, 20, 21, 22]
+    d.observe(4, 0)
+    tokens += [2, 20, 21, 22, 23, 10, 11, 12]
+    assert d.guess() == [2, 20, 21, 22] and d.acceptance < 0.3

@@ -2,12 +2,13 @@
 
 A generation that decodes one token a step may feed a few more rows in the same step: the tokens that followed
 the last place its session's context (its prompt, earlier turns, what it generated) had the same few tokens as
-it has now (prompt lookup, an n-gram match). The step computes their logits beside everyone else's rows; the
-runner then samples row by row and goes on while what it samples is the guess (runner.py). Each token so comes
-from the same sampler, one per row, in order, as one step at a time would give it: greedy output is the same
-token for token (up to the float noise any change of batch brings, docs/speculative.md), and seeded sampling
-draws the same random numbers in the same order, so its distribution is kept exactly. The cells of rejected rows
-are removed (KvManager.trim).
+it has now (prompt lookup, an n-gram match), or, where its last token took another's place after the same few
+tokens (a record's new value, a renamed word), the tokens that followed the one it replaced. The step computes
+their logits beside everyone else's rows; the runner then samples row by row and goes on while what it samples
+is the guess (runner.py). Each token so comes from the same sampler, one per row, in order, as one step at a
+time would give it: greedy output is the same token for token (up to the float noise any change of batch
+brings, docs/speculative.md), and seeded sampling draws the same random numbers in the same order, so its
+distribution is kept exactly. The cells of rejected rows are removed (KvManager.trim).
 
 How many rows a guess gets follows what it pays: each generation's measured acceptance (the chance that a guessed
 token is taken, given the ones before it were) against what the step cost model predicts the extra rows cost.
@@ -17,7 +18,7 @@ whether its text has turned repetitive. Pure logic, no llama.cpp.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol, TypeVar
 
@@ -31,6 +32,11 @@ DECAY = 0.9  # of the acceptance counts per step that drafted: about the last te
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # before anything is measured: one in two guessed tokens taken
 RETRY_EVERY = 16  # steps between short guesses while guessing does not pay
 RETRY_TOKENS = 2
+SUBSTITUTED_MIN = 3  # the shortest match before a replaced token that is guessed from
+# Before anything is measured, a guess that starts at a slot which took other tokens before (a record's value, a
+# counter, a number's length) is expected taken one time in four: too little to pay for a row at the step costs
+# measured, so such a guess waits for the slot's token to be sampled, and the next step guesses what follows it.
+VARYING_PRIOR = 0.25
 FORCED = 0  # the match length a guess of what a grammar forces is measured under (no n-gram is that short)
 
 Admitted = Callable[[list[int]], list[int]]  # the part of a guess a generation's grammar admits
@@ -52,9 +58,18 @@ class Drafter:
         # n-gram -> where the tokens after its latest KEEP matches begin, the latest last
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = max(0, len(tokens) - WINDOW)  # n-grams ending before this position are indexed
-        self._stats: dict[int, list[float]] = {}  # match length -> [accepted, tried], decayed
+        self._stats: dict[tuple[int, bool], list[float]] = {}  # the guesses' key -> [accepted, tried], decayed
         self._overall = [PRIOR_ACCEPTED, PRIOR_TRIED]  # all match lengths together, decayed
         self.matched = 0  # the match length of the last guess
+        # Where the last guess's first token came from (None: no earlier place, a grammar's forced text), and the
+        # context's length then.
+        self._start: int | None = None
+        self._end = 0
+        # Positions of the context that took another token than the same few tokens had before them at an earlier
+        # place: where a guess was refused, and both ends of a substitution found (_matches). A guess that starts
+        # at one starts at a slot that changes (a record's value, a counter, a number's length): its acceptance is
+        # measured apart from the other guesses of its match length.
+        self._varying: set[int] = set()
         self._idle_steps = 0
         self.drafted_tokens = self.accepted_tokens = 0
         # What the generation's grammar forces next, as tokens (jump_forward = "guess"; engine/jumps.py): the guess
@@ -64,43 +79,63 @@ class Drafter:
     @property
     def acceptance(self) -> float:
         """The chance that a token of the last guess is taken, given that the ones before it were: as measured
-        for guesses of its match length, starting from what all its guesses measured (a match length it has not
-        tried yet is as good as the others until it shows otherwise)."""
-        overall = self._overall[0] / self._overall[1]
-        accepted, tried = self._stats.get(self.matched, (0.0, 0.0))
-        return (accepted + PRIOR_TRIED * overall) / (tried + PRIOR_TRIED)
+        for guesses of its match length (apart for those that start at a changing slot), starting from what all
+        its guesses measured (a match length it has not tried yet is as good as the others until it shows
+        otherwise), or from VARYING_PRIOR at a changing slot."""
+        matched, varying = self._key
+        start = VARYING_PRIOR if varying else self._overall[0] / self._overall[1]
+        accepted, tried = self._stats.get((matched, varying), (0.0, 0.0))
+        return (accepted + PRIOR_TRIED * start) / (tried + PRIOR_TRIED)
 
     def guess(self, admitted: Admitted | None = None) -> list[int]:
         """The tokens after the latest earlier place the context ended as it does now, for the longest such
         ending (at most ``most``). Past the context's end, the guess goes on with itself: a repeating line repeats.
+        Where the context's last token replaced another (a record's new value, a renamed word), the tokens after
+        the one it replaced are guessed too, when the match before it is longer than any that ends with it.
         ``admitted``: a generation's grammar; then the longest part it admits of the latest CANDIDATES matches.
         Where the grammar forces a text (``forced``), that text is the guess."""
+        end = self._end = len(self.tokens)
         if self.forced is not None and (forced := self.forced()):
-            self.matched = FORCED
+            self.matched, self._start = FORCED, None
             return forced[: self.most]
-        tokens = self.tokens
-        end = len(tokens)
         if self._indexed > end:  # the conversation lost tokens (a prompt that could not be computed): start again
             self._index.clear()
+            self._varying.clear()
             self._indexed = max(0, end - WINDOW)
         self._index_up_to(end - 1)  # the n-grams ending before the last token: the current one is no match
         best: list[int] = []
-        asked = 0
+        for asked, (matched, start, whole) in enumerate(self._matches(end), 1):
+            if admitted is None:
+                self.matched, self._start = matched, start
+                return whole
+            part = admitted(whole)
+            if len(part) > len(best):
+                best, self.matched, self._start = part, matched, start
+            if (part and len(part) == len(whole)) or asked >= CANDIDATES:
+                return best
+        return best
+
+    @property
+    def _key(self) -> tuple[int, bool]:
+        return self.matched, self._start in self._varying
+
+    def _matches(self, end: int) -> Iterator[tuple[int, int, list[int]]]:
+        """Each earlier place's continuation, the longest match first, the latest first among equals: its match
+        length, where it starts, and its tokens. The match length is n for a match of the last n tokens; -n for a
+        match of the n tokens before the last, which stood at an earlier place where another token followed them
+        (the last token took its place: what came after it there is the guess)."""
+        tokens = self.tokens
         for n in range(min(self.ngram_max, end), 0, -1):
             for after in reversed(self._index.get(tuple(tokens[end - n : end]), ())):
-                whole = self._continuation(after, end)
-                if admitted is None:
-                    if whole:
-                        self.matched = n
-                        return whole
-                    continue
-                part = admitted(whole)
-                asked += 1
-                if len(part) > len(best):
-                    best, self.matched = part, n
-                if (part and len(part) == len(whole)) or asked >= CANDIDATES:
-                    return best
-        return best
+                if whole := self._continuation(after, end):
+                    yield n, after, whole
+            if n < SUBSTITUTED_MIN or n >= end:
+                continue
+            for after in reversed(self._index.get(tuple(tokens[end - 1 - n : end - 1]), ())):
+                if after < end - 1 and tokens[after] != tokens[end - 1]:
+                    self._varying.update((after, end - 1))
+                    if whole := self._continuation(after + 1, end):
+                        yield -n, after + 1, whole
 
     def _continuation(self, after: int, end: int) -> list[int]:
         tokens, out = self.tokens, []
@@ -148,9 +183,11 @@ class Drafter:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         rejected = 1 if accepted < drafted else 0  # the first refused guess ends the run: the rest say nothing
-        for stats in (self._stats.setdefault(self.matched, [0.0, 0.0]), self._overall):
+        for stats in (self._stats.setdefault(self._key, [0.0, 0.0]), self._overall):
             stats[0] = DECAY * stats[0] + accepted
             stats[1] = DECAY * stats[1] + accepted + rejected
+        if rejected and self._start is not None:
+            self._varying.add(self._end + accepted)  # (where the token sampled in place of the guessed one goes)
 
 
 class Drafting(Protocol):
