@@ -99,9 +99,32 @@ def test_acceptance_follows_what_was_taken() -> None:
 
 def test_a_generation_whose_guesses_do_not_pay_retries_a_short_one_now_and_then() -> None:
     d = drafter([])
+    d.observe(4, 0)  # (measured: not paying)
     lengths = [d.length(0, 6) for _ in range(3 * RETRY_EVERY)]
     assert lengths.count(RETRY_TOKENS) == 3 and lengths.count(0) == 3 * RETRY_EVERY - 3
     assert d.length(5, 6) == 5
+
+
+def test_a_kind_of_guess_not_measured_yet_is_measured_at_once_with_a_short_guess() -> None:
+    # The answer's first guess, from a short match, was refused: a long match's guess is still measured at once.
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4]
+    d = drafter(tokens, ngram=4)
+    assert d.guess() and d.matched == 2
+    assert d.length(0, 4) == RETRY_TOKENS
+    d.observe(RETRY_TOKENS, 0)
+    assert d.length(0, 4) == 0  # measured: its own figures price it now
+    tokens += [5, 6]
+    assert d.guess() and d.matched == 4
+    assert d.acceptance < 0.5  # (priced on the refused one's figures) ...
+    assert d.length(0, 4) == RETRY_TOKENS  # ... but measured all the same
+    assert d.length(0, 2) == 2
+    # A guess that starts at a changing slot is not: it waits for the slot's token.
+    tokens = record(1)
+    d = drafter(tokens, most=4)
+    for token in [*record(2), 10, 11, 12]:
+        d.guess()
+        tokens.append(token)
+    assert d.guess() == [2, 20, 21, 22] and d.length(0, 4) == 0
 
 
 @dataclass(eq=False)
@@ -128,7 +151,7 @@ def cost(fixed: float, per_token: float, per_output: float) -> CostModel:
 
 def repetitive(acceptance: float) -> Drafter:
     d = drafter([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], most=6)
-    d._stats = {n: [acceptance * 100, 100.0] for n in range(1, 4)}  # as if measured over many steps
+    d._stats = {(n, False): [acceptance * 100, 100.0] for n in range(1, 4)}  # as if measured over many steps
     d._overall = [acceptance * 100, 100.0]
     return d
 

@@ -31,7 +31,7 @@ CANDIDATES = 8  # matches a constrained generation's grammar is asked about, at 
 DECAY = 0.9  # of the acceptance counts per step that drafted: about the last ten count
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # before anything is measured: one in two guessed tokens taken
 RETRY_EVERY = 16  # steps between short guesses while guessing does not pay
-RETRY_TOKENS = 2
+RETRY_TOKENS = 3  # (four rows: the logits kernel's tiles take an even number at no extra pass)
 SUBSTITUTED_MIN = 3  # the shortest match before a replaced token that is guessed from
 # Before anything is measured, a guess that starts at a slot which took other tokens before (a record's value, a
 # counter, a number's length) is expected taken one time in four: too little to pay for a row at the step costs
@@ -170,6 +170,11 @@ class Drafter:
         if paying > 0 or available == 0:
             self._idle_steps = 0
             return paying
+        if self._key not in self._stats and not self._key[1]:
+            # A kind of guess not measured yet (a match length, a substitution, forced text) is measured at once,
+            # short: priced on the others' figures, a long copied run waited RETRY_EVERY steps after a short
+            # match's guess was refused at the answer's first token.
+            return min(RETRY_TOKENS, available)
         self._idle_steps += 1
         if self._idle_steps < RETRY_EVERY:
             return 0
