@@ -105,19 +105,21 @@ def test_a_generation_whose_guesses_do_not_pay_retries_a_short_one_now_and_then(
     assert d.length(5, 6) == 5
 
 
-def test_a_kind_of_guess_not_measured_yet_is_measured_at_once_with_a_short_guess() -> None:
-    # The answer's first guess, from a short match, was refused: a long match's guess is still measured at once.
+def test_a_kind_of_guess_not_measured_yet_is_measured_at_once_where_it_is_likely_right() -> None:
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4]
     d = drafter(tokens, ngram=4)
     assert d.guess() and d.matched == 2
-    assert d.length(0, 4) == RETRY_TOKENS
-    d.observe(RETRY_TOKENS, 0)
-    assert d.length(0, 4) == 0  # measured: its own figures price it now
+    assert d.length(0, 4) == 0  # a short match in free text is often wrong: it waits for a retry
+    d.observe(RETRY_TOKENS, 0)  # (refused)
     tokens += [5, 6]
     assert d.guess() and d.matched == 4
-    assert d.acceptance < 0.5  # (priced on the refused one's figures) ...
-    assert d.length(0, 4) == RETRY_TOKENS  # ... but measured all the same
+    assert d.acceptance < 0.5  # a long match, priced on the refused one's figures ...
+    assert d.length(0, 4) == RETRY_TOKENS  # ... is measured at once all the same
     assert d.length(0, 2) == 2
+    # What a grammar admitted is measured at once, however short its match.
+    d = drafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4], ngram=4)
+    assert d.guess(lambda guess: guess) and d.matched == 2
+    assert d.length(0, 4) == RETRY_TOKENS
     # A guess that starts at a changing slot is not: it waits for the slot's token.
     tokens = record(1)
     d = drafter(tokens, most=4)

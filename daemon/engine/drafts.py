@@ -32,6 +32,7 @@ DECAY = 0.9  # of the acceptance counts per step that drafted: about the last te
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # before anything is measured: one in two guessed tokens taken
 RETRY_EVERY = 16  # steps between short guesses while guessing does not pay
 RETRY_TOKENS = 3  # (four rows: the logits kernel's tiles take an even number at no extra pass)
+TRUSTED_MATCH = 4  # the shortest match whose kind of guess is measured as soon as it comes (Drafter._trusted)
 SUBSTITUTED_MIN = 3  # the shortest match before a replaced token that is guessed from
 # Before anything is measured, a guess that starts at a slot which took other tokens before (a record's value, a
 # counter, a number's length) is expected taken one time in four: too little to pay for a row at the step costs
@@ -65,6 +66,7 @@ class Drafter:
         # context's length then.
         self._start: int | None = None
         self._end = 0
+        self._constrained = False  # (the last guess was asked of the generation's grammar)
         # Positions of the context that took another token than the same few tokens had before them at an earlier
         # place: where a guess was refused, and both ends of a substitution found (_matches). A guess that starts
         # at one starts at a slot that changes (a record's value, a counter, a number's length): its acceptance is
@@ -95,6 +97,7 @@ class Drafter:
         ``admitted``: a generation's grammar; then the longest part it admits of the latest CANDIDATES matches.
         Where the grammar forces a text (``forced``), that text is the guess."""
         end = self._end = len(self.tokens)
+        self._constrained = admitted is not None
         if self.forced is not None and (forced := self.forced()):
             self.matched, self._start = FORCED, None
             return forced[: self.most]
@@ -118,6 +121,15 @@ class Drafter:
     @property
     def _key(self) -> tuple[int, bool]:
         return self.matched, self._start in self._varying
+
+    @property
+    def _trusted(self) -> bool:
+        """The last guess is of a kind that is mostly right: forced text, a match (or the tokens before a
+        substitution) of TRUSTED_MATCH tokens or more, or what the generation's grammar admitted; not one that
+        starts at a changing slot. (A short match in free text is often wrong: measuring each one at once cost
+        free chat more than it gave.)"""
+        matched, varying = self._key
+        return not varying and (self._constrained or matched == FORCED or abs(matched) >= TRUSTED_MATCH)
 
     def _matches(self, end: int) -> Iterator[tuple[int, int, list[int]]]:
         """Each earlier place's continuation, the longest match first, the latest first among equals: its match
@@ -170,10 +182,10 @@ class Drafter:
         if paying > 0 or available == 0:
             self._idle_steps = 0
             return paying
-        if self._key not in self._stats and not self._key[1]:
-            # A kind of guess not measured yet (a match length, a substitution, forced text) is measured at once,
-            # short: priced on the others' figures, a long copied run waited RETRY_EVERY steps after a short
-            # match's guess was refused at the answer's first token.
+        if self._key not in self._stats and self._trusted:
+            # A kind of guess not measured yet is measured at once, short, where it is likely right: priced on the
+            # others' figures, a long copied run waited RETRY_EVERY steps after a short match's guess was refused
+            # at the answer's first token.
             return min(RETRY_TOKENS, available)
         self._idle_steps += 1
         if self._idle_steps < RETRY_EVERY:
