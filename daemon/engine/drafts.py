@@ -177,8 +177,8 @@ class Drafter:
         return sum(a**i for i in range(1, k + 1))
 
     def length(self, paying: int, available: int) -> int:
-        """How many tokens of a guess of ``available`` to feed, when ``paying`` is the most that pays: a short retry
-        every RETRY_EVERY steps it is none."""
+        """How many tokens of a guess of ``available`` to feed, when ``paying`` is the most that pays: where it is
+        none, a short guess all the same for a likely-right kind not measured yet, and every RETRY_EVERY steps."""
         if paying > 0 or available == 0:
             self._idle_steps = 0
             return paying
