@@ -28,15 +28,16 @@ import speculative as sp
 from common import default_model, private_daemon
 
 from kvpool.client import Client
+from kvpool.daemon.config import Config
 from kvpool.daemon.engine.drafts import Drafter
 
-NGRAM, MOST = 8, 64  # the daemon's default draft_ngram; a guess's length does not matter to its first token
+MOST = 64  # tokens per guess (its length does not matter to its first token)
 
 
 def unguessed(prompt: list[int], answer: list[int], ends_turn: set[int]) -> int:
     """The answer's tokens that the guess from the context just before each does not start with."""
     tokens = list(prompt)
-    drafter = Drafter(tokens, NGRAM, MOST, lambda t: t in ends_turn)
+    drafter = Drafter(tokens, Config().draft_ngram, MOST, lambda t: t in ends_turn)
     count = 0
     for token in answer:
         guess = drafter.guess()

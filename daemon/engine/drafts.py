@@ -182,15 +182,14 @@ class Drafter:
         if paying > 0 or available == 0:
             self._idle_steps = 0
             return paying
-        if self._key not in self._stats and self._trusted:
-            # A kind of guess not measured yet is measured at once, short, where it is likely right: priced on the
-            # others' figures, a long copied run waited RETRY_EVERY steps after a short match's guess was refused
-            # at the answer's first token.
-            return min(RETRY_TOKENS, available)
-        self._idle_steps += 1
-        if self._idle_steps < RETRY_EVERY:
-            return 0
-        self._idle_steps = 0
+        # A kind of guess not measured yet is measured at once, short, where it is likely right: priced on the
+        # others' figures, a long copied run waited RETRY_EVERY steps after a short match's guess was refused at
+        # the answer's first token.
+        if self._key in self._stats or not self._trusted:
+            self._idle_steps += 1
+            if self._idle_steps < RETRY_EVERY:
+                return 0
+            self._idle_steps = 0
         return min(RETRY_TOKENS, available)
 
     def observe(self, drafted: int, accepted: int) -> None:
