@@ -52,6 +52,16 @@ TIMEOUT_S = 900.0
 GREEDY = {"temperature": 0.0}
 
 
+# llama-server without drafts, and with each n-gram draft setting of its own (no draft model: draftless, as kvpool)
+ANCHORS: dict[str, tuple[str, ...]] = {
+    "llama-server": (),
+    "llama-server ngram 3/8": (
+        "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8",
+    ),
+    "llama-server ngram-mod": ("--spec-type", "ngram-mod"),
+}  # fmt: skip
+
+
 def turn(text: str) -> str:
     return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
 
@@ -304,12 +314,7 @@ def main() -> int:
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
     common = ("--threads", str(THREADS), "--hot-slots", str(SLOTS), "--context-size", str(SLOTS * 2048))
-    anchors: dict[str, tuple[str, ...]] = {"llama-server": ()}
-    if not args.no_anchor_drafts:
-        anchors["llama-server ngram 3/8"] = (
-            "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8",
-        )  # fmt: skip
-        anchors["llama-server ngram-mod"] = ("--spec-type", "ngram-mod")
+    anchors = {"llama-server": ()} if args.no_anchor_drafts else ANCHORS
     with contextlib.ExitStack() as stack:
         servers: list[Server] = []
         guessing = ("--draft-tokens", str(args.draft_tokens), "--draft-step-rows", str(args.draft_step_rows))
