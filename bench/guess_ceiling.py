@@ -185,7 +185,8 @@ def main() -> int:
         for w in args.workloads:
             answers[w] = [kvpool.answer(*sp.prompt_of(w, i), args.tokens)[1] for i in range(prompts)]
         for w, n in cells:
-            measured[w, n] = statistics.median(sp.run_streams(kvpool, w, n, args.tokens)[0] for _ in range(args.rounds))
+            runs = [sp.run_streams(kvpool, w, n, args.tokens).rate for _ in range(args.rounds)]
+            measured[w, n] = statistics.median(runs)
     anchor: dict[tuple[str, int], float] = {}  # llama-server without drafts
     drafting: dict[tuple[str, int], float] = {}  # llama-server with its best draft setting for the cell
     binary = None if args.no_anchors else llama_server_binary(args.llama_server)
@@ -196,7 +197,7 @@ def main() -> int:
                 runs = []
                 for _ in range(args.rounds):
                     with server.fresh():
-                        runs.append(sp.run_streams(server, w, n, args.tokens)[0])
+                        runs.append(sp.run_streams(server, w, n, args.tokens).rate)
                 rate = statistics.median(runs)
                 if flags:
                     drafting[w, n] = max(drafting.get((w, n), 0.0), rate)

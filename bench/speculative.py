@@ -11,7 +11,11 @@ Workloads, each a Gemma chat turn:
 Streams: 1, 4 and 8 at once, each stream its own session (its prompt starts with its number). A cell is the
 decode rate, client-side: the sum over the streams of each one's tokens after its first / (its last token's time -
 its first token's), the median over --rounds (the servers' order rotates every round; every llama-server starts
-afresh for each cell, since ngram-mod keeps what it drafts from across requests). kvpoold's answers with
+afresh for each cell, since ngram-mod keeps what it drafts from across requests). At 4 and 8 streams a second table
+gives the same runs' rate while every stream decodes: all the tokens from the last stream's first to the first
+stream's last, over that time. kvpoold starts an answer as soon as its prompt is computed, so its first answers
+decode beside the later prompts, which their own rates count; a server that computes every prompt before the first
+answer starts (llama-server, given them at once) has no such time. kvpoold's answers with
 guesses are compared with its answers without, token for token, and its guess counters are read.
 
     python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--draft-step-rows 16]
@@ -34,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -220,9 +225,19 @@ class LlamaServer(Server):
         return times, out
 
 
-def run_streams(server: Server, workload: str, n: int, tokens: int) -> tuple[float, list[list[int]]]:
-    """``n`` answers at once: their decode rate (the sum of each answer's own, its tokens after the first over the
-    time from its first to its last, so that prompts computed at other times do not count), and their tokens."""
+@dataclass(frozen=True)
+class StreamsRun:
+    rate: float  # the sum of each answer's decode rate: its tokens after the first over its first to its last
+    # The rate while every answer decodes: all answers' tokens from the last answer's first token to the first
+    # answer's last, over that time. A server that starts an answer as soon as its prompt is computed has it decode
+    # beside the later prompts, and that time counts in its own rate but not here.
+    together: float
+    answers: list[list[int]]
+
+
+def run_streams(server: Server, workload: str, n: int, tokens: int) -> StreamsRun:
+    """``n`` answers at once: their decode rates (so that prompts computed before an answer's first token do not
+    count), and their tokens."""
     results: list[tuple[list[float], list[int]]] = [([], [])] * n
     barrier = threading.Barrier(n + 1)
 
@@ -238,7 +253,12 @@ def run_streams(server: Server, workload: str, n: int, tokens: int) -> tuple[flo
     for thread in threads:
         thread.join(TIMEOUT_S)
     rates = [(len(t) - 1) / (t[-1] - t[0]) for t, _ in results if len(t) > 1 and t[-1] > t[0]]
-    return (sum(rates) if len(rates) == n else float("nan")), [out for _, out in results]
+    answers = [out for _, out in results]
+    if len(rates) < n:
+        return StreamsRun(float("nan"), float("nan"), answers)
+    start, end = max(t[0] for t, _ in results), min(t[-1] for t, _ in results)
+    within = sum(1 for t, _ in results for at in t if start < at <= end)
+    return StreamsRun(sum(rates), within / (end - start) if end > start else float("nan"), answers)
 
 
 def med(values: list[float]) -> float:
@@ -247,7 +267,7 @@ def med(values: list[float]) -> float:
 
 def report(rates: dict[str, dict[str, list[float]]], workloads: list[str], streams: list[int], note: str) -> None:
     names = list(rates)
-    print(f"\ndecode tokens/s, client-side, medians ({note})")
+    print(f"\n{note}")
     header = f"{'workload':<8} {'streams':>7} " + " ".join(f"{n:>22}" for n in names)
     print(header)
     for w in workloads:
@@ -339,6 +359,7 @@ def main() -> int:
             print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
         tokenize_prompts(daemon.address, args.workloads, max(args.streams))
         rates: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
+        together: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
         answers: dict[str, dict[str, list[list[int]]]] = {s.name: {} for s in servers}
         guesses: dict[str, dict[str, int]] = {}
         for round_ in range(args.rounds):
@@ -349,10 +370,11 @@ def main() -> int:
                     for server in order:
                         with server.fresh():
                             before = server.counters()
-                            rate, tokens = run_streams(server, w, n, args.tokens)
+                            run = run_streams(server, w, n, args.tokens)
                             after = server.counters()
-                        rates[server.name].setdefault(key, []).append(rate)
-                        answers[server.name][key] = tokens
+                        rates[server.name].setdefault(key, []).append(run.rate)
+                        together[server.name].setdefault(key, []).append(run.together)
+                        answers[server.name][key] = run.answers
                         if after:
                             total = guesses.setdefault(f"{server.name} {w}", {})
                             for k, v in after.items():
@@ -371,8 +393,18 @@ def main() -> int:
     ]  # fmt: skip
     out = HERE / "out"
     out.mkdir(exist_ok=True)
-    (out / "speculative.json").write_text(json.dumps({"rates": rates, "guesses": guesses}, indent=2))
-    report(rates, args.workloads, args.streams, f"{args.rounds} rounds, {args.tokens} tokens, 2 threads")
+    (out / "speculative.json").write_text(
+        json.dumps({"rates": rates, "together": together, "guesses": guesses}, indent=2)
+    )
+    setting = f"{args.rounds} rounds, {args.tokens} tokens, 2 threads"
+    report(rates, args.workloads, args.streams, f"decode tokens/s, client-side, medians ({setting})")
+    report(
+        together,
+        args.workloads,
+        [n for n in args.streams if n > 1],
+        f"the same runs while every stream decodes (from the last stream's first token to the first one's last): "
+        f"decode tokens/s, medians ({setting})",
+    )
     print(f"\nkvpool's answers with guesses the same as without, token for token: {same} of {total} (last round)")
     for key, plain in answers["kvpool"].items():
         for i, (a, b) in enumerate(zip(plain, answers["kvpool guesses"][key], strict=True)):
