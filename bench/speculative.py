@@ -12,10 +12,10 @@ Streams: 1, 4 and 8 at once, each stream its own session (its prompt starts with
 decode rate, client-side: the sum over the streams of each one's tokens after its first / (its last token's time -
 its first token's), the median over --rounds (the servers' order rotates every round; every llama-server starts
 afresh for each cell, since ngram-mod keeps what it drafts from across requests). At 4 and 8 streams a second table
-gives the same runs' rate while every stream decodes: all the tokens from the last stream's first to the first
-stream's last, over that time. kvpoold starts an answer as soon as its prompt is computed, so its first answers
-decode beside the later prompts, which their own rates count; a server that computes every prompt before the first
-answer starts (llama-server, given them at once) has no such time. kvpoold's answers with
+gives the same runs end to end: all the answers' tokens over the time from the requests to the last token, their
+prompts included. kvpoold starts an answer as soon as its prompt is computed, so its first answers decode beside
+the later prompts, which their own rates count; llama-server, given the prompts at once, computes every one before
+the first answer starts, so its rates count none of them. kvpoold's answers with
 guesses are compared with its answers without, token for token, and its guess counters are read.
 
     python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--draft-step-rows 16]
@@ -228,16 +228,17 @@ class LlamaServer(Server):
 @dataclass(frozen=True)
 class StreamsRun:
     rate: float  # the sum of each answer's decode rate: its tokens after the first over its first to its last
-    # The rate while every answer decodes: all answers' tokens from the last answer's first token to the first
-    # answer's last, over that time. A server that starts an answer as soon as its prompt is computed has it decode
-    # beside the later prompts, and that time counts in its own rate but not here.
-    together: float
+    # All answers' tokens over the time from the requests to the last token: their prompts included, whenever each
+    # server computes them (kvpoold starts an answer as soon as its prompt is computed, so its first answers decode
+    # beside the later prompts, which their own rates count; llama-server, given them at once, computes every prompt
+    # before the first answer starts).
+    end_to_end: float
     answers: list[list[int]]
 
 
 def run_streams(server: Server, workload: str, n: int, tokens: int) -> StreamsRun:
     """``n`` answers at once: their decode rates (so that prompts computed before an answer's first token do not
-    count), and their tokens."""
+    count), their rate end to end, and their tokens."""
     results: list[tuple[list[float], list[int]]] = [([], [])] * n
     barrier = threading.Barrier(n + 1)
 
@@ -250,15 +251,15 @@ def run_streams(server: Server, workload: str, n: int, tokens: int) -> StreamsRu
     for thread in threads:
         thread.start()
     barrier.wait(TIMEOUT_S)
+    asked = time.monotonic()
     for thread in threads:
         thread.join(TIMEOUT_S)
     rates = [(len(t) - 1) / (t[-1] - t[0]) for t, _ in results if len(t) > 1 and t[-1] > t[0]]
     answers = [out for _, out in results]
     if len(rates) < n:
         return StreamsRun(float("nan"), float("nan"), answers)
-    start, end = max(t[0] for t, _ in results), min(t[-1] for t, _ in results)
-    within = sum(1 for t, _ in results for at in t if start < at <= end)
-    return StreamsRun(sum(rates), within / (end - start) if end > start else float("nan"), answers)
+    last = max(t[-1] for t, _ in results)
+    return StreamsRun(sum(rates), sum(len(t) for t, _ in results) / (last - asked), answers)
 
 
 def med(values: list[float]) -> float:
@@ -359,7 +360,7 @@ def main() -> int:
             print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
         tokenize_prompts(daemon.address, args.workloads, max(args.streams))
         rates: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
-        together: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
+        end_to_end: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
         answers: dict[str, dict[str, list[list[int]]]] = {s.name: {} for s in servers}
         guesses: dict[str, dict[str, int]] = {}
         for round_ in range(args.rounds):
@@ -373,7 +374,7 @@ def main() -> int:
                             run = run_streams(server, w, n, args.tokens)
                             after = server.counters()
                         rates[server.name].setdefault(key, []).append(run.rate)
-                        together[server.name].setdefault(key, []).append(run.together)
+                        end_to_end[server.name].setdefault(key, []).append(run.end_to_end)
                         answers[server.name][key] = run.answers
                         if after:
                             total = guesses.setdefault(f"{server.name} {w}", {})
@@ -394,16 +395,16 @@ def main() -> int:
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     (out / "speculative.json").write_text(
-        json.dumps({"rates": rates, "together": together, "guesses": guesses}, indent=2)
+        json.dumps({"rates": rates, "end_to_end": end_to_end, "guesses": guesses}, indent=2)
     )
     setting = f"{args.rounds} rounds, {args.tokens} tokens, 2 threads"
     report(rates, args.workloads, args.streams, f"decode tokens/s, client-side, medians ({setting})")
     report(
-        together,
+        end_to_end,
         args.workloads,
         [n for n in args.streams if n > 1],
-        f"the same runs while every stream decodes (from the last stream's first token to the first one's last): "
-        f"decode tokens/s, medians ({setting})",
+        f"the same runs end to end (all answers' tokens over the time from the requests to the last token, prompts "
+        f"included): tokens/s, medians ({setting})",
     )
     print(f"\nkvpool's answers with guesses the same as without, token for token: {same} of {total} (last round)")
     for key, plain in answers["kvpool"].items():
