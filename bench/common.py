@@ -11,12 +11,28 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import posix_ipc
 
 from kvpool.client import Client, DaemonUnavailable
 
+if TYPE_CHECKING:
+    from kvpool.daemon.llama.model import Model
+
 READY_TIMEOUT_S = 120.0
+PREFILL_CHUNK = 512  # tokens a decode takes when a bench fills a sequence in-process
+
+
+def prefill(model: Model, seq: int, tokens: list[int]) -> None:
+    """Sequence ``seq`` of an in-process model holds ``tokens`` (from position 0), computed in chunks, with the last
+    token's logits."""
+    model.forget_sequence(seq)
+    for first in range(0, len(tokens), PREFILL_CHUNK):
+        chunk = tokens[first : first + PREFILL_CHUNK]
+        model.batch.clear()
+        model.batch.add(seq, chunk, first, outputs=first + len(chunk) == len(tokens))
+        assert model.decode() == 0
 
 
 @dataclass

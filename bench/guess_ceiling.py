@@ -42,34 +42,32 @@ from pathlib import Path
 
 import speculative as sp
 from anchors import llama_server_binary
-from common import default_model, private_daemon
+from common import default_model, prefill, private_daemon
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.drafts import Drafter
-from kvpool.daemon.engine.jumps import CONTEXT_TOKENS, JUMP_BYTES, forced_tokens
+from kvpool.daemon.engine.jumps import CONTEXT_TOKENS, JUMP_BYTES, forced_after
 from kvpool.daemon.llama.constraints import parse_schema
-from kvpool.daemon.llama.model import Grammar, Model, Sampler, SamplingParams, json_schema_grammar
+from kvpool.daemon.llama.model import Grammar, Model, SamplingParams, json_schema_grammar
 
 MOST = 64  # tokens per guess (its length does not matter to its first token)
 REPEAT = 5  # decodes per step shape measured (the median counts)
 
 
-def unguessed(model: Model, prompt: list[int], answer: list[int], schema: object | None, ends: set[int]) -> set[int]:
+def unguessed(model: Model, prompt: list[int], answer: list[int], schema: object | None) -> set[int]:
     """The indices of the answer's tokens that neither the n-gram guess from the context just before each nor the
     text its grammar forces there starts with."""
     tokens = list(prompt)
-    drafter = Drafter(tokens, Config().draft_ngram, MOST, lambda t: t in ends)
+    drafter = Drafter(tokens, Config().draft_ngram, MOST, model.is_end_of_generation)
     grammar = Grammar(json_schema_grammar(parse_schema(json.dumps(schema)))) if schema is not None else None
-    sampler = Sampler(model, SamplingParams(temperature=0.0, grammar=grammar), tokens) if grammar else None
+    sampler = model.new_sampler(SamplingParams(temperature=0.0, grammar=grammar), tokens) if grammar else None
     out: set[int] = set()
     try:
         for i, token in enumerate(answer):
             guess = drafter.guess()
             forced: list[int] = []
             if sampler is not None and i:
-                text = sampler.forced(JUMP_BYTES)
-                context = answer[max(0, i - CONTEXT_TOKENS) : i]
-                forced = forced_tokens(context, text, lambda s: model.tokenize(s, add_bos=False), model.token_bytes)
+                forced = forced_after(answer[max(0, i - CONTEXT_TOKENS) : i], sampler.forced(JUMP_BYTES), model)
             if not (guess and guess[0] == token) and not (forced and forced[0] == token):
                 out.add(i)
             if sampler is not None:
@@ -90,11 +88,7 @@ class StepTimes:
         self.model, self.prompts = model, prompts
         self._seconds: dict[tuple[int, int], float] = {}
         for seq, prompt in enumerate(prompts):
-            for at in range(0, len(prompt), model.step_tokens):
-                chunk = prompt[at : at + model.step_tokens]
-                model.batch.clear()
-                model.batch.add(seq, chunk, at, 1 if at + len(chunk) == len(prompt) else 0)
-                assert model.decode() == 0
+            prefill(model, seq, prompt)
 
     def __call__(self, sequences: int, guessed: int) -> float:
         key = (sequences, guessed)
@@ -178,8 +172,7 @@ def main() -> int:
     cells = [(w, n) for w in args.workloads for n in args.streams]
     answers: dict[str, list[list[int]]] = {}
     measured: dict[tuple[str, int], float] = {}  # kvpool without guesses, as bench/speculative.py measures it
-    common = ("--threads", str(sp.THREADS), "--hot-slots", str(sp.SLOTS), "--context-size", str(sp.SLOTS * 2048))
-    with private_daemon(model_path, *common, "--draft-tokens", "0", "--jump-forward", "off") as daemon:
+    with private_daemon(model_path, *sp.DAEMON_FLAGS, *sp.WITHOUT_GUESSES) as daemon:
         sp.tokenize_prompts(daemon.address, args.workloads, prompts)
         kvpool = sp.Kvpool("kvpool", daemon.address)
         for w in args.workloads:
@@ -217,11 +210,10 @@ def main() -> int:
         head += f" {'llama-server':>12} {'1.5x it':>7} {'best drafts':>11} {'1.2x it':>7}"
     print(head)
     try:
-        ends = {t for t in range(model.n_vocab) if model.is_end_of_generation(t)}
         for w in args.workloads:
             schema = sp.WORKLOADS[w][1].get("json_schema")
             texts = [sp.PROMPT_TOKENS[sp.prompt_of(w, i)[0]] for i in range(prompts)]
-            marked = [(len(a), unguessed(model, p, a, schema, ends)) for p, a in zip(texts, answers[w], strict=True)]
+            marked = [(len(a), unguessed(model, p, a, schema)) for p, a in zip(texts, answers[w], strict=True)]
             held = [p + a[: len(a) // 2] for p, a in zip(texts, answers[w], strict=True)]
             steps = StepTimes(model, held[: max(args.streams)])
             for n in args.streams:

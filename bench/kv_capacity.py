@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import default_model, private_daemon  # noqa: E402
+from common import default_model, prefill, private_daemon  # noqa: E402
 
 from kvpool.client import Client  # noqa: E402
 from kvpool.daemon.config import parse_size  # noqa: E402
@@ -84,14 +84,9 @@ def codec_for(kv: KvSettings, pool_type: str, path: Path) -> TierCodec:
     return TierCodec(kv, pool_type, "always", "same", profile=profile)
 
 
-def prefill(m: Model, tokens: list[int]) -> float:
-    m.forget_sequence(0)
+def timed_prefill(m: Model, tokens: list[int]) -> float:
     started = time.perf_counter()
-    for first in range(0, len(tokens), 512):
-        chunk = tokens[first : first + 512]
-        m.batch.clear()
-        m.batch.add(0, chunk, first, outputs=first + len(chunk) == len(tokens))
-        assert m.decode() == 0
+    prefill(m, 0, tokens)
     return time.perf_counter() - started
 
 
@@ -99,7 +94,7 @@ def restore_vs_prefill(path: Path, tokens: int, repeat: int) -> dict[str, dict[s
     kv = kv_settings(path, "f16", "f16")
     m = Model(path, context_size=tokens + 512, hot_slots=1, batch_size=512, threads=2, kv=kv)
     prompt = m.tokenize(session_text(corpus(), 1, tokens * 6), add_bos=True)[:tokens]
-    prefill(m, prompt)
+    timed_prefill(m, prompt)
     size = m.state_size(0)
     buffer = (ctypes.c_uint8 * size)()
     assert m.save_state(0, buffer) == size
@@ -112,7 +107,7 @@ def restore_vs_prefill(path: Path, tokens: int, repeat: int) -> dict[str, dict[s
         stored[t] = compressed
     times: dict[str, list[float]] = {name: [] for name in ["prefill", *POOL_TYPES]}
     for _ in range(repeat):
-        times["prefill"].append(prefill(m, prompt))
+        times["prefill"].append(timed_prefill(m, prompt))
         for t in POOL_TYPES:
             codec = codec_for(kv, t, path)
             m.forget_sequence(0)

@@ -55,6 +55,8 @@ THREADS = 2
 SLOTS = 8
 TIMEOUT_S = 900.0
 GREEDY = {"temperature": 0.0}
+DAEMON_FLAGS = ("--threads", str(THREADS), "--hot-slots", str(SLOTS), "--context-size", str(SLOTS * 2048))
+WITHOUT_GUESSES = ("--draft-tokens", "0", "--jump-forward", "off")  # kvpoold without speculation
 
 
 # llama-server without drafts, and with each n-gram draft setting of its own (no draft model: draftless, as kvpool)
@@ -334,12 +336,11 @@ def main() -> int:
     args = ap.parse_args()
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
-    common = ("--threads", str(THREADS), "--hot-slots", str(SLOTS), "--context-size", str(SLOTS * 2048))
     anchors = {"llama-server": ()} if args.no_anchor_drafts else ANCHORS
     with contextlib.ExitStack() as stack:
         servers: list[Server] = []
         guessing = ("--draft-tokens", str(args.draft_tokens), "--draft-step-rows", str(args.draft_step_rows))
-        kvpools = [("kvpool", ("--draft-tokens", "0", "--jump-forward", "off")), ("kvpool guesses", guessing)]
+        kvpools = [("kvpool", WITHOUT_GUESSES), ("kvpool guesses", guessing)]
         pythons: dict[str, str] = {}  # a daemon run by another install; the rest by this one
         if args.before:
             kvpools.append(("kvpool guesses before", guessing))
@@ -352,7 +353,7 @@ def main() -> int:
             ]
         for name, flags in kvpools:
             python = pythons.get(name, sys.executable)
-            daemon = stack.enter_context(private_daemon(model, *common, *flags, python=python))
+            daemon = stack.enter_context(private_daemon(model, *DAEMON_FLAGS, *flags, python=python))
             servers.append(Kvpool(name, daemon.address))
         if binary and not args.no_anchors:
             servers += [LlamaServer(name, binary, model, flags) for name, flags in anchors.items()]

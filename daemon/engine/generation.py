@@ -6,23 +6,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvpool.daemon.engine.drafts import Drafter
-from kvpool.daemon.engine.jumps import CONTEXT_TOKENS, JUMP_BYTES, forced_tokens
+from kvpool.daemon.engine.jumps import CONTEXT_TOKENS, JUMP_BYTES, Tokens, forced_after
 from kvpool.daemon.engine.stream_text import StreamText
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.llama.model import Sampler
 from kvpool.daemon.media.media_cache import MediaPiece
 from kvpool.protocol import Final, FinishReason, Generate, Timings, Usage
-
-
-class Tokens(Protocol):
-    """What the tokens of a forced text are read with (the model's tokenizer)."""
-
-    def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]: ...
-
-    def token_bytes(self, token: int) -> bytes: ...
 
 
 @dataclass(eq=False)
@@ -100,7 +91,7 @@ class Generation:
         if not forced:
             return []
         context = self.session.tokens[-min(CONTEXT_TOKENS, self.completion_tokens) :]
-        return forced_tokens(context, forced, lambda text: model.tokenize(text, add_bos=False), model.token_bytes)
+        return forced_after(context, forced, model)
 
     @property
     def feeds_medium(self) -> bool:

@@ -17,9 +17,23 @@ sampling verifies every token. Pure logic, no llama.cpp.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 JUMP_BYTES = 256  # the most forced text asked for at once
 CONTEXT_TOKENS = 3  # the answer's tokens the forced text is tokenized after
+
+
+class Tokens(Protocol):
+    """What the tokens of a forced text are read with (the model's tokenizer)."""
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+
+def forced_after(context: list[int], forced: bytes, model: Tokens) -> list[int]:
+    """forced_tokens, with the model's tokenizer."""
+    return forced_tokens(context, forced, lambda text: model.tokenize(text, add_bos=False), model.token_bytes)
 
 
 def forced_tokens(
