@@ -13,10 +13,11 @@ decode rate, client-side: the sum over the streams of each one's tokens after it
 its first token's), the median over --rounds (the servers' order rotates every round; every llama-server starts
 afresh for each cell, since ngram-mod keeps what it drafts from across requests). At 4 and 8 streams a second table
 gives the same runs end to end: all the answers' tokens over the time from the requests to the last token, their
-prompts included. kvpoold starts an answer as soon as its prompt is computed, so its first answers decode beside
-the later prompts, which their own rates count; llama-server, given the prompts at once, computes every one before
-the first answer starts, so its rates count none of them. kvpoold's answers with
-guesses are compared with its answers without, token for token, and its guess counters are read.
+prompts included; a third, to each answer's end: the same tokens over the mean time from the requests to an
+answer's last token (each task waits for its own answer). kvpoold starts an answer as soon as its prompt is
+computed, so its first answers decode beside the later prompts, which their own rates count; llama-server, given
+the prompts at once, computes every one before the first answer starts, so its rates count none of them. kvpoold's
+answers with guesses are compared with its answers without, token for token, and its guess counters are read.
 
     python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--draft-step-rows 16]
                                 [--llama-server PATH]
@@ -235,6 +236,9 @@ class StreamsRun:
     # beside the later prompts, which their own rates count; llama-server, given them at once, computes every prompt
     # before the first answer starts).
     end_to_end: float
+    # All answers' tokens over the mean time from the requests to an answer's last token: what the job's end hides
+    # when answers end at different times (each task waits for its own answer, not for the last one).
+    answer_ends: float
     answers: list[list[int]]
 
 
@@ -259,9 +263,10 @@ def run_streams(server: Server, workload: str, n: int, tokens: int) -> StreamsRu
     rates = [(len(t) - 1) / (t[-1] - t[0]) for t, _ in results if len(t) > 1 and t[-1] > t[0]]
     answers = [out for _, out in results]
     if len(rates) < n:
-        return StreamsRun(float("nan"), float("nan"), answers)
-    last = max(t[-1] for t, _ in results)
-    return StreamsRun(sum(rates), sum(len(t) for t, _ in results) / (last - asked), answers)
+        return StreamsRun(float("nan"), float("nan"), float("nan"), answers)
+    tokens_out = sum(len(t) for t, _ in results)
+    ends = [t[-1] - asked for t, _ in results]
+    return StreamsRun(sum(rates), tokens_out / max(ends), tokens_out / statistics.mean(ends), answers)
 
 
 def med(values: list[float]) -> float:
@@ -362,6 +367,7 @@ def main() -> int:
         tokenize_prompts(daemon.address, args.workloads, max(args.streams))
         rates: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
         end_to_end: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
+        answer_ends: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
         answers: dict[str, dict[str, list[list[int]]]] = {s.name: {} for s in servers}
         guesses: dict[str, dict[str, int]] = {}
         for round_ in range(args.rounds):
@@ -376,6 +382,7 @@ def main() -> int:
                             after = server.counters()
                         rates[server.name].setdefault(key, []).append(run.rate)
                         end_to_end[server.name].setdefault(key, []).append(run.end_to_end)
+                        answer_ends[server.name].setdefault(key, []).append(run.answer_ends)
                         answers[server.name][key] = run.answers
                         if after:
                             total = guesses.setdefault(f"{server.name} {w}", {})
@@ -396,7 +403,7 @@ def main() -> int:
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     (out / "speculative.json").write_text(
-        json.dumps({"rates": rates, "end_to_end": end_to_end, "guesses": guesses}, indent=2)
+        json.dumps({"rates": rates, "end_to_end": end_to_end, "answer_ends": answer_ends, "guesses": guesses}, indent=2)
     )
     setting = f"{args.rounds} rounds, {args.tokens} tokens, 2 threads"
     report(rates, args.workloads, args.streams, f"decode tokens/s, client-side, medians ({setting})")
@@ -406,6 +413,13 @@ def main() -> int:
         [n for n in args.streams if n > 1],
         f"the same runs end to end (all answers' tokens over the time from the requests to the last token, prompts "
         f"included): tokens/s, medians ({setting})",
+    )
+    report(
+        answer_ends,
+        args.workloads,
+        [n for n in args.streams if n > 1],
+        f"the same runs to each answer's end (all answers' tokens over the mean time from the requests to an "
+        f"answer's last token, prompts included): tokens/s, medians ({setting})",
     )
     print(f"\nkvpool's answers with guesses the same as without, token for token: {same} of {total} (last round)")
     for key, plain in answers["kvpool"].items():
