@@ -242,6 +242,9 @@ class StreamsRun:
     answers: list[list[int]]
 
 
+MEASURES = ("rate", "end_to_end", "answer_ends")  # what bench/out/speculative.json holds of each cell's rounds
+
+
 def run_streams(server: Server, workload: str, n: int, tokens: int) -> StreamsRun:
     """``n`` answers at once: their decode rates (so that prompts computed before an answer's first token do not
     count), their rate end to end, and their tokens."""
@@ -365,9 +368,8 @@ def main() -> int:
         elif not args.no_anchors:
             print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
         tokenize_prompts(daemon.address, args.workloads, max(args.streams))
-        rates: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
-        end_to_end: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
-        answer_ends: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
+        # measure ("rate", "end_to_end", "answer_ends": StreamsRun's) -> server -> cell -> one value a round
+        measured: dict[str, dict[str, dict[str, list[float]]]] = {m: {s.name: {} for s in servers} for m in MEASURES}
         answers: dict[str, dict[str, list[list[int]]]] = {s.name: {} for s in servers}
         guesses: dict[str, dict[str, int]] = {}
         for round_ in range(args.rounds):
@@ -380,9 +382,8 @@ def main() -> int:
                             before = server.counters()
                             run = run_streams(server, w, n, args.tokens)
                             after = server.counters()
-                        rates[server.name].setdefault(key, []).append(run.rate)
-                        end_to_end[server.name].setdefault(key, []).append(run.end_to_end)
-                        answer_ends[server.name].setdefault(key, []).append(run.answer_ends)
+                        for m in MEASURES:
+                            measured[m][server.name].setdefault(key, []).append(getattr(run, m))
                         answers[server.name][key] = run.answers
                         if after:
                             total = guesses.setdefault(f"{server.name} {w}", {})
@@ -402,20 +403,18 @@ def main() -> int:
     ]  # fmt: skip
     out = HERE / "out"
     out.mkdir(exist_ok=True)
-    (out / "speculative.json").write_text(
-        json.dumps({"rates": rates, "end_to_end": end_to_end, "answer_ends": answer_ends, "guesses": guesses}, indent=2)
-    )
+    (out / "speculative.json").write_text(json.dumps({**measured, "guesses": guesses}, indent=2))
     setting = f"{args.rounds} rounds, {args.tokens} tokens, 2 threads"
-    report(rates, args.workloads, args.streams, f"decode tokens/s, client-side, medians ({setting})")
+    report(measured["rate"], args.workloads, args.streams, f"decode tokens/s, client-side, medians ({setting})")
     report(
-        end_to_end,
+        measured["end_to_end"],
         args.workloads,
         [n for n in args.streams if n > 1],
         f"the same runs end to end (all answers' tokens over the time from the requests to the last token, prompts "
         f"included): tokens/s, medians ({setting})",
     )
     report(
-        answer_ends,
+        measured["answer_ends"],
         args.workloads,
         [n for n in args.streams if n > 1],
         f"the same runs to each answer's end (all answers' tokens over the mean time from the requests to an "
@@ -441,7 +440,7 @@ def main() -> int:
             jumped = g.get("jumped", 0)
             print(f"  {name:<22} {g['accepted']} of {g['drafted']} guessed tokens taken ({share:.0%}), "
                   f"{jumped} forced tokens without a step of their own, {g['generated']} generated")  # fmt: skip
-    plot(rates, args.workloads, args.streams, out / "speculative.png")
+    plot(measured["rate"], args.workloads, args.streams, out / "speculative.png")
     print(f"(plot: {out / 'speculative.png'})")
     return 0
 
