@@ -267,6 +267,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
         Flag("what a constrained answer's grammar forces: guessed, appended unsampled, or sampled (off)"),
     ] = "guess"
     log_level: Annotated[one_of("debug", "info", "warning", "error"), Flag("")] = "info"
+    # A file each engine step appends one JSON line to: its time, the cost model's prediction, and per sequence the
+    # tokens fed, guessed and sampled (engine/step_log.py). For tracing where a workload's time goes; empty: none.
+    step_log: Annotated[str, Flag("append one JSON line per engine step to this file, for tracing")] = ""
     # Workers (`kvpool rpc-worker`) that lend their memory and CPU through llama.cpp's RPC backend, "HOST:PORT"
     # each; empty: the whole model on this machine. Unauthenticated: loopback or a private link (docs/rpc.md).
     rpc_servers: Annotated[

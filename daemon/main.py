@@ -23,6 +23,7 @@ from kvpool.client.flags import add_flags, given
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.cpu_share import usable_cores
 from kvpool.daemon.engine.loop import Engine
+from kvpool.daemon.engine.step_log import StepLog
 from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.pool.segment import PoolError
@@ -85,6 +86,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def open_step_log(path: str) -> StepLog | None:
+    if not path:
+        return None
+    try:
+        return StepLog(path)
+    except OSError as exc:
+        raise StartFailed(
+            f"step_log: cannot open {path} to append to ({exc.strerror}); give a writable file, or none.", 1
+        ) from None
+
+
 @dataclass
 class Daemon:
     """The assembled parts that serving needs."""
@@ -136,6 +148,9 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
     )
     if frame_areas is not None:
         stack.callback(frame_areas.close)
+    step_log = open_step_log(config.step_log)
+    if step_log is not None:
+        stack.callback(step_log.close)
     engine = Engine(
         model,
         config,
@@ -150,6 +165,7 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
         media=media,
         frame_areas=frame_areas,
         received_bytes=lambda: server.received_bytes,
+        step_log=step_log,
     )
     watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
     if config.rpc_servers:

@@ -7,9 +7,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
 
 from kvpool.client import Client
 from kvpool.client.cli import format_status
+from kvpool.daemon.engine.step_log import StepRecord
 from kvpool.daemon.ops.prometheus import render
 from kvpool.protocol import TokenLogprob
 
@@ -65,12 +69,15 @@ def answers(client: Client, prompts: list[str], max_tokens: int, turns: int = 2)
     return out
 
 
-def test_greedy_answers_are_the_same_with_guesses_and_most_guesses_are_taken(start_daemon: Start) -> None:
+def test_greedy_answers_are_the_same_with_guesses_and_most_guesses_are_taken(
+    start_daemon: Start, tmp_path: Path
+) -> None:
     plain = start_daemon("--hot-slots", "4", *NO_GUESSES, name="plain")
     with plain.client() as client:
         expected = answers(client, PROMPTS, 48)
         assert client.status().counters.drafted_tokens == 0
-    fast = start_daemon("--hot-slots", "4", *SPECULATE, name="fast")
+    step_log = tmp_path / "steps.jsonl"
+    fast = start_daemon("--hot-slots", "4", *SPECULATE, "--step-log", str(step_log), name="fast")
     with fast.client() as client:
         got = answers(client, PROMPTS, 48)
         status = client.status()
@@ -86,6 +93,17 @@ def test_greedy_answers_are_the_same_with_guesses_and_most_guesses_are_taken(sta
     exposition = render(status, {})
     assert f'kvpool_draft_tokens_total{{kind="drafted"}} {float(c.drafted_tokens)}' in exposition
     assert f'kvpool_draft_tokens_total{{kind="accepted"}} {float(c.accepted_tokens)}' in exposition
+    # The step log (step_log) has a line for each step, and its items add up to the counters.
+    steps = [msgspec.json.decode(line, type=StepRecord) for line in step_log.read_bytes().splitlines()]
+    items = [item for step in steps for item in step.items]
+    assert len(steps) == c.decode_calls and all(step.ms > 0 and step.predicted_ms > 0 for step in steps)
+    assert sum(item.sampled for item in items) == c.generated_tokens
+    assert sum(item.guessed for item in items) == c.drafted_tokens
+    assert sum(item.sampled - 1 for item in items if item.guessed) == c.accepted_tokens
+    assert all(item.guess_kind is not None for item in items if item.guessed)
+    prompts = [item for item in items if item.pending > 1]
+    assert prompts and all(item.guessed == 0 for item in prompts)  # (a prompt chunk gets no guess)
+    assert len({item.session for item in items}) == len(PROMPTS)
 
 
 def test_rejected_guesses_leave_no_cells_through_hibernation_and_restore(start_daemon: Start) -> None:

@@ -31,6 +31,7 @@ from kvpool.daemon.engine.moves import next_work
 from kvpool.daemon.engine.requests import RequestHandlers
 from kvpool.daemon.engine.runner import Runner, StepOutcome
 from kvpool.daemon.engine.scheduler import Scheduler
+from kvpool.daemon.engine.step_log import StepLog
 from kvpool.daemon.engine.step_work import Work
 from kvpool.daemon.engine.thread_count import ThreadCount
 from kvpool.daemon.kv.manager import KvManager
@@ -80,6 +81,7 @@ class Engine:
         media: MediaCache | None = None,
         frame_areas: FrameAreas | None = None,
         received_bytes: Callable[[], int] | None = None,
+        step_log: StepLog | None = None,
     ):
         """``remote``: the cross-node tier (None: this daemon's sessions live here only); ``preloader``: moves
         sessions up ahead of their turns (None: none is, as with preload = "off"); ``media``: the projector's
@@ -95,6 +97,7 @@ class Engine:
         self.media, self.frame_areas = media, frame_areas
         self.received_bytes = received_bytes or (lambda: 0)  # counted by the I/O thread
         self.runner = Runner(model, media)
+        self.step_log = step_log  # (the step_log setting; None: off)
         self.idle_cores = IdleSampler()
         self.threads = thread_count(config, model.threads, self.idle_cores)
         self.calibrated = self.scheduler.cost.calibrated()  # what steps cost at start; _calibrate measures it
@@ -193,6 +196,9 @@ class Engine:
         started, cpu = time.monotonic(), process_cpu_seconds()
         with self._laid_out(step_work):
             outcome = self.runner.run(step_work)
+        if self.step_log is not None and outcome.rc == 0 and not outcome.medium_error:
+            predicted = self.scheduler.cost.predict(outcome.shape)  # (before _note_speed teaches it this step)
+            self.step_log.write(step_work, outcome.tokens, outcome.seconds, predicted)
         if outcome.rc == 0 and not outcome.medium_error:
             cores = (process_cpu_seconds() - cpu) / max(time.monotonic() - started, 1e-6)
             self._note_speed(threads, lent, outcome, cores)
