@@ -5,6 +5,8 @@ everyday log (docs/operations.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +16,8 @@ import msgspec
 
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.step_work import Work
+
+log = logging.getLogger(__name__)
 
 
 class StepItem(msgspec.Struct, kw_only=True):
@@ -35,12 +39,15 @@ class StepRecord(msgspec.Struct, kw_only=True):
 class StepLog:
     def __init__(self, path: str):
         """Appends to ``path`` (created if missing); OSError when it cannot be opened."""
-        self._file: BinaryIO = Path(path).open("ab")  # noqa: SIM115 (open for the daemon's life; close() ends it)
+        self.path = path
+        self._file: BinaryIO | None = Path(path).open("ab")  # noqa: SIM115 (open for the daemon's life)
         self._encoder = msgspec.json.Encoder()
 
     def write(
         self, step_work: Sequence[Work[Generation]], sampled: Sequence[Sequence[int]], seconds: float, predicted: float
     ) -> None:
+        if self._file is None:
+            return
         items = [
             StepItem(
                 session=w.item.session.id,
@@ -55,8 +62,15 @@ class StepLog:
         record = StepRecord(
             at=time.monotonic(), ms=round(seconds * 1e3, 3), predicted_ms=round(predicted * 1e3, 3), items=items
         )
-        self._file.write(self._encoder.encode(record) + b"\n")
-        self._file.flush()
+        try:
+            self._file.write(self._encoder.encode(record) + b"\n")
+            self._file.flush()
+        except OSError as exc:  # (a full disk): the log stops, the steps go on
+            log.warning("step_log: writing %s failed (%s); no more steps are logged", self.path, exc.strerror)
+            self.close()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):
+                file.close()
