@@ -35,6 +35,20 @@ def prefill(model: Model, seq: int, tokens: list[int]) -> None:
         assert model.decode() == 0
 
 
+def timed_decode(model: Model, rows: list[tuple[int, list[int], int, int]]) -> float:
+    """Seconds one in-process decode of ``rows`` takes: (sequence, tokens, first position, output rows) each. Their
+    cells are forgotten after it, so the sequences hold what they held before and the next step can be measured."""
+    model.batch.clear()
+    for seq, tokens, position, outputs in rows:
+        model.batch.add(seq, tokens, position, outputs)
+    started = time.perf_counter()
+    assert model.decode() == 0
+    seconds = time.perf_counter() - started
+    for seq, _, position, _ in rows:
+        model.forget_from(seq, position)
+    return seconds
+
+
 @dataclass
 class BenchDaemon:
     address: str

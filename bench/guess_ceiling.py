@@ -36,13 +36,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import speculative as sp
 from anchors import llama_server_binary
-from common import default_model, prefill, private_daemon
+from common import default_model, prefill, private_daemon, timed_decode
 
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.drafts import Drafter
@@ -97,18 +96,12 @@ class StepTimes:
         return self._seconds[key]
 
     def _decode(self, sequences: int, guessed: int) -> float:
-        model = self.model
-        model.batch.clear()
+        batch = []
         for seq in range(sequences):
             rows = 1 + guessed // sequences + (1 if seq < guessed % sequences else 0)
             prompt = self.prompts[seq]
-            model.batch.add(seq, prompt[-rows:], len(prompt), rows)
-        started = time.perf_counter()
-        assert model.decode() == 0
-        seconds = time.perf_counter() - started
-        for seq in range(sequences):
-            model.forget_from(seq, len(self.prompts[seq]))
-        return seconds
+            batch.append((seq, prompt[-rows:], len(prompt), rows))
+        return timed_decode(self.model, batch)
 
 
 def decode_rate(
@@ -153,6 +146,15 @@ def _share(wants: dict[int, int], most: int) -> dict[int, int]:
     return rows
 
 
+def median_rate(server: sp.Server, workload: str, streams: int, tokens: int, rounds: int) -> float:
+    """bench/speculative.py's decode rate of a cell, the median over ``rounds``, the server afresh for each."""
+    runs = []
+    for _ in range(rounds):
+        with server.fresh():
+            runs.append(sp.run_streams(server, workload, streams, tokens).rate)
+    return statistics.median(runs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
@@ -178,8 +180,7 @@ def main() -> int:
         for w in args.workloads:
             answers[w] = [kvpool.answer(*sp.prompt_of(w, i), args.tokens)[1] for i in range(prompts)]
         for w, n in cells:
-            runs = [sp.run_streams(kvpool, w, n, args.tokens).rate for _ in range(args.rounds)]
-            measured[w, n] = statistics.median(runs)
+            measured[w, n] = median_rate(kvpool, w, n, args.tokens, args.rounds)
     anchor: dict[tuple[str, int], float] = {}  # llama-server without drafts
     drafting: dict[tuple[str, int], float] = {}  # llama-server with its best draft setting for the cell
     binary = None if args.no_anchors else llama_server_binary(args.llama_server)
@@ -187,11 +188,7 @@ def main() -> int:
         for name, flags in sp.ANCHORS.items():
             server = sp.LlamaServer(name, binary, model_path, flags)
             for w, n in cells:
-                runs = []
-                for _ in range(args.rounds):
-                    with server.fresh():
-                        runs.append(sp.run_streams(server, w, n, args.tokens).rate)
-                rate = statistics.median(runs)
+                rate = median_rate(server, w, n, args.tokens, args.rounds)
                 if flags:
                     drafting[w, n] = max(drafting.get((w, n), 0.0), rate)
                 else:

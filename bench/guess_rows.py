@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from common import default_model
+from common import default_model, prefill, timed_decode
 
 from kvpool.daemon.llama.model import Model
 
@@ -47,20 +46,11 @@ def main() -> int:
     )  # fmt: skip
     tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 30, add_bos=True)[:CONTEXT]
     for seq in range(8):
-        model.batch.clear()
-        model.batch.add(seq, tokens, 0, 1)
-        assert model.decode() == 0
+        prefill(model, seq, tokens)
 
     def step(seqs: int, k: int, every_row: bool) -> float:
-        model.batch.clear()
-        for seq in range(seqs):
-            model.batch.add(seq, tokens[: 1 + k], CONTEXT, 1 + k if every_row else 1)
-        started = time.perf_counter()
-        assert model.decode() == 0
-        seconds = time.perf_counter() - started
-        for seq in range(seqs):
-            model.forget_from(seq, CONTEXT)
-        return seconds
+        rows = 1 + k if every_row else 1
+        return timed_decode(model, [(seq, tokens[: 1 + k], CONTEXT, rows) for seq in range(seqs)])
 
     print(f"one step, {args.threads} threads, medians of {args.repeat}")
     print(f"{'sequences':>9} {'rows each':>9} {'logits rows':>11} {'logits every row ms':>20} "

@@ -31,6 +31,7 @@ from common import default_model, private_daemon
 
 from kvpool.daemon.engine.step_log import StepRecord
 
+PROMPT = -1  # the group of steps that carry a prompt chunk
 FIT_STEPS = 10  # decode steps of one width a row's cost is fitted from, at least
 
 
@@ -54,16 +55,16 @@ def prompt_tokens(step: StepRecord) -> int:
 
 
 def summarise(steps: list[StepRecord]) -> None:
-    groups: dict[str, list[StepRecord]] = defaultdict(list)
+    groups: dict[int, list[StepRecord]] = defaultdict(list)  # sequences decoding -> its steps (PROMPT: a prompt's)
     for step in steps:
         prompt = any(item.pending > 1 for item in step.items)
-        decoding = sum(1 for item in step.items if item.pending == 1)
-        groups["prompt" if prompt else f"{decoding} decoding"].append(step)
+        groups[PROMPT if prompt else sum(1 for item in step.items if item.pending == 1)].append(step)
     header = ("steps", "count", "seconds", "median ms", "prompt", "rows", "tokens", "measured/pred")
     widths = (6, 8, 10, 7, 6, 7, 14)
     print(f"{header[0]:<12} " + " ".join(f"{h:>{w}}" for h, w in zip(header[1:], widths, strict=True)))
-    for name in sorted(groups, key=lambda g: (g != "prompt", int(g.split()[0]) if g != "prompt" else 0)):
-        group = groups[name]
+    for decoding in sorted(groups):
+        group = groups[decoding]
+        name = "prompt" if decoding == PROMPT else f"{decoding} decoding"
         given = sum(item.sampled for step in group for item in step.items)
         ratio = statistics.median(step.ms / step.predicted_ms for step in group)
         print(
@@ -72,11 +73,10 @@ def summarise(steps: list[StepRecord]) -> None:
             f"{sum(map(rows, group)) / len(group):>6.1f} {given / len(group):>7.1f} {ratio:>14.2f}"
         )
     print(f"\n{'decoding':<9} {'steps':>6} {'fixed ms':>9} {'ms a row':>9} {'pays from':>10}")
-    for name, group in groups.items():
-        if name == "prompt" or len(group) < FIT_STEPS or len({rows(s) for s in group}) < 3:
+    for sequences, group in groups.items():
+        if sequences == PROMPT or len(group) < FIT_STEPS or len({rows(s) for s in group}) < 3:
             continue
         per_row, fixed = np.polyfit([rows(s) for s in group], [s.ms for s in group], 1)
-        sequences = int(name.split()[0])
         if per_row <= 0 or fixed <= 0:  # too few or too noisy steps to tell a row from the step
             print(f"{sequences:<9} {len(group):>6} {'(noise)':>9}")
             continue

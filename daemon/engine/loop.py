@@ -196,10 +196,10 @@ class Engine:
         started, cpu = time.monotonic(), process_cpu_seconds()
         with self._laid_out(step_work):
             outcome = self.runner.run(step_work)
-        if self.step_log is not None and outcome.rc == 0 and not outcome.medium_error:
-            predicted = self.scheduler.cost.predict(outcome.shape)  # (before _note_speed teaches it this step)
-            self.step_log.write(step_work, outcome.tokens, outcome.seconds, predicted)
         if outcome.rc == 0 and not outcome.medium_error:
+            if self.step_log is not None:
+                predicted = self.scheduler.cost.predict(outcome.shape)  # (before _note_speed teaches it this step)
+                self.step_log.write(step_work, outcome.tokens, outcome.seconds, predicted)
             cores = (process_cpu_seconds() - cpu) / max(time.monotonic() - started, 1e-6)
             self._note_speed(threads, lent, outcome, cores)
         self._postprocess(step_work, outcome, started)
