@@ -257,6 +257,11 @@ class Generate(SessionRequest, tag="generate"):
     grammar_trigger_tokens: Annotated[list[NonNegInt], Meta(max_length=16)] = []
     grammar_from: NonNegInt | None = None
     text_from: NonNegInt | None = None
+    # The answer the client expects (text, or ``prediction_tokens``): the file an edit gives back mostly unchanged.
+    # Where the answer follows it, its tokens are guessed and verified in the step (docs/speculative.md); the
+    # answer is the one sampling gives either way. Needs guesses on (draft_tokens > 0).
+    prediction: Annotated[str, Meta(max_length=1 << 20)] | None = None
+    prediction_tokens: Annotated[list[NonNegInt], Meta(max_length=1 << 18)] | None = None
 
 
 AnyRequest = (
@@ -402,6 +407,9 @@ class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     context_tokens: int  # the session's whole context after this generation
+    # Of a request's prediction: the tokens guessed from it that sampling took, and those guessed and refused.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class Timings(Struct, kw_only=True):

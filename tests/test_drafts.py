@@ -153,8 +153,8 @@ def cost(fixed: float, per_token: float, per_output: float) -> CostModel:
 
 def repetitive(acceptance: float) -> Drafter:
     d = drafter([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], most=6)
-    d._stats = {(n, False): [acceptance * 100, 100.0] for n in range(1, 4)}  # as if measured over many steps
-    d._overall = [acceptance * 100, 100.0]
+    d._stats = {(n, False, False): [acceptance * 100, 100.0] for n in range(1, 4)}  # as if measured over many steps
+    d._overall[False] = [acceptance * 100, 100.0]
     return d
 
 
@@ -315,3 +315,34 @@ def test_a_guess_that_starts_at_a_slot_that_changed_is_measured_apart_and_starts
     d.observe(4, 0)
     tokens += [2, 20, 21, 22, 23, 10, 11, 12]
     assert d.guess() == [2, 20, 21, 22] and d.acceptance < 0.3
+
+
+def test_a_prediction_is_guessed_where_the_answer_follows_it_read_in_order_and_measured_apart() -> None:
+    prompt = [40, 41, 42]
+    tokens = [*prompt, 10]  # the answer's first token, sampled from the prompt's step
+    d = drafter(tokens, most=3, ngram=3)
+    d.predict([10, 11, 12, 13, 11, 12, 20, EOG, 30])
+    assert d.guess() == [11, 12, 13]  # from the one-token match at the prediction's start
+    own = d.acceptance
+    d.observe(3, 3)
+    tokens += [11, 12, 13, 11, 12]  # taken, then two more followed it
+    # "11 12" stands twice in the prediction: it is read on from where the answer left it, not from its start.
+    assert d.guess() == [20]  # (and stops at the end of a turn, as the context's guesses do)
+    d.observe(1, 0)
+    assert (d.predicted_accepted, d.predicted_rejected) == (3, 1)
+    assert d.accepted_tokens == 3 and d.drafted_tokens == 4
+    # The context's own guesses are measured apart from the prediction's: its figures moved, theirs did not.
+    tokens += [21, 40, 41]
+    assert d.guess() == [42, 10, 11] and d.acceptance == own
+    assert drafter([*prompt, 10], most=3).guess() == []  # (without the prediction, nothing to guess)
+
+
+def test_a_prediction_and_the_context_match_alike_and_the_longer_match_wins() -> None:
+    # The context has "1 2 3" followed by 4; the prediction has only "3" followed by 9: the longer match wins.
+    d = drafter([1, 2, 3, 4, 0, 1, 2, 3], most=2, ngram=3)
+    d.predict([3, 9, 9])
+    assert d.guess() == [4, 0] and d.matched == 3
+    # Matches of one length: the prediction's first.
+    d = drafter([5, 3, 4, 0, 6, 3], most=2, ngram=3)
+    d.predict([3, 9, 9])
+    assert d.guess() == [9, 9] and d.matched == 1

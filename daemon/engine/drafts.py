@@ -14,6 +14,10 @@ How many rows a guess gets follows what it pays: each generation's measured acce
 token is taken, given the ones before it were) against what the step cost model predicts the extra rows cost.
 When guessing stops paying, a generation guesses again only every RETRY_EVERY steps, with a short guess, to see
 whether its text has turned repetitive. Pure logic, no llama.cpp.
+
+A request may also carry a *prediction*: the answer its client expects (the file an edit will give back mostly
+unchanged; OpenAI's Predicted Outputs). Its n-grams are a second place to find what comes next, read in order
+from where the answer left it last, and its guesses are measured apart from the context's.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ class Drafter:
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = max(0, len(tokens) - WINDOW)  # n-grams ending before this position are indexed
         self._stats: dict[tuple[int, bool], list[float]] = {}  # the guesses' key -> [accepted, tried], decayed
-        self._overall = [PRIOR_ACCEPTED, PRIOR_TRIED]  # all match lengths together, decayed
+        # All match lengths together, decayed: the context's guesses (False) and the prediction's (True) apart.
+        self._overall = {False: [PRIOR_ACCEPTED, PRIOR_TRIED], True: [PRIOR_ACCEPTED, PRIOR_TRIED]}
         self.matched = 0  # the match length of the last guess
         # Where the last guess's first token came from (None: no earlier place, a grammar's forced text), and the
         # context's length then.
@@ -77,6 +82,20 @@ class Drafter:
         # What the generation's grammar forces next, as tokens (jump_forward = "guess"; engine/jumps.py): the guess
         # whenever there is such a text.
         self.forced: Callable[[], list[int]] | None = None
+        self._predicted: list[int] = []
+        self._predicted_index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where the prediction goes on after it
+        self._read = 0  # the prediction's place after the last of its tokens the answer took
+        self._from_prediction = False  # (the last guess came from the prediction; _start is a place in it)
+        self.predicted_accepted = self.predicted_rejected = 0  # the prediction's guessed tokens taken, refused
+
+    def predict(self, tokens: list[int]) -> None:
+        """The answer the client expects (a request's prediction): guesses follow it where the answer does."""
+        self._predicted = list(tokens)
+        self._predicted_index.clear()
+        for after in range(1, len(tokens)):
+            for n in range(1, min(self.ngram_max, after) + 1):
+                self._predicted_index.setdefault(tuple(tokens[after - n : after]), []).append(after)
+        self._read = 0
 
     @property
     def acceptance(self) -> float:
@@ -84,9 +103,10 @@ class Drafter:
         for guesses of its match length (apart for those that start at a changing slot), starting from what all
         its guesses measured (a match length it has not tried yet is as good as the others until it shows
         otherwise), or from VARYING_PRIOR at a changing slot."""
-        matched, varying = self._key
-        start = VARYING_PRIOR if varying else self._overall[0] / self._overall[1]
-        accepted, tried = self._stats.get((matched, varying), (0.0, 0.0))
+        key = self._key
+        overall = self._overall[key[2]]
+        start = VARYING_PRIOR if key[1] else overall[0] / overall[1]
+        accepted, tried = self._stats.get(key, (0.0, 0.0))
         return (accepted + PRIOR_TRIED * start) / (tried + PRIOR_TRIED)
 
     def guess(self, admitted: Admitted | None = None) -> list[int]:
@@ -98,6 +118,7 @@ class Drafter:
         Where the grammar forces a text (``forced``), that text is the guess."""
         end = self._end = len(self.tokens)
         self._constrained = admitted is not None
+        self._from_prediction = False
         if self.forced is not None and (forced := self.forced()):
             self.matched, self._start = FORCED, None
             return forced[: self.most]
@@ -107,47 +128,72 @@ class Drafter:
             self._indexed = max(0, end - WINDOW)
         self._index_up_to(end - 1)  # the n-grams ending before the last token: the current one is no match
         best: list[int] = []
-        for asked, (matched, start, whole) in enumerate(self._matches(end), 1):
+        for asked, (matched, start, whole, predicted) in enumerate(self._matches(end), 1):
             if admitted is None:
-                self.matched, self._start = matched, start
+                self.matched, self._start, self._from_prediction = matched, start, predicted
                 return whole
             part = admitted(whole)
             if len(part) > len(best):
-                best, self.matched, self._start = part, matched, start
+                best, self.matched, self._start, self._from_prediction = part, matched, start, predicted
             if (part and len(part) == len(whole)) or asked >= CANDIDATES:
                 return best
         return best
 
     @property
-    def _key(self) -> tuple[int, bool]:
-        return self.matched, self._start in self._varying
+    def _key(self) -> tuple[int, bool, bool]:
+        """What the last guess's acceptance is measured under: its match length, whether it starts at a changing
+        slot of the context, and whether it came from the prediction."""
+        varying = not self._from_prediction and self._start in self._varying
+        return self.matched, varying, self._from_prediction
 
     @property
     def _trusted(self) -> bool:
         """The last guess is of a kind that is mostly right: forced text, a match (or the tokens before a
-        substitution) of TRUSTED_MATCH tokens or more, or what the generation's grammar admitted; not one that
-        starts at a changing slot. (A short match in free text is often wrong: measuring each one at once cost
-        free chat more than it gave.)"""
-        matched, varying = self._key
-        return not varying and (self._constrained or matched == FORCED or abs(matched) >= TRUSTED_MATCH)
+        substitution) of TRUSTED_MATCH tokens or more, what the generation's grammar admitted, or what its client
+        predicted; not one that starts at a changing slot. (A short match in free text is often wrong: measuring
+        each one at once cost free chat more than it gave.)"""
+        matched, varying, predicted = self._key
+        return not varying and (predicted or self._constrained or matched == FORCED or abs(matched) >= TRUSTED_MATCH)
 
-    def _matches(self, end: int) -> Iterator[tuple[int, int, list[int]]]:
-        """Each earlier place's continuation, the longest match first, the latest first among equals: its match
-        length, where it starts, and its tokens. The match length is n for a match of the last n tokens; -n for a
-        match of the n tokens before the last, which stood at an earlier place where another token followed them
-        (the last token took its place: what came after it there is the guess)."""
+    def _matches(self, end: int) -> Iterator[tuple[int, int, list[int], bool]]:
+        """Each earlier place's continuation, the longest match first, the latest first among equals (and the
+        prediction's before the context's): its match length, where it starts, its tokens, and whether it is the
+        prediction's. The match length is n for a match of the last n tokens; -n for a match of the n tokens before
+        the last, which stood at an earlier place where another token followed them (the last token took its
+        place: what came after it there is the guess)."""
         tokens = self.tokens
         for n in range(min(self.ngram_max, end), 0, -1):
+            if (after := self._in_prediction(tuple(tokens[end - n : end]))) is not None and (
+                whole := self._predicted_run(after)
+            ):
+                yield n, after, whole, True
             for after in reversed(self._index.get(tuple(tokens[end - n : end]), ())):
                 if whole := self._continuation(after, end):
-                    yield n, after, whole
+                    yield n, after, whole, False
             if n < SUBSTITUTED_MIN or n >= end:
                 continue
             for after in reversed(self._index.get(tuple(tokens[end - 1 - n : end - 1]), ())):
                 if after < end - 1 and tokens[after] != tokens[end - 1]:
                     self._varying.update((after, end - 1))
                     if whole := self._continuation(after + 1, end):
-                        yield -n, after + 1, whole
+                        yield -n, after + 1, whole, False
+
+    def _in_prediction(self, ngram: tuple[int, ...]) -> int | None:
+        """Where the prediction goes on after ``ngram``: its first such place from where the answer left it (the
+        prediction is read in order), else its last one before; None where it has no more tokens after it."""
+        places = self._predicted_index.get(ngram)
+        if not places:
+            return None
+        ahead = [after for after in places if after >= self._read]
+        return ahead[0] if ahead else places[-1]
+
+    def _predicted_run(self, after: int) -> list[int]:
+        out: list[int] = []
+        for token in self._predicted[after : after + self.most]:
+            if self.stops_guess(token):
+                break
+            out.append(token)
+        return out
 
     def _continuation(self, after: int, end: int) -> list[int]:
         tokens, out = self.tokens, []
@@ -199,10 +245,15 @@ class Drafter:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         rejected = 1 if accepted < drafted else 0  # the first refused guess ends the run: the rest say nothing
-        for stats in (self._stats.setdefault(self._key, [0.0, 0.0]), self._overall):
+        for stats in (self._stats.setdefault(self._key, [0.0, 0.0]), self._overall[self._from_prediction]):
             stats[0] = DECAY * stats[0] + accepted
             stats[1] = DECAY * stats[1] + accepted + rejected
-        if rejected and self._start is not None:
+        if self._from_prediction:
+            assert self._start is not None
+            self.predicted_accepted += accepted
+            self.predicted_rejected += drafted - accepted
+            self._read = max(self._read, self._start + accepted)
+        elif rejected and self._start is not None:
             self._varying.add(self._end + accepted)  # (where the token sampled in place of the guessed one goes)
 
 

@@ -160,6 +160,8 @@ class Generation:
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
                 context_tokens=len(self.session.tokens),
+                accepted_prediction_tokens=self.drafter.predicted_accepted if self.drafter else 0,
+                rejected_prediction_tokens=self.drafter.predicted_rejected if self.drafter else 0,
             ),
             timings=Timings(
                 queue_ms=ms(self.arrival, self.first_step_at or now),

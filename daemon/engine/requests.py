@@ -331,6 +331,7 @@ class RequestHandlers:
         if s.n_kv == 0 and s.prefix is None:  # the part a shared prefix holds will not be computed
             to_compute -= self.kv.shared_prefix_length(s.tokens + new)
         params = self._sampling(r)
+        predicted = self._prediction(r)
         replay = self._replay(r, s.tokens + new)
         text = self._text(r, s.tokens + new)  # refused (text_from out of range) before a sampler is built
         encodes = sum(self.media.expected_seconds(piece) for _, piece in prompt.media) if self.media else 0.0
@@ -358,6 +359,8 @@ class RequestHandlers:
         )
         if g.jumps == "guess" and g.drafter is not None:
             g.drafter.forced = partial(g.forced_tokens, self.model)
+        if predicted and g.drafter is not None:
+            g.drafter.predict(predicted)
         s.last_used = g.arrival
         self.scheduler.add(g)
         for _, piece in prompt.media:  # (beside the steps, from now on; the step that feeds it waits for it)
@@ -459,6 +462,22 @@ class RequestHandlers:
         if r.prompt_tokens is not None:
             return MediaPrompt(self._checked_tokens(r.prompt_tokens))
         return MediaPrompt(self.model.tokenize(r.prompt, add_bos=not s.tokens))
+
+    def _prediction(self, r: p.Generate) -> list[int]:
+        """The tokens of the request's prediction ([] without one), or RequestRefused where it cannot be used."""
+        if r.prediction is None and r.prediction_tokens is None:
+            return []
+        if r.prediction is not None and r.prediction_tokens is not None:
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "Send one of `prediction` and `prediction_tokens`, not both.")
+        if not self.config.draft_tokens:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                "This daemon runs without guesses (draft_tokens = 0), so a prediction would do nothing; leave it "
+                "out, or set draft_tokens above 0.",
+            )
+        if r.prediction_tokens is not None:
+            return self._checked_tokens(r.prediction_tokens)
+        return self.model.tokenize(r.prediction or "", add_bos=False)
 
     def _checked_tokens(self, tokens: list[int]) -> list[int]:
         bad = [t for t in tokens if not self.model.valid_token(t)]

@@ -1,0 +1,78 @@
+"""A request's prediction (the answer its client expects, OpenAI's Predicted Outputs) against real daemons on the
+tiny model: where the answer follows it, its tokens are guessed and verified in the step, the answer stays the one
+sampling gives, right prediction or wrong, and the final message counts what was taken and refused; where it cannot
+be used it is refused with a sentence, and the daemon keeps serving."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvpool.client import Client
+from kvpool.client.errors import BadRequest
+from kvpool.protocol import Final, TokenLogprob
+
+from .daemon_process import DaemonProcess
+from .test_speculative import GREEDY, NO_GUESSES, SPECULATE, TOP, same_but_at_float_ties
+
+Start = Callable[..., DaemonProcess]
+# Prompts whose greedy answers the tiny model does not loop in at once: the context's own n-grams guess little of
+# them, so what is guessed and taken comes from the prediction.
+PROMPTS = ["a quiet morning in the garden", "list the rooms of the house"]
+TOKENS = 40
+
+
+def answer(client: Client, prompt: str, **extra: object) -> tuple[list[TokenLogprob], Final]:
+    with client.open_session() as session:
+        stream = session.generate(prompt, max_tokens=TOKENS, logprobs=TOP, **GREEDY, **extra)
+        out = [logprob for chunk in stream for logprob in chunk.logprobs or ()]
+        assert stream.final is not None and stream.final.usage.completion_tokens == TOKENS
+        return out, stream.final
+
+
+def test_a_prediction_is_guessed_where_the_answer_follows_it_and_the_answer_stays_the_same(
+    start_daemon: Start,
+) -> None:
+    with start_daemon("--hot-slots", "2", *NO_GUESSES, name="plain").client() as client:
+        expected = [answer(client, prompt)[0] for prompt in PROMPTS]
+        wrong_text = client.detokenize([t.token for t in reversed(expected[0])])
+    with start_daemon("--hot-slots", "2", *SPECULATE, name="fast").client() as client:
+        own = [answer(client, prompt) for prompt in PROMPTS]
+        right = [
+            answer(client, prompt, prediction_tokens=[t.token for t in tokens])
+            for prompt, tokens in zip(PROMPTS, expected, strict=True)
+        ]
+        as_text = answer(client, PROMPTS[0], prediction=client.detokenize([t.token for t in expected[0]]))
+        wrong = answer(client, PROMPTS[0], prediction=wrong_text)
+    same_but_at_float_ties([tokens for tokens, _ in right], expected)
+    same_but_at_float_ties([as_text[0], wrong[0]], [expected[0], expected[0]])
+    for _, final in own:  # no prediction: nothing counted as its
+        assert final.usage.accepted_prediction_tokens == final.usage.rejected_prediction_tokens == 0
+    for _, final in [*right, as_text]:
+        usage = final.usage
+        # Most of the answer came as the prediction's guesses, taken.
+        assert usage.accepted_prediction_tokens >= TOKENS // 2, usage
+        assert usage.accepted_prediction_tokens > usage.rejected_prediction_tokens
+    assert wrong[1].usage.accepted_prediction_tokens < as_text[1].usage.accepted_prediction_tokens
+    assert wrong[1].usage.rejected_prediction_tokens > 0  # guessed (draft_min_tokens feeds it), and refused
+
+
+def test_a_prediction_that_cannot_be_used_is_refused_with_a_sentence(start_daemon: Start) -> None:
+    plain = start_daemon("--hot-slots", "2", *NO_GUESSES, name="plain")
+    with plain.client() as client, client.open_session() as session:
+        with pytest.raises(BadRequest, match="draft_tokens"):
+            session.complete("x", max_tokens=2, prediction="y")
+        assert session.complete("x", max_tokens=2, **GREEDY).usage.completion_tokens == 2
+    with start_daemon("--hot-slots", "2", *SPECULATE, name="fast").client() as client:
+        with client.open_session() as fresh:
+            untouched = fresh.complete("x", max_tokens=2, **GREEDY).usage.context_tokens
+        with client.open_session() as session:
+            with pytest.raises(BadRequest, match="not both"):
+                session.complete("x", max_tokens=2, prediction="y", prediction_tokens=[1])
+            with pytest.raises(BadRequest, match="outside this model's vocabulary"):
+                session.complete("x", max_tokens=2, prediction_tokens=[10**6])
+            with pytest.raises(BadRequest, match="prediction_tokens"):  # the client library checks types
+                session.complete("x", max_tokens=2, prediction_tokens="y")
+            usage = session.complete("x", max_tokens=2, **GREEDY).usage
+            assert usage.context_tokens == untouched  # the refused requests applied nothing to the session
