@@ -119,8 +119,15 @@ async def respond(request: Request, gateway: Gateway, model_id: str, job: Job) -
     metrics = gateway.metrics
 
     def answer_usage() -> dict[str, Any]:
-        generated = sum(s.final.usage.completion_tokens for s in states if s.final is not None)
-        return usage(generations.prompt_tokens, generated, generations.cached_tokens)
+        finals = [s.final.usage for s in states if s.final is not None]
+        generated = sum(u.completion_tokens for u in finals)
+        prediction = None
+        if "prediction" in job.params:
+            prediction = (
+                sum(u.accepted_prediction_tokens for u in finals),
+                sum(u.rejected_prediction_tokens for u in finals),
+            )
+        return usage(generations.prompt_tokens, generated, generations.cached_tokens, prediction)
 
     def first_text() -> None:
         metrics.first_token.labels(job.route).observe(time.monotonic() - started)

@@ -42,7 +42,6 @@ def refuse_chat_fields(body: ChatCompletionRequest) -> None:
         "audio": "`audio` output is not supported: this gateway serves a text model.",
         "functions": "`functions` is OpenAI's deprecated form: use `tools`.",
         "function_call": "`function_call` is OpenAI's deprecated form: use `tool_choice` with `tools`.",
-        "prediction": "`prediction` (predicted outputs) is not supported.",
         "reasoning_effort": "`reasoning_effort` is not supported: the served model does not reason in hidden tokens.",
         "verbosity": "`verbosity` is not supported: ask for the length you want in the prompt, or set max_tokens.",
         "web_search_options": "`web_search_options` is not supported: this gateway has no web search.",
@@ -75,6 +74,28 @@ def refuse_chat_fields(body: ChatCompletionRequest) -> None:
     _refuse_common(body)
     refuse_deep("tools", body.tools)
     refuse_deep("response_format", body.response_format)
+
+
+def prediction_text(body: ChatCompletionRequest) -> str | None:
+    """The text of a request's ``prediction`` (OpenAI's Predicted Outputs: ``{"type": "content", "content": text or
+    text parts}``), None without one; any other shape is refused. The daemon guesses from it (docs/speculative.md)."""
+    prediction = body.prediction
+    if prediction is None:
+        return None
+    content = prediction.get("content") if isinstance(prediction, dict) else None
+    if isinstance(prediction, dict) and prediction.get("type") == "content":
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content
+        ):
+            return "".join(part["text"] for part in content)
+    raise refuse(
+        "prediction",
+        '`prediction` must be {"type": "content", "content": the expected answer as a text or a list of text parts}.',
+        "invalid_value",
+    )
 
 
 def refuse_deep(field: str, value: object) -> None:

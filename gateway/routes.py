@@ -121,6 +121,8 @@ def build_routes(gateway: Gateway) -> list[Route]:
             text += answer_separator(model.template, messages, text)
         if body.logprobs:
             params["logprobs"] = body.top_logprobs or 0
+        if (predicted := fields.prediction_text(body)) is not None:
+            params["prediction"] = predicted
         job = Job(
             route=CHAT,
             prompt=text,

@@ -26,13 +26,24 @@ class ChoiceFormat:
     echo: str = ""  # completions: the prompt, put before the text
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached: int, prediction: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``prediction``: a predicted output's tokens guessed and taken, and guessed and
+    refused (the request had a prediction)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if prediction is not None:
+        accepted, rejected = prediction
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": rejected,
+        }
+    return out
 
 
 def token_text(piece: bytes) -> str:

@@ -26,6 +26,7 @@ from kvpool.gateway.schema import ChatCompletionRequest, CompletionRequest
 
 from .daemon_process import DaemonProcess, wait_until
 from .gateway_process import WAIT_S, GatewayProcess, client_of, metric
+from .test_speculative import FLOAT_TIE
 
 REPEATS = "a b c"  # a prompt whose greedy answer repeats a token (the penalties change it)
 Z = 3 + ord("Z")  # the tiny model's token for "Z"
@@ -321,6 +322,24 @@ def check_logprobs_chat(api: Api) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def check_prediction(api: Api) -> None:
+    """A predicted output is guessed from (the daemon's guesses are on by default) and verified: the answer is the
+    one without it, up to a float tie (a step with guessed rows is a batch of another shape), and the usage counts
+    the prediction's tokens taken and refused; any other shape of it is refused."""
+    plain_text, plain = api.ask(max_tokens=24, logprobs=True)
+    assert plain.usage.completion_tokens_details is None  # (no prediction: nothing to count)
+    for content in (plain_text, [{"type": "text", "text": plain_text[:9]}, {"type": "text", "text": plain_text[9:]}]):
+        _, reply = api.ask(max_tokens=24, logprobs=True, prediction={"type": "content", "content": content})
+        for a, b in zip(plain.choices[0].logprobs.content, reply.choices[0].logprobs.content, strict=True):
+            assert abs(a.logprob - b.logprob) < FLOAT_TIE, (a, b)
+            if a.token != b.token:
+                break
+        details = reply.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0, details
+    api.refused("prediction", {"type": "content", "content": 5}, "expected answer")
+    api.refused("prediction", {"type": "image", "content": "x"}, "expected answer")
+
+
 def check_top_logprobs(api: Api) -> None:
     _, reply = api.ask(logprobs=True, top_logprobs=3)
     for entry in reply.choices[0].logprobs.content:
@@ -496,7 +515,7 @@ CHAT: dict[str, Check] = {
     "modalities": check_modalities,
     "moderation": refusal({"model": "omni-moderation-latest"}),
     "parallel_tool_calls": check_parallel_tool_calls,
-    "prediction": refusal({"type": "content", "content": "x"}),
+    "prediction": check_prediction,
     "prompt_cache_options": refusal({"mode": "explicit"}),
     "prompt_cache_retention": refusal("24h"),
     "reasoning_effort": refusal("low"),
