@@ -22,11 +22,13 @@ answers with guesses are compared with its answers without, token for token, and
     python bench/speculative.py [--rounds 3] [--tokens 128] [--draft-tokens 16] [--draft-step-rows 16]
                                 [--llama-server PATH]
                                 [--workloads chat json copy] [--streams 1 4 8] [--jump-compare] [--no-anchors]
-                                [--before PYTHON]
+                                [--before PYTHON] [--predicted]
 
---before adds "kvpool guesses before": kvpoold with guesses run by another install's Python (a worktree at an older
-commit), for a change's effect side by side. Raw numbers go to bench/out/speculative.json, a plot to
-bench/out/speculative.png.
+--predicted adds "kvpool predicted": kvpoold with guesses, each request carrying as its prediction the answer it
+will give (each prompt's answer without guesses, asked for one at a time first): its ceiling with guesses, every
+guess right. --before adds "kvpool guesses before": kvpoold with guesses run by another install's Python (a
+worktree at an older commit), for a change's effect side by side. Raw numbers go to bench/out/speculative.json, a
+plot to bench/out/speculative.png.
 """
 
 from __future__ import annotations
@@ -189,6 +191,20 @@ class Kvpool(Server):
         }
 
 
+class Predicted(Kvpool):
+    """kvpoold with guesses, each request carrying the answer it will give as its prediction (``expected``: each
+    prompt's greedy answer without guesses): every token is guessed right, as no guess from the session's own
+    tokens can be, but for near-ties a batch of another shape takes otherwise. What this daemon gives with guesses
+    at best: its ceiling, with all its own costs in it (sampling, the grammar, the prompts beside the answers)."""
+
+    def __init__(self, name: str, address: str, expected: dict[str, list[int]]) -> None:
+        super().__init__(name, address)
+        self.expected = expected
+
+    def answer(self, prompt: str, extra: dict[str, object], tokens: int) -> tuple[list[float], list[int]]:
+        return super().answer(prompt, {**extra, "prediction_tokens": self.expected[prompt][:tokens]}, tokens)
+
+
 class LlamaServer(Server):
     """A llama-server started afresh for every cell: its ngram-mod drafts come from a table of n-grams shared by all
     its sequences and kept from one request to the next, so a server kept across cells would draft this round's
@@ -272,6 +288,11 @@ def run_streams(server: Server, workload: str, n: int, tokens: int) -> StreamsRu
     return StreamsRun(sum(rates), tokens_out / max(ends), tokens_out / statistics.mean(ends), answers)
 
 
+def greedy_answers(server: Server, workloads: list[str], streams: int, tokens: int) -> dict[str, list[int]]:
+    """Each prompt's answer from ``server``, one at a time."""
+    return {prompt_of(w, i)[0]: server.answer(*prompt_of(w, i), tokens)[1] for w in workloads for i in range(streams)}
+
+
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -341,6 +362,9 @@ def main() -> int:
         "--jump-compare", action="store_true", help="also kvpool with guesses but without grammar jump-forward"
     )
     ap.add_argument("--before", metavar="PYTHON", help="also kvpool with guesses from this Python's install")
+    ap.add_argument(
+        "--predicted", action="store_true", help="also kvpool with guesses given each answer as its prediction"
+    )
     args = ap.parse_args()
     model = default_model(args.model)
     binary = llama_server_binary(args.llama_server)
@@ -368,6 +392,10 @@ def main() -> int:
         elif not args.no_anchors:
             print("(no llama-server: build one with scripts/build-llama-server.sh, or pass --llama-server)")
         tokenize_prompts(daemon.address, args.workloads, max(args.streams))
+        if args.predicted:
+            expected = greedy_answers(servers[0], args.workloads, max(args.streams), args.tokens)
+            guessing_daemon = stack.enter_context(private_daemon(model, *DAEMON_FLAGS, *guessing))
+            servers.insert(2, Predicted("kvpool predicted", guessing_daemon.address, expected))
         # measure ("rate", "end_to_end", "answer_ends": StreamsRun's) -> server -> cell -> one value a round
         measured: dict[str, dict[str, dict[str, list[float]]]] = {m: {s.name: {} for s in servers} for m in MEASURES}
         answers: dict[str, dict[str, list[list[int]]]] = {s.name: {} for s in servers}
