@@ -640,3 +640,21 @@ def test_guesses_change_no_deterministic_answer_of_the_default_model(
     assert counters.accepted_tokens >= 32 and runs["plain"][1].counters.drafted_tokens == 0
     # (how much of the schema's forced text is guessed beyond the least follows the measured step times)
     assert counters.jumped_tokens >= 4 and runs["plain"][1].counters.jumped_tokens == 0
+    # Each answer given as its own prediction (docs/speculative.md, "A client's prediction"): still the same
+    # answers, and half of them come as the prediction's guesses, taken.
+    with start_daemon(*common, *guessing, model=None, name="predicted").client(timeout=300.0) as client:
+        sessions = [client.open_session() for _ in asks]
+        streams = [
+            s.generate(
+                client.tokenize(prompt, add_bos=True, special=True), max_tokens=64, temperature=0.0,
+                prediction_tokens=answer, **kw,
+            )
+            for s, (prompt, kw), answer in zip(sessions, asks, runs["plain"][0], strict=True)
+        ]  # fmt: skip
+        predicted = [[t for chunk in stream for t in chunk.tokens] for stream in streams]
+        usages = [stream.final.usage for stream in streams if stream.final is not None]
+    assert predicted == runs["plain"][0]
+    assert len(usages) == len(asks), usages
+    # (the JSON answer's forced text is guessed as forced text, whatever the prediction says)
+    assert all(u.accepted_prediction_tokens >= 16 for u in usages), usages
+    assert sum(u.accepted_prediction_tokens for u in usages) >= 96, usages

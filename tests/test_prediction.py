@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from kvpool.client import Client
-from kvpool.client.errors import BadRequest
+from kvpool.client.errors import BadRequest, ContextOverflow
 from kvpool.protocol import Final, TokenLogprob
 
 from .daemon_process import DaemonProcess
@@ -64,7 +64,7 @@ def test_a_prediction_that_cannot_be_used_is_refused_with_a_sentence(start_daemo
         with pytest.raises(BadRequest, match="draft_tokens"):
             session.complete("x", max_tokens=2, prediction="y")
         assert session.complete("x", max_tokens=2, **GREEDY).usage.completion_tokens == 2
-    with start_daemon("--hot-slots", "2", *SPECULATE, name="fast").client() as client:
+    with start_daemon("--hot-slots", "2", "--context-size", "2048", *SPECULATE, name="fast").client() as client:
         with client.open_session() as fresh:
             untouched = fresh.complete("x", max_tokens=2, **GREEDY).usage.context_tokens
         with client.open_session() as session:
@@ -74,5 +74,8 @@ def test_a_prediction_that_cannot_be_used_is_refused_with_a_sentence(start_daemo
                 session.complete("x", max_tokens=2, prediction_tokens=[10**6])
             with pytest.raises(BadRequest, match="prediction_tokens"):  # the client library checks types
                 session.complete("x", max_tokens=2, prediction_tokens="y")
+            with pytest.raises(ContextOverflow, match="prediction is 3000 tokens") as refused:  # (2048 cells)
+                session.complete("x", max_tokens=2, prediction_tokens=[1] * 3000)
+            assert refused.value.detail["room"] < 2048
             usage = session.complete("x", max_tokens=2, **GREEDY).usage
             assert usage.context_tokens == untouched  # the refused requests applied nothing to the session

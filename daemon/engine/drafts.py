@@ -63,7 +63,7 @@ class Drafter:
         # n-gram -> where the tokens after its latest KEEP matches begin, the latest last
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = max(0, len(tokens) - WINDOW)  # n-grams ending before this position are indexed
-        self._stats: dict[tuple[int, bool], list[float]] = {}  # the guesses' key -> [accepted, tried], decayed
+        self._stats: dict[tuple[int, bool, bool], list[float]] = {}  # the guesses' _key -> [accepted, tried], decayed
         # All match lengths together, decayed: the context's guesses (False) and the prediction's (True) apart.
         self._overall = {False: [PRIOR_ACCEPTED, PRIOR_TRIED], True: [PRIOR_ACCEPTED, PRIOR_TRIED]}
         self.matched = 0  # the match length of the last guess

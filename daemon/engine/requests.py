@@ -331,7 +331,7 @@ class RequestHandlers:
         if s.n_kv == 0 and s.prefix is None:  # the part a shared prefix holds will not be computed
             to_compute -= self.kv.shared_prefix_length(s.tokens + new)
         params = self._sampling(r)
-        predicted = self._prediction(r)
+        predicted = self._prediction(r, room - len(new) + 1)
         replay = self._replay(r, s.tokens + new)
         text = self._text(r, s.tokens + new)  # refused (text_from out of range) before a sampler is built
         encodes = sum(self.media.expected_seconds(piece) for _, piece in prompt.media) if self.media else 0.0
@@ -463,8 +463,10 @@ class RequestHandlers:
             return MediaPrompt(self._checked_tokens(r.prompt_tokens))
         return MediaPrompt(self.model.tokenize(r.prompt, add_bos=not s.tokens))
 
-    def _prediction(self, r: p.Generate) -> list[int]:
-        """The tokens of the request's prediction ([] without one), or RequestRefused where it cannot be used."""
+    def _prediction(self, r: p.Generate, room: int) -> list[int]:
+        """The tokens of the request's prediction ([] without one), or RequestRefused where it cannot be used:
+        ``room``, the most tokens the answer can have in the session's context, bounds it (a longer one cannot be
+        the answer, and indexing it costs the steps about 7 us a token)."""
         if r.prediction is None and r.prediction_tokens is None:
             return []
         if r.prediction is not None and r.prediction_tokens is not None:
@@ -476,8 +478,17 @@ class RequestHandlers:
                 "out, or set draft_tokens above 0.",
             )
         if r.prediction_tokens is not None:
-            return self._checked_tokens(r.prediction_tokens)
-        return self.model.tokenize(r.prediction or "", add_bos=False)
+            predicted = self._checked_tokens(r.prediction_tokens)
+        else:
+            predicted = self.model.tokenize(r.prediction or "", add_bos=False)
+        if len(predicted) > room:
+            raise RequestRefused(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"The prediction is {len(predicted)} tokens but an answer in session {r.session} has room for {room} "
+                "at most (its context limit); send the part of it the answer can hold.",
+                {"prediction_tokens": len(predicted), "room": room},
+            )
+        return predicted
 
     def _checked_tokens(self, tokens: list[int]) -> list[int]:
         bad = [t for t in tokens if not self.model.valid_token(t)]
