@@ -35,6 +35,9 @@ def rest_of(params: dict[str, Any], answer_start: int, generated: int) -> dict[s
     if left <= 0:
         return None
     rest = {**params, "max_tokens": left, "text_from": answer_start}
+    # The rest goes without the prediction: the place the answer had reached in it went with the cut, and the whole
+    # of it may no longer fit the answer's room (docs/gateway.md).
+    rest.pop("prediction", None)
     if "json_schema" in params or "grammar" in params:
         rest["grammar_from"] = answer_start
     return rest

@@ -320,13 +320,14 @@ def test_a_guess_that_starts_at_a_slot_that_changed_is_measured_apart_and_starts
 def test_a_prediction_is_guessed_where_the_answer_follows_it_read_in_order_and_measured_apart() -> None:
     prompt = [40, 41, 42]
     tokens = [*prompt, 10]  # the answer's first token, sampled from the prompt's step
-    d = drafter(tokens, most=3, ngram=3)
-    d.predict([10, 11, 12, 13, 11, 12, 20, EOG, 30])
-    assert d.guess() == [11, 12, 13]  # from the one-token match at the prediction's start
+    d = drafter(tokens, most=3, ngram=2)
+    d.predict([10, 11, 12, 13, 11, 12, 20, EOG, 30], lead=prompt)
+    # Indexed behind the prompt's end, the prediction's start matches as long as n-grams go ("42 10").
+    assert d.guess() == [11, 12, 13] and d.matched == 2
     own = d.acceptance
     d.observe(3, 3)
-    tokens += [11, 12, 13, 11, 12]  # taken, then two more followed it
-    # "11 12" stands twice in the prediction: it is read on from where the answer left it, not from its start.
+    tokens += [11, 12, 13, 11, 12]  # taken, and the answer went on as predicted
+    # "11 12" stands twice in the prediction: it is read on from where the answer is, not from its start.
     assert d.guess() == [20]  # (and stops at the end of a turn, as the context's guesses do)
     d.observe(1, 0)
     assert (d.predicted_accepted, d.predicted_rejected) == (3, 1)

@@ -49,10 +49,12 @@ def test_a_prediction_is_guessed_where_the_answer_follows_it_and_the_answer_stay
     same_but_at_float_ties([as_text[0], wrong[0]], [expected[0], expected[0]])
     for _, final in own:  # no prediction: nothing counted as its
         assert final.usage.accepted_prediction_tokens == final.usage.rejected_prediction_tokens == 0
-    for _, final in [*right, as_text]:
+    for (tokens, final), plain in zip([*right, as_text], [*expected, expected[0]], strict=True):
         usage = final.usage
-        # Most of the answer came as the prediction's guesses, taken.
-        assert usage.accepted_prediction_tokens >= TOKENS // 2, usage
+        # Most of the answer came as the prediction's guesses, taken, as far as the answer followed it (a float tie
+        # may part them: a step with guessed rows is a batch of another shape).
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, plain, strict=True)) if a.token != b.token), TOKENS)
+        assert usage.accepted_prediction_tokens >= agree // 2 - 2, (usage, agree)
         assert usage.accepted_prediction_tokens > usage.rejected_prediction_tokens
     assert wrong[1].usage.accepted_prediction_tokens < as_text[1].usage.accepted_prediction_tokens
     assert wrong[1].usage.rejected_prediction_tokens > 0  # guessed (draft_min_tokens feeds it), and refused
@@ -68,6 +70,8 @@ def test_a_prediction_that_cannot_be_used_is_refused_with_a_sentence(start_daemo
         with client.open_session() as fresh:
             untouched = fresh.complete("x", max_tokens=2, **GREEDY).usage.context_tokens
         with client.open_session() as session:
+            with pytest.raises(BadRequest, match="prefill"):
+                session.complete("x", max_tokens=0, prediction="y")
             with pytest.raises(BadRequest, match="not both"):
                 session.complete("x", max_tokens=2, prediction="y", prediction_tokens=[1])
             with pytest.raises(BadRequest, match="outside this model's vocabulary"):

@@ -22,6 +22,7 @@ from where the answer left it last, and its guesses are measured apart from the 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol, TypeVar
@@ -84,17 +85,22 @@ class Drafter:
         self.forced: Callable[[], list[int]] | None = None
         self._predicted: list[int] = []
         self._predicted_index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where the prediction goes on after it
-        self._read = 0  # the prediction's place after the last of its tokens the answer took
+        self._read = 0  # where in the prediction the answer is, as far as the prediction's guesses tell
         self._from_prediction = False  # (the last guess came from the prediction; _start is a place in it)
         self.predicted_accepted = self.predicted_rejected = 0  # the prediction's guessed tokens taken, refused
 
-    def predict(self, tokens: list[int]) -> None:
-        """The answer the client expects (a request's prediction): guesses follow it where the answer does."""
+    def predict(self, tokens: list[int], lead: Sequence[int] = ()) -> None:
+        """The answer the client expects (a request's prediction): guesses follow it where the answer does.
+        ``lead``: the context's last tokens before the answer (the prompt's end), indexed as if they stood before the
+        prediction, so that the answer's first tokens match it as long as the context's earlier answers do."""
+        lead = list(lead)[-self.ngram_max :]
+        joined = lead + list(tokens)
         self._predicted = list(tokens)
         self._predicted_index.clear()
-        for after in range(1, len(tokens)):
+        for after in range(len(lead) + 1, len(joined)):  # (places in the prediction past its first token)
             for n in range(1, min(self.ngram_max, after) + 1):
-                self._predicted_index.setdefault(tuple(tokens[after - n : after]), []).append(after)
+                ngram = tuple(joined[after - n : after])
+                self._predicted_index.setdefault(ngram, []).append(after - len(lead))
         self._read = 0
 
     @property
@@ -179,13 +185,13 @@ class Drafter:
                         yield -n, after + 1, whole, False
 
     def _in_prediction(self, ngram: tuple[int, ...]) -> int | None:
-        """Where the prediction goes on after ``ngram``: its first such place from where the answer left it (the
+        """Where the prediction goes on after ``ngram``: its first such place from where the answer is in it (the
         prediction is read in order), else its last one before; None where it has no more tokens after it."""
         places = self._predicted_index.get(ngram)
         if not places:
             return None
-        ahead = [after for after in places if after >= self._read]
-        return ahead[0] if ahead else places[-1]
+        ahead = bisect.bisect_left(places, self._read)  # (the places are in order)
+        return places[ahead] if ahead < len(places) else places[-1]
 
     def _predicted_run(self, after: int) -> list[int]:
         out: list[int] = []
@@ -252,7 +258,9 @@ class Drafter:
             assert self._start is not None
             self.predicted_accepted += accepted
             self.predicted_rejected += drafted - accepted
-            self._read = max(self._read, self._start + accepted)
+            # The answer took the guess's first ``accepted`` tokens and then sampled one: if that one follows the
+            # prediction too, the answer is next at the place after it.
+            self._read = self._start + accepted + 1
         elif rejected and self._start is not None:
             self._varying.add(self._end + accepted)  # (where the token sampled in place of the guessed one goes)
 

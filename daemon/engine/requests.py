@@ -360,7 +360,7 @@ class RequestHandlers:
         if g.jumps == "guess" and g.drafter is not None:
             g.drafter.forced = partial(g.forced_tokens, self.model)
         if predicted and g.drafter is not None:
-            g.drafter.predict(predicted)
+            g.drafter.predict(predicted, lead=[*s.tokens[-self.config.draft_ngram :], *new])
         s.last_used = g.arrival
         self.scheduler.add(g)
         for _, piece in prompt.media:  # (beside the steps, from now on; the step that feeds it waits for it)
@@ -476,6 +476,11 @@ class RequestHandlers:
                 ErrorCode.BAD_REQUEST,
                 "This daemon runs without guesses (draft_tokens = 0), so a prediction would do nothing; leave it "
                 "out, or set draft_tokens above 0.",
+            )
+        if r.max_tokens == 0:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                "A prefill (max_tokens 0) generates nothing for a prediction to guess; leave the prediction out.",
             )
         if r.prediction_tokens is not None:
             predicted = self._checked_tokens(r.prediction_tokens)
