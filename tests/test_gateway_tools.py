@@ -439,3 +439,38 @@ def test_an_unsupported_schema_keyword_is_the_daemons_sentence(served: GatewayPr
     with pytest.raises(openai.BadRequestError, match="uniqueItems") as refused:
         create(client_of(served), [{"role": "user", "content": "hi"}], response_format=bad)
     assert refused.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+
+
+def test_tool_calls_are_the_same_with_and_without_guesses(
+    start_daemon: Callable[..., DaemonProcess], start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    """A tool envelope is fixed text between the model's choices (docs/gateway.md): guessed as the grammar's forced
+    text and from the calls before it (docs/speculative.md), verified, it gives the calls sampling every token
+    gives, up to a float tie (a step with guessed rows is a batch of another shape)."""
+    from .test_speculative import FLOAT_TIE, NO_GUESSES, SPECULATE
+
+    comma = {str(3 + ord(",")): 100.0}  # after a call, another one: the envelope repeats
+    replies, counters = {}, {}
+    for name, flags in (("plain", NO_GUESSES), ("fast", SPECULATE)):
+        daemon = start_daemon("--hot-slots", "2", *flags, name=name)
+        gateway = start_gateway(daemon.address, name=f"gw-{name}")
+        replies[name] = create(
+            client_of(gateway), [{"role": "user", "content": "both lights"}], tools=TOOLS, tool_choice="required",
+            logit_bias=comma, max_tokens=120, logprobs=True,
+        )  # fmt: skip
+        with daemon.client() as client:
+            counters[name] = client.status().counters
+    fast, plain = (replies[n].choices[0].logprobs.content for n in ("fast", "plain"))
+    assert len(fast) == len(plain) == 120
+    for a, b in zip(fast, plain, strict=True):
+        # Where they part, the two tokens were a near-tie. (Elsewhere the envelope's forced tokens can be very
+        # unlikely ones, whose log-probabilities carry more float noise than a tie's: -16.85 against -16.81.)
+        if a.token != b.token:
+            assert abs(a.logprob - b.logprob) < FLOAT_TIE, (a, b)
+            break
+    else:  # the same answer: the same calls (their ids are the gateway's own)
+        calls = {n: [(c.function.name, c.function.arguments) for c in replies[n].choices[0].message.tool_calls or ()]
+                 for n in replies}  # fmt: skip
+        assert calls["fast"] == calls["plain"] and calls["plain"]
+    assert counters["fast"].accepted_tokens > 0 and counters["fast"].jumped_tokens > 0
+    assert counters["plain"].drafted_tokens == 0
