@@ -20,6 +20,7 @@ from kvpool.gateway.tools import EnvelopeParser
 
 from .daemon_process import DaemonProcess
 from .gateway_process import WAIT_S, GatewayProcess, client_of, metric
+from .test_speculative import FLOAT_TIE, NO_GUESSES, SPECULATE
 
 LIGHT = {
     "type": "function",
@@ -447,8 +448,6 @@ def test_tool_calls_are_the_same_with_and_without_guesses(
     """A tool envelope is fixed text between the model's choices (docs/gateway.md): guessed as the grammar's forced
     text and from the calls before it (docs/speculative.md), verified, it gives the calls sampling every token
     gives, up to a float tie (a step with guessed rows is a batch of another shape)."""
-    from .test_speculative import FLOAT_TIE, NO_GUESSES, SPECULATE
-
     comma = {str(3 + ord(",")): 100.0}  # after a call, another one: the envelope repeats
     replies, counters = {}, {}
     for name, flags in (("plain", NO_GUESSES), ("fast", SPECULATE)):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from itertools import takewhile
 from typing import Protocol, TypeVar
 
 from kvpool.daemon.engine.cost_model import CostModel, StepShape, within
@@ -98,8 +99,7 @@ class Drafter:
         self._predicted = list(tokens)
         self._predicted_index.clear()
         for after in range(len(lead) + 1, len(joined)):  # (places in the prediction past its first token)
-            for n in range(1, min(self.ngram_max, after) + 1):
-                ngram = tuple(joined[after - n : after])
+            for ngram in _ngrams_before(joined, after, self.ngram_max):
                 self._predicted_index.setdefault(ngram, []).append(after - len(lead))
         self._read = 0
 
@@ -169,11 +169,10 @@ class Drafter:
         place: what came after it there is the guess)."""
         tokens = self.tokens
         for n in range(min(self.ngram_max, end), 0, -1):
-            if (after := self._in_prediction(tuple(tokens[end - n : end]))) is not None and (
-                whole := self._predicted_run(after)
-            ):
+            ngram = tuple(tokens[end - n : end])
+            if (after := self._in_prediction(ngram)) is not None and (whole := self._predicted_run(after)):
                 yield n, after, whole, True
-            for after in reversed(self._index.get(tuple(tokens[end - n : end]), ())):
+            for after in reversed(self._index.get(ngram, ())):
                 if whole := self._continuation(after, end):
                     yield n, after, whole, False
             if n < SUBSTITUTED_MIN or n >= end:
@@ -194,12 +193,8 @@ class Drafter:
         return places[ahead] if ahead < len(places) else places[-1]
 
     def _predicted_run(self, after: int) -> list[int]:
-        out: list[int] = []
-        for token in self._predicted[after : after + self.most]:
-            if self.stops_guess(token):
-                break
-            out.append(token)
-        return out
+        """The prediction from ``after`` on, up to ``most`` tokens and short of the end of a turn."""
+        return list(takewhile(lambda token: not self.stops_guess(token), self._predicted[after : after + self.most]))
 
     def _continuation(self, after: int, end: int) -> list[int]:
         tokens, out = self.tokens, []
@@ -214,13 +209,11 @@ class Drafter:
     def _index_up_to(self, end: int) -> None:
         tokens, index = self.tokens, self._index
         for last in range(self._indexed, end):
-            for n in range(1, self.ngram_max + 1):
-                first = last - n + 1
-                if first >= 0:
-                    positions = index.setdefault(tuple(tokens[first : last + 1]), [])
-                    positions.append(last + 1)
-                    if len(positions) > KEEP:
-                        del positions[0]
+            for ngram in _ngrams_before(tokens, last + 1, self.ngram_max):
+                positions = index.setdefault(ngram, [])
+                positions.append(last + 1)
+                if len(positions) > KEEP:
+                    del positions[0]
         self._indexed = max(self._indexed, end)
 
     def expected_tokens(self, k: int) -> float:
@@ -263,6 +256,12 @@ class Drafter:
             self._read = self._start + accepted + 1
         elif rejected and self._start is not None:
             self._varying.add(self._end + accepted)  # (where the token sampled in place of the guessed one goes)
+
+
+def _ngrams_before(tokens: Sequence[int], after: int, most: int) -> Iterator[tuple[int, ...]]:
+    """The n-grams that end just before place ``after`` of ``tokens``, of 1 to ``most`` tokens."""
+    for n in range(1, min(most, after) + 1):
+        yield tuple(tokens[after - n : after])
 
 
 class Drafting(Protocol):
