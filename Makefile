@@ -46,7 +46,7 @@ demo: setup
 
 test: setup system-packages
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m 'not gemma'

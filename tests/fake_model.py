@@ -66,6 +66,7 @@ class FakeModel:
         self.decodes = 0
         # What the next decodes do instead of decoding: an rc to return (nothing changes), or an exception to raise.
         self.failures: list[int | BaseException] = []
+        self.byte_tokens_read: list[int] = []  # the decodes done when the byte table was read, a read each
 
     # ------------------------------------------------------------------ decoding
 
@@ -105,6 +106,13 @@ class FakeModel:
 
     def token_bytes(self, token: int) -> bytes:
         return b"x"
+
+    @property
+    def byte_tokens(self) -> None:
+        """No byte table (a grammar's forced text is then never asked for); the decodes before each read are kept,
+        so a test can tell when the engine read it."""
+        self.byte_tokens_read.append(self.decodes)
+        return None
 
     # ------------------------------------------------------------------ the unified KV
 

@@ -1,0 +1,47 @@
+"""What the engine does before its first step, in this process on the fake model: one-time work that a first
+request would otherwise pay in the middle of its answer, stalling every session's step."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvpool.daemon.engine.loop import Engine
+
+from .fake_model import FakeModel
+from .kv_in_process import kv_on_fake_model, open_session
+from .test_engine_failures import CLIENT, WAIT_S, Replies, generate
+
+
+def byte_table_reads(tmp: Path, jump_forward: str) -> list[int]:
+    """The decodes done each time the engine read the vocabulary's byte table, over a start and one answer."""
+    config = {"scheduling": "fcfs", "calibrate": False, "jump_forward": jump_forward}
+    with kv_on_fake_model(tmp, config_text=config) as kv:
+        replies = Replies()
+        engine = Engine(kv.model, kv.config, kv, replies.send, "test")  # type: ignore[arg-type]
+        model: FakeModel = kv.model  # type: ignore[assignment]
+        thread = threading.Thread(target=engine.run, name="engine")
+        thread.start()
+        try:
+            engine.submit(CLIENT, generate(1, open_session(kv), prompt=5))
+            replies.wait_last(1)
+        finally:
+            engine.stopping.set()
+            thread.join(WAIT_S)
+        assert not thread.is_alive()
+        assert model.decodes > 0
+        return model.byte_tokens_read
+
+
+@pytest.mark.parametrize("jump_forward", ["guess", "append"])
+def test_the_byte_table_a_grammars_forced_text_needs_is_read_before_the_first_step(
+    tmp_path: Path, jump_forward: str
+) -> None:
+    # (Gemma 3's table is a pass over 262k tokens, 0.3 s: read by the first JSON answer, it stalled the step loop.)
+    assert byte_table_reads(tmp_path, jump_forward) == [0]
+
+
+def test_without_jump_forward_the_byte_table_is_never_read(tmp_path: Path) -> None:
+    assert byte_table_reads(tmp_path, "off") == []
