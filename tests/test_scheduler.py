@@ -216,6 +216,42 @@ def test_cost_model_learns_a_linear_machine() -> None:
         assert math.isclose(model.predict(shape), expected, rel_tol=0.05), (start, n)
 
 
+def test_a_marginal_cost_the_fit_puts_below_zero_is_held_at_zero_and_the_others_refitted() -> None:
+    """One stream with guesses: nearly every step has several logits rows, and here a step of several costs less
+    than the fixed cost and the rows' own would say (20 ms + 5 ms a row, where one row alone takes 30). The fit puts
+    the cost of several rows below zero; predictions must not fall as rows are added, so it is held at zero, and the
+    fixed cost moves with it: the steps seen stay predicted as measured (zeroing it alone left every step of several
+    rows 5 ms too dear, and the fast factor, which scales every prediction, made up for it)."""
+
+    def seconds(rows: int) -> float:
+        return 0.030 if rows == 1 else 0.020 + 0.005 * rows
+
+    clock = FakeClock()
+    model = CostModel(clock=clock)
+    calibrate(model, lambda start, n, outputs=1: seconds(outputs) + 0.0001 * n, repeat=3, guess_rows=16)
+    for i in range(400):  # one step alone in ten, the rest with a guess of an odd number of tokens
+        rows = 1 if i % 10 == 0 else 2 + 2 * (i % 4)
+        clock.now += seconds(rows)
+        model.update(StepShape.of([(128 + i, rows, rows)]), seconds(rows))
+    model.small.reset_factors()  # (the fit's own predictions)
+    fitted = model.status().small_steps
+    assert fitted.several_outputs_ms < -2.0  # what the fit says unconstrained
+    shapes = {rows: StepShape.of([(528, rows, rows)]) for rows in (1, 2, 4, 6, 8, 16)}
+    predicted = {rows: model.predict(shape) for rows, shape in shapes.items()}
+    for rows in (2, 4, 6, 8):
+        assert math.isclose(predicted[rows], seconds(rows), rel_tol=0.05), rows
+    assert all(predicted[a] <= predicted[b] for a, b in [(1, 2), (2, 4), (4, 6), (6, 8), (8, 16)])
+
+
+def test_nonnegative_moves_the_free_coefficients_as_the_covariance_ties_them() -> None:
+    theta = np.array([0.03, 0.002, -0.001])
+    covariance = np.array([[1.0, 0.0, -0.5], [0.0, 1.0, 0.0], [-0.5, 0.0, 1.0]])
+    held = cost_model.nonnegative(theta, covariance)
+    assert held[2] == 0.0 and held[1] == 0.002  # the uncorrelated one stays
+    assert math.isclose(held[0], 0.03 - 0.5 * 0.001)  # the fixed cost gives back what the negative one took
+    assert (cost_model.nonnegative(np.array([-0.01, 0.001, 0.002]), covariance) == [-0.01, 0.001, 0.002]).all()
+
+
 @pytest.mark.parametrize("rows", [1, 4])  # a shape calibration measured, and one it did not
 def test_predictions_follow_a_step_that_slows_down_within_a_few_steps_and_come_back(rows: int) -> None:
     # A neighbour process takes a core: every step takes three times as long as calibrated, at once.

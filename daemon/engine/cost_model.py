@@ -86,6 +86,28 @@ class StepShape:
         return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, wide, *past_tiles])
 
 
+def nonnegative(theta: np.ndarray, covariance: np.ndarray) -> np.ndarray:
+    """The fit ``theta`` with every marginal cost (all but the fixed one) at zero or more: predictions must grow
+    with the work, and noise, or features that move together in the steps seen, can put one below zero. Those are
+    held at zero and the others moved to fit the same steps as well as they can so (least squares with them held,
+    from the fit's own ``covariance``), until none is below. Zeroing a negative one alone leaves the others where it
+    had pulled them: at one stream nearly every step has several logits rows, the fit put the cost of several at
+    -8 ms and the fixed cost 8 ms higher, and dropping the -8 priced every guess 8 ms too high (46 steps for the
+    answer a fresh daemon gave in 31)."""
+    usable, held = theta.copy(), np.zeros(len(theta), dtype=bool)
+    while (negative := usable < 0.0)[1:].any():
+        held[1:] |= negative[1:]
+        free = ~held
+        try:
+            shift = covariance[np.ix_(free, held)] @ np.linalg.solve(covariance[np.ix_(held, held)], theta[held])
+        except np.linalg.LinAlgError:  # (a covariance gone singular: the plain clamp)
+            return np.concatenate([theta[:1], np.maximum(theta[1:], 0.0)])
+        usable = theta.copy()
+        usable[free] -= shift
+        usable[held] = 0.0
+    return usable
+
+
 class _LinearFit:
     """Recursive least squares over the step features, slowly forgetting old steps."""
 
@@ -114,8 +136,7 @@ class _LinearFit:
         gain = px / (FORGET + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self._p = (self._p - np.outer(gain, px)) / FORGET
-        # Noise can push a marginal cost below zero; predictions must still grow with the work.
-        self.usable = np.concatenate([self.theta[:1], np.maximum(self.theta[1:], 0.0)])
+        self.usable = nonnegative(self.theta, self._p)
         # What the fit has not caught up with, measured after its update: a shape it knew little of moves the fit
         # itself, and counting that step's surprise twice would overshoot.
         ratio = min(max(seconds / max(1e-4, dot(x, self.usable)), RECENT_RANGE[0]), RECENT_RANGE[1])
