@@ -39,6 +39,17 @@ def test_a_guess_that_runs_into_the_end_goes_on_with_itself_and_the_longest_matc
     assert drafter(lines, most=2, ngram=2).guess() == [20, 21]  # (the latest of equally long matches)
 
 
+def test_a_run_of_one_token_is_guessed_to_go_on_as_long_as_the_earlier_run_from_its_start() -> None:
+    # A number's zeros: the first record's run had six, the second's has three so far. Its last three tokens match
+    # the first run where that run reached three zeros: the guess is the rest of that run, then what followed it
+    # (the first run's last place would end this run at once: [comma, 8, 1, 5]).
+    zero, comma = 0, 9
+    tokens = [7, 1, 5, zero, zero, zero, zero, zero, zero, comma, 8, 1, 5, zero, zero, zero]
+    assert drafter(tokens, most=5, ngram=3).guess() == [zero, zero, zero, comma, 8]
+    # Once the run being written is longer than the n-gram, its own start is the latest place: it goes on.
+    assert drafter([2, zero, zero, zero, zero, zero], most=3, ngram=3).guess() == [zero, zero, zero]
+
+
 def test_a_constrained_guess_is_the_longest_its_grammar_admits_among_the_latest_matches() -> None:
     # After '",' a JSON record goes on with its next key: the grammar admits only the match followed by it.
     name, room, kind, sep = 50, 51, 52, 60

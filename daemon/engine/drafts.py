@@ -207,9 +207,16 @@ class Drafter:
         return out
 
     def _index_up_to(self, end: int) -> None:
+        """Index the n-grams ending before ``end``. An n-gram of one token repeated is indexed once per run of that
+        token, where the run reached n: what follows it there is the run as long as that one from its start, so a
+        run (a number's zeros, a rule of dashes) is guessed to go on as long as the earlier one. Indexed at every
+        place inside the run, its latest place was the earlier run's last, and every guess ended the run there."""
         tokens, index = self.tokens, self._index
         for last in range(self._indexed, end):
+            run = _run_ending_at(tokens, last, self.ngram_max + 1)
             for ngram in _ngrams_before(tokens, last + 1, self.ngram_max):
+                if len(ngram) < run:  # (inside a longer run of its one token)
+                    continue
                 positions = index.setdefault(ngram, [])
                 positions.append(last + 1)
                 if len(positions) > KEEP:
@@ -256,6 +263,14 @@ class Drafter:
             self._read = self._start + accepted + 1
         elif rejected and self._start is not None:
             self._varying.add(self._end + accepted)  # (where the token sampled in place of the guessed one goes)
+
+
+def _run_ending_at(tokens: Sequence[int], last: int, most: int) -> int:
+    """How many times the token at ``last`` is repeated up to it (1: the token before is another), at most ``most``."""
+    token, run = tokens[last], 1
+    while run < most and last - run >= 0 and tokens[last - run] == token:
+        run += 1
+    return run
 
 
 def _ngrams_before(tokens: Sequence[int], after: int, most: int) -> Iterator[tuple[int, ...]]:
