@@ -241,6 +241,29 @@ def test_a_marginal_cost_the_fit_puts_below_zero_is_held_at_zero_and_the_others_
     for rows in (2, 4, 6, 8):
         assert math.isclose(predicted[rows], seconds(rows), rel_tol=0.05), rows
     assert all(predicted[a] <= predicted[b] for a, b in [(1, 2), (2, 4), (4, 6), (6, 8), (8, 16)])
+    assert (model.small.usable[1:] >= 0).all()
+
+
+def test_hours_of_one_kind_of_step_leave_the_fit_as_it_was() -> None:
+    """A daemon that only decodes one session for hours: every step has one logits row, so the features of several
+    rows stay at zero. Forgetting grew the fit's covariance in their direction by 1/FORGET a step, without bound,
+    until the fit diverged; bounded, the fit still predicts both kinds of step when several rows come again."""
+
+    def seconds(rows: int) -> float:
+        return 0.020 + 0.004 * rows + (0.006 if rows > 1 else 0.0)
+
+    clock = FakeClock()
+    model = CostModel(clock=clock)
+    calibrate(model, lambda start, n, outputs=1: seconds(outputs) + 0.0001 * n, repeat=3, guess_rows=16)
+    noise = np.random.default_rng(0).normal(1.0, 0.02, 20_000)
+    for i, factor in enumerate(noise):  # (about ten minutes of 30 ms steps)
+        clock.now += seconds(1)
+        model.update(StepShape.of([(128 + i % 512, 1, 1)]), seconds(1) * factor)
+    model.small.reset_factors()
+    assert np.isfinite(model.small.theta).all() and np.abs(model.small._p).max() <= 1.001 * cost_model.PRIOR_VARIANCE
+    assert math.isclose(model.predict(StepShape.of([(300, 1, 1)])), seconds(1), rel_tol=0.05)
+    four = model.predict(StepShape.of([(300, 4, 4)]))
+    assert seconds(1) < four < 3 * seconds(4)  # (what calibration told of several rows, not forgotten into noise)
 
 
 def test_nonnegative_moves_the_free_coefficients_as_the_covariance_ties_them() -> None:
@@ -250,6 +273,13 @@ def test_nonnegative_moves_the_free_coefficients_as_the_covariance_ties_them() -
     assert held[2] == 0.0 and held[1] == 0.002  # the uncorrelated one stays
     assert math.isclose(held[0], 0.03 - 0.5 * 0.001)  # the fixed cost gives back what the negative one took
     assert (cost_model.nonnegative(np.array([-0.01, 0.001, 0.002]), covariance) == [-0.01, 0.001, 0.002]).all()
+    # Holding one pushes another below zero: it is held too, and the fixed cost takes what both took.
+    chained = np.array([[1.0, -0.3, 0.0], [-0.3, 1.0, -0.9], [0.0, -0.9, 1.0]])
+    both = cost_model.nonnegative(np.array([0.03, 0.0005, -0.001]), chained)
+    assert both[1] == 0.0 and both[2] == 0.0 and both[0] < 0.03
+    # A covariance that is no longer one (not positive definite): the plain clamp.
+    broken = np.array([[1.0, 0.0, 2.0], [0.0, 1.0, 0.0], [2.0, 0.0, -1.0]])
+    assert (cost_model.nonnegative(theta, broken) == [0.03, 0.002, 0.0]).all()
 
 
 @pytest.mark.parametrize("rows", [1, 4])  # a shape calibration measured, and one it did not

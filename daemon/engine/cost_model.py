@@ -49,6 +49,7 @@ IDLE_HALF_LIFE_S = 0.5  # with no step run for this long, the fast factor is hal
 TOLERANCE_S = 1e-6
 TILE_WIDTHS = (2, 4)  # the logits kernel's tile widths: an AVX2 build's, an AVX-512 one's
 FEATURES = 5 + len(TILE_WIDTHS)
+PRIOR_VARIANCE = 1e3  # the fit's covariance before any step (a weak prior: any step outweighs it), and its bound after
 
 
 def within(seconds: float, limit: float) -> bool:
@@ -86,25 +87,38 @@ class StepShape:
         return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, wide, *past_tiles])
 
 
+def bounded(covariance: np.ndarray) -> np.ndarray:
+    """The fit's covariance, symmetric and with no variance past the prior's: forgetting divides it by FORGET every
+    step, so in a direction the steps do not vary (hours of one-row decode steps leave the features of several rows
+    at zero) it grew without bound, until it was no covariance at all and the fit diverged (about 9,000 such steps in
+    a simulation)."""
+    values, vectors = np.linalg.eigh((covariance + covariance.T) / 2)
+    return (vectors * np.clip(values, 1e-12, PRIOR_VARIANCE)) @ vectors.T
+
+
 def nonnegative(theta: np.ndarray, covariance: np.ndarray) -> np.ndarray:
     """The fit ``theta`` with every marginal cost (all but the fixed one) at zero or more: predictions must grow
     with the work, and noise, or features that move together in the steps seen, can put one below zero. Those are
     held at zero and the others moved to fit the same steps as well as they can so (least squares with them held,
     from the fit's own ``covariance``), until none is below. Zeroing a negative one alone leaves the others where it
     had pulled them: at one stream nearly every step has several logits rows, the fit put the cost of several at
-    -8 ms and the fixed cost 8 ms higher, and dropping the -8 priced every guess 8 ms too high (46 steps for the
-    answer a fresh daemon gave in 31)."""
+    -8 to -11 ms and the fixed cost as much higher, and dropping the negative part priced every step of several rows
+    that much too high (the fast factor settled at 0.73-0.78 to make up for it)."""
     usable, held = theta.copy(), np.zeros(len(theta), dtype=bool)
+    clamped = np.concatenate([theta[:1], np.maximum(theta[1:], 0.0)])  # (where the covariance cannot say more)
     while (negative := usable < 0.0)[1:].any():
         held[1:] |= negative[1:]
         free = ~held
         try:
+            np.linalg.cholesky(covariance[np.ix_(held, held)])  # (raises unless positive definite)
             shift = covariance[np.ix_(free, held)] @ np.linalg.solve(covariance[np.ix_(held, held)], theta[held])
-        except np.linalg.LinAlgError:  # (a covariance gone singular: the plain clamp)
-            return np.concatenate([theta[:1], np.maximum(theta[1:], 0.0)])
+        except np.linalg.LinAlgError:
+            return clamped
         usable = theta.copy()
         usable[free] -= shift
         usable[held] = 0.0
+        if not np.isfinite(usable).all():
+            return clamped
     return usable
 
 
@@ -116,7 +130,7 @@ class _LinearFit:
         self.theta = np.zeros(FEATURES)
         self.theta[:2] = (0.010, 0.002)
         self.usable = self.theta.copy()
-        self._p = np.eye(FEATURES) * 1e3
+        self._p = np.eye(FEATURES) * PRIOR_VARIANCE
         self.recent = 1.0  # the last steps' measured time over the fit's prediction
         self.settled = 1.0  # the same over more steps: where the fast factor returns to while no step runs
         self._clock = clock
@@ -135,7 +149,7 @@ class _LinearFit:
         px = self._p @ x
         gain = px / (FORGET + x @ px)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self._p = (self._p - np.outer(gain, px)) / FORGET
+        self._p = bounded((self._p - np.outer(gain, px)) / FORGET)
         self.usable = nonnegative(self.theta, self._p)
         # What the fit has not caught up with, measured after its update: a shape it knew little of moves the fit
         # itself, and counting that step's surprise twice would overshoot.
