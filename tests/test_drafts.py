@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.daemon.engine.cost_model import FEATURES, CostModel, StepShape, calibrate
-from kvpool.daemon.engine.drafts import RETRY_EVERY, RETRY_TOKENS, Drafter, with_drafts
+from kvpool.daemon.engine.drafts import RETRY_EVERY, RETRY_TOKENS, WINDOW, Drafter, with_drafts
 from kvpool.daemon.engine.step_work import Work
 
 EOG = 99
@@ -42,12 +42,18 @@ def test_a_guess_that_runs_into_the_end_goes_on_with_itself_and_the_longest_matc
 def test_a_run_of_one_token_is_guessed_to_go_on_as_long_as_the_earlier_run_from_its_start() -> None:
     # A number's zeros: the first record's run had six, the second's has three so far. Its last three tokens match
     # the first run where that run reached three zeros: the guess is the rest of that run, then what followed it
-    # (the first run's last place would end this run at once: [comma, 8, 1, 5]).
+    # (indexed at every place in the run, its latest place would end this run at once: [comma, 8, 1, 5, zero]).
     zero, comma = 0, 9
     tokens = [7, 1, 5, zero, zero, zero, zero, zero, zero, comma, 8, 1, 5, zero, zero, zero]
     assert drafter(tokens, most=5, ngram=3).guess() == [zero, zero, zero, comma, 8]
     # Once the run being written is longer than the n-gram, its own start is the latest place: it goes on.
     assert drafter([2, zero, zero, zero, zero, zero], most=3, ngram=3).guess() == [zero, zero, zero]
+    # A run cut by the window's start is counted from there: its n-grams are indexed all the same.
+    long_ago = drafter([zero] * (WINDOW + 4) + [comma, 8, zero, zero, zero], most=2, ngram=3)
+    assert long_ago.guess() == [zero, zero] and long_ago.matched == 3
+    # After a run, a token that ends it is no substitution of the run's next token: the places of the run's n-gram
+    # lie inside earlier runs, and what followed there is more of the run.
+    assert drafter([1, zero, zero, zero, zero, zero, comma, 8, 2, 3, 5, zero, zero, zero, 7], ngram=3).guess() == []
 
 
 def test_a_constrained_guess_is_the_longest_its_grammar_admits_among_the_latest_matches() -> None:

@@ -65,6 +65,7 @@ class Drafter:
         # n-gram -> where the tokens after its latest KEEP matches begin, the latest last
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = max(0, len(tokens) - WINDOW)  # n-grams ending before this position are indexed
+        self._window_start = self._indexed  # (a run is counted from here: what lies before was never indexed)
         self._stats: dict[tuple[int, bool, bool], list[float]] = {}  # the guesses' _key -> [accepted, tried], decayed
         # All match lengths together, decayed: the context's guesses (False) and the prediction's (True) apart.
         self._overall = {False: [PRIOR_ACCEPTED, PRIOR_TRIED], True: [PRIOR_ACCEPTED, PRIOR_TRIED]}
@@ -131,7 +132,7 @@ class Drafter:
         if self._indexed > end:  # the conversation lost tokens (a prompt that could not be computed): start again
             self._index.clear()
             self._varying.clear()
-            self._indexed = max(0, end - WINDOW)
+            self._indexed = self._window_start = max(0, end - WINDOW)
         self._index_up_to(end - 1)  # the n-grams ending before the last token: the current one is no match
         best: list[int] = []
         for asked, (matched, start, whole, predicted) in enumerate(self._matches(end), 1):
@@ -177,7 +178,11 @@ class Drafter:
                     yield n, after, whole, False
             if n < SUBSTITUTED_MIN or n >= end:
                 continue
-            for after in reversed(self._index.get(tuple(tokens[end - 1 - n : end - 1]), ())):
+            before = tuple(tokens[end - 1 - n : end - 1])
+            inside_run = len(set(before)) == 1  # (its places are inside earlier runs, where the run went on)
+            for after in reversed(self._index.get(before, ())):
+                if inside_run and tokens[after] == before[0]:
+                    continue
                 if after < end - 1 and tokens[after] != tokens[end - 1]:
                     self._varying.update((after, end - 1))
                     if whole := self._continuation(after + 1, end):
@@ -210,10 +215,11 @@ class Drafter:
         """Index the n-grams ending before ``end``. An n-gram of one token repeated is indexed once per run of that
         token, where the run reached n: what follows it there is the run as long as that one from its start, so a
         run (a number's zeros, a rule of dashes) is guessed to go on as long as the earlier one. Indexed at every
-        place inside the run, its latest place was the earlier run's last, and every guess ended the run there."""
+        place inside the run, its latest place was the earlier run's last, and every guess ended the run there. (A
+        run longer than the longest n-gram matches its own start once it is that long: it is guessed to go on.)"""
         tokens, index = self.tokens, self._index
         for last in range(self._indexed, end):
-            run = _run_ending_at(tokens, last, self.ngram_max + 1)
+            run = _run_ending_at(tokens, last, min(self.ngram_max + 1, last + 1 - self._window_start))
             for ngram in _ngrams_before(tokens, last + 1, self.ngram_max):
                 if len(ngram) < run:  # (inside a longer run of its one token)
                     continue
