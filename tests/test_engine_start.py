@@ -4,20 +4,22 @@ request would otherwise pay in the middle of its answer, stalling every session'
 from __future__ import annotations
 
 import threading
+from functools import cached_property
 from pathlib import Path
 
 import pytest
 
 from kvpool.daemon.engine.loop import Engine
+from kvpool.daemon.llama.model.tokenizer import Tokenizer
 
 from .fake_model import FakeModel
 from .kv_in_process import kv_on_fake_model, open_session
 from .test_engine_failures import CLIENT, WAIT_S, Replies, generate
 
 
-def byte_table_reads(tmp: Path, jump_forward: str) -> list[int]:
+def byte_table_reads(tmp: Path, jump_forward: str, draft_tokens: int = 16) -> list[int]:
     """The decodes done each time the engine read the vocabulary's byte table, over a start and one answer."""
-    config = {"scheduling": "fcfs", "calibrate": False, "jump_forward": jump_forward}
+    config = {"scheduling": "fcfs", "calibrate": False, "jump_forward": jump_forward, "draft_tokens": draft_tokens}
     with kv_on_fake_model(tmp, config_text=config) as kv:
         replies = Replies()
         engine = Engine(kv.model, kv.config, kv, replies.send, "test")  # type: ignore[arg-type]
@@ -43,5 +45,11 @@ def test_the_byte_table_a_grammars_forced_text_needs_is_read_before_the_first_st
     assert byte_table_reads(tmp_path, jump_forward) == [0]
 
 
-def test_without_jump_forward_the_byte_table_is_never_read(tmp_path: Path) -> None:
-    assert byte_table_reads(tmp_path, "off") == []
+def test_the_real_byte_table_is_read_once_and_kept() -> None:
+    assert isinstance(Tokenizer.__dict__["byte_tokens"], cached_property)
+
+
+@pytest.mark.parametrize(("jump_forward", "draft_tokens"), [("off", 16), ("guess", 0)])
+def test_without_forced_text_the_byte_table_is_never_read(tmp_path: Path, jump_forward: str, draft_tokens: int) -> None:
+    # (a forced text is guessed only with guesses on: "guess" without them is no jump-forward)
+    assert byte_table_reads(tmp_path, jump_forward, draft_tokens) == []

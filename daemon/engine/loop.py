@@ -266,8 +266,12 @@ class Engine:
         each kind of medium takes. The vocabulary's byte table, which a grammar's forced text is read with, is read
         here too: it is a pass over the vocabulary (0.3 s for Gemma 3's 262k tokens), which the first constrained
         answer would otherwise pay between two of its steps, stalling every session's next token."""
-        if self.config.jump_forward != "off":
-            self.model.byte_tokens  # noqa: B018  (a cached property: read once, here)
+        jump = self.config.jump_forward
+        if jump == "append" or (jump == "guess" and self.config.draft_tokens):  # (a guess needs guesses on: _jumps)
+            try:
+                self.model.byte_tokens  # noqa: B018  (a cached property: read once, here)
+            except Exception:  # the first constrained answer reads it again, with its reason
+                log.exception("could not read the vocabulary's byte table")
         if self.media is not None:
             try:
                 self.media.warm_up()

@@ -79,8 +79,8 @@ class Tokenizer:
     def byte_tokens(self) -> np.ndarray | None:
         """What a grammar is asked about to learn the one byte it lets come next (Sampler.forced): for each byte
         value a token that spells that byte alone, then the end-of-generation tokens; None when an ASCII byte has
-        no token of its own (a grammar could then let it come unseen). One pass over the vocabulary, at the first
-        constrained generation."""
+        no token of its own (a grammar could then let it come unseen). One pass over the vocabulary (0.3 s for 262k
+        tokens), which the engine makes at start (Engine._calibrate)."""
         by_byte: dict[int, int] = {}
         ends: list[int] = []
         for token in range(self.n_vocab):
