@@ -24,10 +24,13 @@ def no_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_CALIBRATE", "false")
 
 
-# The KV tests below compare greedy tokens across daemons token for token. Guesses would make each step's rows
-# follow the step times measured (docs/speculative.md), a batch of another shape from run to run, where a near-tie
-# can fall the other way; without them a session alone decodes the same shapes every run.
-ONE_ROW = ("--draft-tokens", "0")
+# The KV tests below compare greedy tokens across daemons token for token, so each must compute the same way in
+# every run, whatever else the machine runs. Guesses would make each step's rows follow the step times measured
+# (docs/speculative.md), a batch of another shape from run to run, where a near-tie can fall the other way; the
+# thread count would follow a neighbour's load (engine/thread_count.py), as a clean-clone CI run beside other tests
+# showed (two of these tests parted at a near-tie, at 4-5 times their usual time). Without either, a session alone
+# decodes the same shapes with the same threads every run.
+ONE_ROW = ("--draft-tokens", "0", "--no-adapt-threads")
 
 
 @pytest.fixture
