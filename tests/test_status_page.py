@@ -61,7 +61,13 @@ def test_the_page_shows_the_daemon_and_chats_through_the_gateway(
         driver.get(gateway.url + "/")  # type: ignore[attr-defined]
 
         def shown(element_id: str) -> Callable[[object], str | bool]:
-            return lambda d: d.find_element(By.ID, element_id).text.strip() or False  # type: ignore[attr-defined]
+            """The element's text once the page has filled it ("-" is its placeholder until the first status)."""
+
+            def text(d: object) -> str | bool:
+                value = d.find_element(By.ID, element_id).text.strip()  # type: ignore[attr-defined]
+                return value if value not in ("", "-") else False
+
+            return text
 
         assert re.fullmatch(r"\d+/4", wait.until(shown("slots")))  # the daemon fixture has 4 hot slots
         assert re.fullmatch(r"\d+/2048", wait.until(shown("cells")))
