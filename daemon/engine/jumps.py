@@ -31,6 +31,14 @@ class Tokens(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
 
 
+def jump_mode(setting: str, draft_tokens: int, logprobs: bool) -> str:
+    """How a constrained answer's forced text goes ("guess", "append" or "off"), from the ``jump_forward`` setting: a
+    forced token has no logits, so an answer that reports log-probabilities has it guessed instead of appended; a
+    guess needs guesses on (``draft_tokens``)."""
+    mode = "guess" if setting == "append" and logprobs else setting
+    return "off" if mode == "guess" and not draft_tokens else mode
+
+
 def forced_after(context: list[int], forced: bytes, model: Tokens) -> list[int]:
     """forced_tokens, with the model's tokenizer."""
     return forced_tokens(context, forced, lambda text: model.tokenize(text, add_bos=False), model.token_bytes)

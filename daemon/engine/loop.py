@@ -27,6 +27,7 @@ from kvpool.daemon.engine.cpu_share import IdleSampler, process_cpu_seconds
 from kvpool.daemon.engine.drafts import FORCED, with_drafts
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.housekeeping import Housekeeping
+from kvpool.daemon.engine.jumps import jump_mode
 from kvpool.daemon.engine.moves import next_work
 from kvpool.daemon.engine.requests import RequestHandlers
 from kvpool.daemon.engine.runner import Runner, StepOutcome
@@ -266,8 +267,8 @@ class Engine:
         each kind of medium takes. The vocabulary's byte table, which a grammar's forced text is read with, is read
         here too: it is a pass over the vocabulary (0.3 s for Gemma 3's 262k tokens), which the first constrained
         answer would otherwise pay between two of its steps, stalling every session's next token."""
-        jump = self.config.jump_forward
-        if jump == "append" or (jump == "guess" and self.config.draft_tokens):  # (a guess needs guesses on: _jumps)
+        # (log-probabilities only ever turn forced text from appended to guessed, or off: never on)
+        if jump_mode(self.config.jump_forward, self.config.draft_tokens, logprobs=False) != "off":
             try:
                 self.model.byte_tokens  # noqa: B018  (a cached property: read once, here)
             except Exception:  # the first constrained answer reads it again, with its reason

@@ -16,6 +16,7 @@ from kvpool import protocol as p
 from kvpool.daemon.config import Config
 from kvpool.daemon.engine.drafts import Drafter
 from kvpool.daemon.engine.generation import Generation
+from kvpool.daemon.engine.jumps import jump_mode
 from kvpool.daemon.engine.replies import session_opened
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.stream_text import StreamText
@@ -373,12 +374,9 @@ class RequestHandlers:
         return Drafter(s.tokens, self.config.draft_ngram, self.config.draft_tokens, self.model.is_end_of_generation)
 
     def _jumps(self, constrained: bool, r: p.Generate) -> str:
-        """How the generation's forced text goes (engine/jumps.py): a forced token has no logits, so an answer that
-        reports log-probabilities has it guessed instead of appended; a guess needs guesses on."""
-        mode = self.config.jump_forward if constrained else "off"
-        if mode == "append" and r.logprobs is not None:
-            mode = "guess"
-        return "off" if mode == "guess" and not self.config.draft_tokens else mode
+        """How the generation's forced text goes (engine/jumps.py)."""
+        setting = self.config.jump_forward if constrained else "off"
+        return jump_mode(setting, self.config.draft_tokens, logprobs=r.logprobs is not None)
 
     def _sampling(self, r: p.Generate) -> SamplingParams:
         self._checked_tokens([*r.logit_bias, *r.grammar_trigger_tokens])
