@@ -169,6 +169,9 @@ class Drafter:
         the last, which stood at an earlier place where another token followed them (the last token took its
         place: what came after it there is the guess)."""
         tokens = self.tokens
+        # The run of one token the last token follows: an n-gram before the last token no longer than it is that
+        # token repeated, whose places lie inside earlier runs (_index_up_to), where the run went on.
+        run_before_last = _run_ending_at(tokens, end - 2, self.ngram_max) if end >= 2 else 0
         for n in range(min(self.ngram_max, end), 0, -1):
             ngram = tuple(tokens[end - n : end])
             if (after := self._in_prediction(ngram)) is not None and (whole := self._predicted_run(after)):
@@ -178,10 +181,8 @@ class Drafter:
                     yield n, after, whole, False
             if n < SUBSTITUTED_MIN or n >= end:
                 continue
-            before = tuple(tokens[end - 1 - n : end - 1])
-            inside_run = len(set(before)) == 1  # (its places are inside earlier runs, where the run went on)
-            for after in reversed(self._index.get(before, ())):
-                if inside_run and tokens[after] == before[0]:
+            for after in reversed(self._index.get(tuple(tokens[end - 1 - n : end - 1]), ())):
+                if n <= run_before_last and tokens[after] == tokens[end - 2]:
                     continue
                 if after < end - 1 and tokens[after] != tokens[end - 1]:
                     self._varying.update((after, end - 1))
