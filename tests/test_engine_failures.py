@@ -59,10 +59,12 @@ class Replies:
 
 
 @contextmanager
-def engine_on_fake_model(tmp: Path, *, hot_slots: int = 2, context_size: int = 64) -> Iterator[tuple[Engine, Replies]]:
+def engine_on_fake_model(
+    tmp: Path, *, hot_slots: int = 2, context_size: int = 64, **settings: object
+) -> Iterator[tuple[Engine, Replies]]:
     """An engine over the fake model's tiers: first come first served (its plans do not depend on a clock) and no
-    calibration (nothing to measure)."""
-    config = {"scheduling": "fcfs", "calibrate": False}
+    calibration (nothing to measure), and any other ``settings``."""
+    config = {"scheduling": "fcfs", "calibrate": False, **settings}
     with kv_on_fake_model(tmp, hot_slots=hot_slots, context_size=context_size, config_text=config) as kv:
         replies = Replies()
         yield Engine(kv.model, kv.config, kv, replies.send, "test"), replies  # type: ignore[arg-type]

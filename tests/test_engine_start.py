@@ -9,25 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.daemon.engine.loop import Engine
 from kvpool.daemon.llama.model.tokenizer import Tokenizer
 
 from .fake_model import FakeModel
-from .kv_in_process import kv_on_fake_model, open_session
-from .test_engine_failures import CLIENT, WAIT_S, Replies, generate
+from .kv_in_process import open_session
+from .test_engine_failures import CLIENT, WAIT_S, engine_on_fake_model, generate
 
 
 def byte_table_reads(tmp: Path, jump_forward: str, draft_tokens: int = 16) -> list[int]:
     """The decodes done each time the engine read the vocabulary's byte table, over a start and one answer."""
-    config = {"scheduling": "fcfs", "calibrate": False, "jump_forward": jump_forward, "draft_tokens": draft_tokens}
-    with kv_on_fake_model(tmp, config_text=config) as kv:
-        replies = Replies()
-        engine = Engine(kv.model, kv.config, kv, replies.send, "test")  # type: ignore[arg-type]
-        model: FakeModel = kv.model  # type: ignore[assignment]
+    with engine_on_fake_model(tmp, jump_forward=jump_forward, draft_tokens=draft_tokens) as (engine, replies):
+        model: FakeModel = engine.model  # type: ignore[assignment]
         thread = threading.Thread(target=engine.run, name="engine")
         thread.start()
         try:
-            engine.submit(CLIENT, generate(1, open_session(kv), prompt=5))
+            engine.submit(CLIENT, generate(1, open_session(engine.kv), prompt=5))
             replies.wait_last(1)
         finally:
             engine.stopping.set()

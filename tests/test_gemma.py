@@ -30,7 +30,7 @@ def no_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
 # thread count would follow a neighbour's load (engine/thread_count.py), as a clean-clone CI run beside other tests
 # showed (two of these tests parted at a near-tie, at 4-5 times their usual time). Without either, a session alone
 # decodes the same shapes with the same threads every run.
-ONE_ROW = ("--draft-tokens", "0", "--no-adapt-threads")
+STEADY = ("--draft-tokens", "0", "--no-adapt-threads")
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_hibernate_and_restore_are_exact_past_the_sliding_window(start_daemon: C
     story = "The lighthouse keeper counted the ships that passed in the night, one by one. " * 40  # ~650 tokens
     turns = [story, " What did the keeper count?", " And then?"]
     one_slot = start_daemon(
-        "--hot-slots", "1", "--context-size", "2048", "--threads", "2", "--cache-pool-size", "128MiB", *ONE_ROW,
+        "--hot-slots", "1", "--context-size", "2048", "--threads", "2", "--cache-pool-size", "128MiB", *STEADY,
         model=None, name="one",
     )  # fmt: skip
     with one_slot.client(timeout=300.0) as client:
@@ -81,7 +81,7 @@ def test_hibernate_and_restore_are_exact_past_the_sliding_window(start_daemon: C
         assert moves.restores_pool >= 4 and a.complete(" ok", max_tokens=1).usage.context_tokens > 600
     one_slot.stop()
     two_slots = start_daemon(
-        "--hot-slots", "2", "--context-size", "4096", "--threads", "2", *ONE_ROW, model=None, name="two"
+        "--hot-slots", "2", "--context-size", "4096", "--threads", "2", *STEADY, model=None, name="two"
     )
     with two_slots.client(timeout=300.0) as client:
         for s_id in hibernated:
@@ -129,7 +129,7 @@ def test_prefix_sharing_is_exact_through_hibernation_past_the_sliding_window(
                 out.append([token for n in range(3) for token in turn(s, i, n)])
         return out
 
-    common = ("--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB", *ONE_ROW)
+    common = ("--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB", *STEADY)
     shared = start_daemon("--hot-slots", "1", *common, model=None, name="shared")
     with shared.client(timeout=300.0) as client:
         result = turns(client)
@@ -158,7 +158,7 @@ def test_shared_prefix_comes_back_from_the_pool_after_a_crash(start_daemon: Call
         "Question: who is the recipient? Answer: The recipient is",
         "Question: on which street is the recipient? Answer:",
     ]
-    common = ("--hot-slots", "2", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB", *ONE_ROW)
+    common = ("--hot-slots", "2", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB", *STEADY)
 
     def first_turns(client: Client) -> list[tuple[str, str]]:
         sessions = [client.open_session(system_prompt=system) for _ in range(2)]
@@ -420,7 +420,7 @@ def test_compressed_snapshots_answer_as_before_past_the_window_on_a_shared_prefi
             assert status.prefixes.hits == 1 and status.moves.restores_pool >= 2
             return answers
 
-    common = ("--hot-slots", "1", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB", *ONE_ROW)
+    common = ("--hot-slots", "1", "--context-size", "4096", "--threads", "2", "--cache-pool-size", "128MiB", *STEADY)
     squeezed = start_daemon(
         *common, model=None, config=f'pool_kv_type = "{pool_type}"\npool_kv_policy = "always"\n', name="squeezed"
     )
@@ -482,7 +482,7 @@ def test_half_the_layers_on_an_rpc_worker_answer_as_the_all_local_model(
     def run(*extra: str, name: str) -> tuple[list[list[int]], list[object]]:
         daemon = start_daemon(
             *("--hot-slots", "1", "--context-size", "2048", "--threads", "1", "--cpu-repack", "off"),
-            *("--cache-pool-size", "128MiB", *ONE_ROW, *extra),
+            *("--cache-pool-size", "128MiB", *STEADY, *extra),
             model=None,
             name=name,
         )
