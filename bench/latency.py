@@ -13,6 +13,10 @@ Reports voice time to first token (client-measured, send to first chunk) p50/p99
 distributions to bench/out/latency.png and the raw numbers to bench/out/latency.json.
 
     python bench/latency.py [--model PATH] [--seconds 60] [--setups budgets fcfs serial deterministic]
+                            [--before PYTHON]
+
+--before also runs each setup with kvpoold from another install's Python ("<setup> before", right after it), for a
+change's effect on the same machine in the same hour.
 """
 
 from __future__ import annotations
@@ -93,8 +97,8 @@ def role_vision(address: str, seconds: float) -> None:
     print(json.dumps({"tokens": tokens, "requests": done, "seconds": time.monotonic() - started}), flush=True)
 
 
-def run_setup(model: str, args: tuple[str, ...], seconds: float) -> dict[str, object]:
-    with private_daemon(model, "--config", str(CONFIG), "--threads", "2", *args) as daemon:
+def run_setup(model: str, args: tuple[str, ...], seconds: float, python: str = sys.executable) -> dict[str, object]:
+    with private_daemon(model, "--config", str(CONFIG), "--threads", "2", *args, python=python) as daemon:
         me = [sys.executable, str(Path(__file__))]
         vision = subprocess.Popen(
             [*me, "--role", "vision", daemon.address, str(seconds)], stdout=subprocess.PIPE, text=True
@@ -158,6 +162,7 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--setups", nargs="+", default=["budgets", "fcfs", "serial", "deterministic"], choices=list(SETUPS))
+    ap.add_argument("--before", metavar="PYTHON", help="also run each setup with this Python's install of kvpool")
     args = ap.parse_args()
     if args.role:
         {"voice": role_voice, "vision": role_vision}[args.role](args.args[0], float(args.args[1]))
@@ -167,6 +172,9 @@ def main() -> int:
     for name in args.setups:
         results[name] = run_setup(model, SETUPS[name], args.seconds)
         print(f"measured {name}", file=sys.stderr, flush=True)
+        if args.before:
+            results[f"{name} before"] = run_setup(model, SETUPS[name], args.seconds, args.before)
+            print(f"measured {name} before", file=sys.stderr, flush=True)
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     (out / "latency.json").write_text(json.dumps(results, indent=2))
@@ -174,7 +182,7 @@ def main() -> int:
 
     print(f"\nVoice under vision load, {args.seconds:.0f} s per setup (voice budget {VOICE_BUDGET_MS:.0f} ms)")
     print(
-        f"{'setup':>8} | {'turns':>5} | {'TTFT p50':>8} | {'TTFT p99':>8} | {'missed':>6} | {'refused':>7} | "
+        f"{'setup':>16} | {'turns':>5} | {'TTFT p50':>8} | {'TTFT p99':>8} | {'missed':>6} | {'refused':>7} | "
         f"{'vision tok/s':>12} | {'vision reqs':>11}"
     )
     for name, r in results.items():
@@ -182,7 +190,7 @@ def main() -> int:
         p50, p99 = np.percentile(ttft, [50, 99]) if len(ttft) else (float("nan"), float("nan"))
         missed = (r["voice_late"] + r["voice_refused"]) / max(1, r["voice_turns"])
         print(
-            f"{name:>8} | {r['voice_turns']:>5} | {p50:>8.0f} | {p99:>8.0f} | {missed:>6.1%} | "
+            f"{name:>16} | {r['voice_turns']:>5} | {p50:>8.0f} | {p99:>8.0f} | {missed:>6.1%} | "
             f"{r['voice_refused']:>7} | {r['vision_tokens_per_s']:>12.1f} | {r['vision_requests']:>11}"
         )
     if {"budgets", "deterministic"} <= results.keys():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvpool import protocol as p
 from kvpool.client import Client
 from kvpool.client.cli import format_status
 from kvpool.daemon.engine.step_log import StepRecord
@@ -18,6 +19,7 @@ from kvpool.daemon.ops.prometheus import render
 from kvpool.protocol import TokenLogprob
 
 from .daemon_process import DaemonProcess
+from .raw import RawConnection
 
 Start = Callable[..., DaemonProcess]
 GREEDY = {"temperature": 0.0}
@@ -186,6 +188,46 @@ def test_guesses_go_off_with_a_budget_that_has_no_room_for_them(start_daemon: St
     plain = start_daemon("--hot-slots", "2", *NO_GUESSES, name="plain")
     with plain.client() as client:
         assert client.open_session().complete(PROMPTS[0], max_tokens=24, **GREEDY).tokens == answer.tokens
+
+
+def test_a_promised_first_token_waits_behind_no_guessed_rows(start_daemon: Start, tmp_path: Path) -> None:
+    """While a deadline-bound task waits for its first token, the steps carry no guessed rows: another session's
+    guesses would lengthen the steps it waits behind, which its admission's estimate did not count. They come back
+    once the first token is out."""
+    config = "[tasks.default]\n[tasks.voice]\nttft_ms = 60000\n"  # (far out: admission never refuses)
+    step_log = tmp_path / "steps.jsonl"
+    daemon = start_daemon("--hot-slots", "2", *SPECULATE, "--step-log", str(step_log), config=config, name="voice")
+    raw = RawConnection(daemon.address)
+    try:
+        background, voice = raw.open(), raw.open("voice")
+        # Every byte token in its prompt: whatever it samples matched earlier, so each of its steps feeds a guess.
+        every_token = list(range(3, 259))
+        raw.send(
+            p.Generate(
+                id=1,
+                session=background.session,
+                token=background.token,
+                prompt_tokens=every_token,
+                max_tokens=400,
+                **GREEDY,
+            )
+        )
+        assert isinstance(raw.recv(), p.Chunk)  # the background answer is decoding, with guesses
+        raw.send(p.Generate(id=2, session=voice.session, token=voice.token, prompt=PROMPTS[2], max_tokens=24, **GREEDY))
+        raw.until_final(2)
+        _, background_final = raw.until_final(1)
+    finally:
+        raw.close()
+    assert background_final.usage.completion_tokens == 400
+    steps = [msgspec.json.decode(line, type=StepRecord) for line in step_log.read_bytes().splitlines()]
+    voice_steps = [k for k, step in enumerate(steps) if any(i.session == voice.session for i in step.items)]
+    first_token = next(k for k in voice_steps if any(i.session == voice.session and i.sampled for i in steps[k].items))
+    waiting = [item for step in steps[voice_steps[0] : first_token + 1] for item in step.items]
+    assert any(item.session == background.session for item in waiting)  # the background decoded beside its prompt
+    assert all(item.guessed == 0 for item in waiting)
+    background_steps = [i for step in steps for i in step.items if i.session == background.session and i.pending == 1]
+    guessing = [item for item in background_steps if item not in waiting]
+    assert guessing and all(item.guessed for item in guessing[:-1])  # (its last step had no room for a guess)
 
 
 def test_constrained_answers_guess_only_what_their_grammar_admits_and_stay_the_same(start_daemon: Start) -> None:

@@ -181,7 +181,11 @@ class Engine:
                 self.idle_cores.engine_waited()
                 self._take_requests(PAUSED_WAIT_S)
             return
-        if self.config.draft_tokens and not step_work[0].item.feeds_medium:  # (a medium's step feeds it alone)
+        if (
+            self.config.draft_tokens
+            and not step_work[0].item.feeds_medium  # (a medium's step feeds it alone)
+            and not self.scheduler.deadline_waits()
+        ):
             step_work = with_drafts(
                 step_work,
                 self.model.step_tokens,
