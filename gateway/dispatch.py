@@ -213,8 +213,11 @@ _PATH = re.compile(r"^(\$[^:\s]*)")
 
 
 def refusal(exc: KvpoolError, job: Job) -> HttpError:
-    """The daemon's refusal as an HTTP error; a refused schema names the request field it came from."""
+    """The daemon's refusal as an HTTP error; a refused schema, or a prediction longer than the answer can be, names
+    the request field it came from."""
     error = HttpError.from_kvpool(exc.code, exc.message)
+    if exc.code == p.ErrorCode.CONTEXT_OVERFLOW and "prediction_tokens" in exc.detail:
+        error.param = "prediction"
     if exc.code == "BAD_REQUEST" and job.schema_fields:
         at = _PATH.match(exc.message)
         daemon_path = at.group(1) if at else ""

@@ -338,6 +338,8 @@ def check_prediction(api: Api) -> None:
         assert details.accepted_prediction_tokens > 0, details
     api.refused("prediction", {"type": "content", "content": 5}, "expected answer")
     api.refused("prediction", {"type": "image", "content": "x"}, "expected answer")
+    # Longer than the answer can be (the daemon's 4096-token context; a byte a token): the field, not a session id.
+    api.refused("prediction", {"type": "content", "content": "a" * 5000}, "room for")
 
 
 def check_top_logprobs(api: Api) -> None:

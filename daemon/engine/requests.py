@@ -487,8 +487,8 @@ class RequestHandlers:
         if len(predicted) > room:
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"The prediction is {len(predicted)} tokens but an answer in session {r.session} has room for {room} "
-                "at most (its context limit); send the part of it the answer can hold.",
+                f"The prediction is {len(predicted)} tokens but the answer has room for {room} at most (the "
+                "session's context limit); send the part of it the answer can hold.",
                 {"prediction_tokens": len(predicted), "room": room},
             )
         return predicted
