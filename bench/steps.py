@@ -10,8 +10,9 @@ Without ``--log`` it runs one: a private daemon (bench/speculative.py's settings
 - what a row costs: within the decode steps of each width, a least-squares line of the step's time on its rows
   (where the rows vary), and so the least share of its guessed rows a guess must have taken to pay for the job
   (a row's cost over a row's cost plus the step's fixed part shared by its sequences; docs/speculative.md);
-- guesses by kind (the match length; 0: the grammar's forced text; negative: a substitution): how many, their
-  rows, the tokens taken, per row, and how often the first token was.
+- guesses by kind (the match length; 0: the grammar's forced text; negative: a substitution; "p" before it: a
+  match in the request's prediction): how many, their rows, the tokens taken, per row, and how often the first
+  token was.
 
     python bench/steps.py [--log PATH] [--workload json] [--streams 8] [--rounds 2] [--tokens 128] [--without]
 """
@@ -82,17 +83,19 @@ def summarise(steps: list[StepRecord]) -> None:
             continue
         pays = per_row / (per_row + fixed / sequences)
         print(f"{sequences:<9} {len(group):>6} {fixed:>9.1f} {per_row:>9.2f} {pays:>10.2f}")
-    kinds: dict[int, list[tuple[int, int]]] = defaultdict(list)  # kind -> (guessed, taken) per guess
+    # (kind, from the prediction) -> (guessed, taken) per guess
+    kinds: dict[tuple[int, bool], list[tuple[int, int]]] = defaultdict(list)
     for step in steps:
         for item in step.items:
             if item.guessed and item.guess_kind is not None:
-                kinds[item.guess_kind].append((item.guessed, item.sampled - 1))
+                kinds[item.guess_kind, item.predicted].append((item.guessed, item.sampled - 1))
     print(f"\n{'kind':>5} {'guesses':>8} {'rows':>6} {'taken':>6} {'per row':>8} {'first taken':>12}")
-    for kind in sorted(kinds):
-        g = kinds[kind]
+    for kind, predicted in sorted(kinds):
+        g = kinds[kind, predicted]
         fed, taken = sum(d for d, _ in g), sum(a for _, a in g)
         first = sum(1 for _, a in g if a > 0) / len(g)
-        print(f"{kind:>5} {len(g):>8} {fed:>6} {taken:>6} {taken / fed:>8.2f} {first:>12.2f}")
+        name = f"p{kind}" if predicted else str(kind)
+        print(f"{name:>5} {len(g):>8} {fed:>6} {taken:>6} {taken / fed:>8.2f} {first:>12.2f}")
 
 
 def main() -> int:

@@ -24,6 +24,7 @@ class Session:
 @dataclass
 class Drafter:
     matched: int
+    from_prediction: bool = False
 
 
 @dataclass
@@ -36,7 +37,8 @@ class Item:
 def step() -> tuple[list[Work[Any]], list[list[int]]]:
     prompt = Work(Item(Session("s1"), 40), 32, False)
     decoding = Work(Item(Session("s2"), 1, Drafter(8)), 1, True, draft=(5, 6, 7))
-    return [prompt, decoding], [[], [9, 5, 6]]
+    predicted = Work(Item(Session("s3"), 1, Drafter(4, from_prediction=True)), 1, True, draft=(3,))
+    return [prompt, decoding, predicted], [[], [9, 5, 6], [3, 4]]
 
 
 def test_each_step_is_a_json_line_with_its_sequences(tmp_path: Path) -> None:
@@ -48,11 +50,13 @@ def test_each_step_is_a_json_line_with_its_sequences(tmp_path: Path) -> None:
     log.close()
     first, second = (msgspec.json.decode(line, type=StepRecord) for line in path.read_bytes().splitlines())
     assert (first.ms, first.predicted_ms) == (42.1, 50.0)
-    prompt, decoding = first.items
+    prompt, decoding, predicted = first.items
     assert (prompt.session, prompt.pending, prompt.fed, prompt.guessed, prompt.sampled) == ("s1", 40, 32, 0, 0)
-    assert prompt.guess_kind is None
+    assert prompt.guess_kind is None and not prompt.predicted
     assert (decoding.pending, decoding.fed, decoding.guessed, decoding.sampled, decoding.guess_kind) == (1, 1, 3, 3, 8)
-    assert len(second.items) == 1 and second.at >= first.at
+    assert not decoding.predicted  # (a guess from the context)
+    assert (predicted.guessed, predicted.sampled, predicted.guess_kind, predicted.predicted) == (1, 2, 4, True)
+    assert len(second.items) == 2 and second.at >= first.at
 
 
 def test_a_log_that_cannot_be_written_stops_with_a_warning_and_the_steps_go_on(

@@ -105,6 +105,11 @@ class Drafter:
         self._read = 0
 
     @property
+    def from_prediction(self) -> bool:
+        """The last guess came from the request's prediction (its place is one in the prediction, not the context)."""
+        return self._from_prediction
+
+    @property
     def acceptance(self) -> float:
         """The chance that a token of the last guess is taken, given that the ones before it were: as measured
         for guesses of its match length (apart for those that start at a changing slot), starting from what all

@@ -27,6 +27,7 @@ class StepItem(msgspec.Struct, kw_only=True):
     guessed: int  # guessed tokens fed after them, each with its row of logits
     sampled: int  # tokens the step gave it: 1 plus the guesses taken (0: a prompt chunk that does not end it)
     guess_kind: int | None = None  # the guess's match length (0: the grammar's forced text; negative: a substitution)
+    predicted: bool = False  # the guess came from the request's prediction, not from the session's context
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -56,6 +57,7 @@ class StepLog:
                 guessed=len(w.draft),
                 sampled=len(run),
                 guess_kind=w.item.drafter.matched if w.draft and w.item.drafter is not None else None,
+                predicted=bool(w.draft) and w.item.drafter is not None and w.item.drafter.from_prediction,
             )
             for w, run in zip(step_work, sampled, strict=True)
         ]
