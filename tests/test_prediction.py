@@ -6,11 +6,14 @@ be used it is refused with a sentence, and the daemon keeps serving."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvpool.client import Client
 from kvpool.client.errors import BadRequest, ContextOverflow
+from kvpool.daemon.engine.step_log import StepRecord
 from kvpool.protocol import Final, TokenLogprob
 
 from .daemon_process import DaemonProcess
@@ -32,12 +35,13 @@ def answer(client: Client, prompt: str, **extra: object) -> tuple[list[TokenLogp
 
 
 def test_a_prediction_is_guessed_where_the_answer_follows_it_and_the_answer_stays_the_same(
-    start_daemon: Start,
+    start_daemon: Start, tmp_path: Path
 ) -> None:
     with start_daemon("--hot-slots", "2", *NO_GUESSES, name="plain").client() as client:
         expected = [answer(client, prompt)[0] for prompt in PROMPTS]
         wrong_text = client.detokenize([t.token for t in reversed(expected[0])])
-    with start_daemon("--hot-slots", "2", *SPECULATE, name="fast").client() as client:
+    step_log = tmp_path / "steps.jsonl"
+    with start_daemon("--hot-slots", "2", *SPECULATE, "--step-log", str(step_log), name="fast").client() as client:
         own = [answer(client, prompt) for prompt in PROMPTS]
         right = [
             answer(client, prompt, prediction_tokens=[t.token for t in tokens])
@@ -58,6 +62,15 @@ def test_a_prediction_is_guessed_where_the_answer_follows_it_and_the_answer_stay
         assert usage.accepted_prediction_tokens > usage.rejected_prediction_tokens
     assert wrong[1].usage.accepted_prediction_tokens < as_text[1].usage.accepted_prediction_tokens
     assert wrong[1].usage.rejected_prediction_tokens > 0  # guessed (draft_min_tokens feeds it), and refused
+    # The step log tells the prediction's guesses from the context's: its rows are those the answers counted.
+    items = [i for line in step_log.read_bytes().splitlines() for i in msgspec.json.decode(line, type=StepRecord).items]
+    finals = [final for _, final in [*own, *right, as_text, wrong]]
+    predicted = [i for i in items if i.predicted]
+    assert all(i.guessed for i in predicted) and any(i.guessed and not i.predicted for i in items)
+    assert sum(i.sampled - 1 for i in predicted) == sum(f.usage.accepted_prediction_tokens for f in finals)
+    assert sum(i.guessed - (i.sampled - 1) for i in predicted) == sum(
+        f.usage.rejected_prediction_tokens for f in finals
+    )
 
 
 def test_a_prediction_that_cannot_be_used_is_refused_with_a_sentence(start_daemon: Start) -> None:

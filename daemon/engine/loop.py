@@ -351,6 +351,12 @@ class Engine:
         guessed token before it, which equals the token accepted before it, so that row's cell is computed. Cells
         past what the session holds then go, whatever happens (a stop, an error)."""
         g = work.item
+        if work.draft and g.drafter is not None:  # (counted first: the run that ends an answer is in its usage)
+            if g.drafter.matched == FORCED:
+                self.counters.jumped_tokens += len(run) - 1
+            g.drafter.observe(len(work.draft), len(run) - 1)
+            self.counters.drafted_tokens += len(work.draft)
+            self.counters.accepted_tokens += len(run) - 1
         going = True
         try:
             for i, sampled in enumerate(run):
@@ -362,12 +368,6 @@ class Engine:
         finally:
             if work.draft:
                 self.kv.trim(g.session)
-        if work.draft and g.drafter is not None:
-            if g.drafter.matched == FORCED:
-                self.counters.jumped_tokens += len(run) - 1
-            g.drafter.observe(len(work.draft), len(run) - 1)
-            self.counters.drafted_tokens += len(work.draft)
-            self.counters.accepted_tokens += len(run) - 1
         if going and g.jumps == "append":
             self._jump(g, now)
 
