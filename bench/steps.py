@@ -15,6 +15,7 @@ Without ``--log`` it runs one: a private daemon (bench/speculative.py's settings
   token was.
 
     python bench/steps.py [--log PATH] [--workload json] [--streams 8] [--rounds 2] [--tokens 128] [--without]
+                          [--flag=--draft-step-rows --flag=32 ...]
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ PROMPT = -1  # the group of steps that carry a prompt chunk
 FIT_STEPS = 10  # decode steps of one width a row's cost is fitted from, at least
 
 
-def record_log(path: Path, workload: str, streams: int, rounds: int, tokens: int, without: bool) -> None:
+def record_log(
+    path: Path, workload: str, streams: int, rounds: int, tokens: int, without: bool, flags: list[str]
+) -> None:
     path.unlink(missing_ok=True)
     guesses = sp.WITHOUT_GUESSES if without else ()
-    with private_daemon(default_model(None), *sp.DAEMON_FLAGS, *guesses, "--step-log", str(path)) as daemon:
+    with private_daemon(default_model(None), *sp.DAEMON_FLAGS, *guesses, *flags, "--step-log", str(path)) as daemon:
         sp.tokenize_prompts(daemon.address, [workload], streams)
         server = sp.Kvpool("kvpool", daemon.address)
         for round_ in range(rounds):
@@ -106,11 +109,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--without", action="store_true", help="the daemon without guesses and jump-forward")
+    ap.add_argument(
+        "--flag", action="append", default=[], help="a kvpoold flag more (repeat: --flag=--draft-step-rows --flag=32)"
+    )
     args = ap.parse_args()
     path = Path(args.log) if args.log else sp.HERE / "out" / "steps.jsonl"
     if not args.log:
         path.parent.mkdir(exist_ok=True)
-        record_log(path, args.workload, args.streams, args.rounds, args.tokens, args.without)
+        record_log(path, args.workload, args.streams, args.rounds, args.tokens, args.without, args.flag)
     decoder = msgspec.json.Decoder(StepRecord)
     steps = [decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
     if not steps:

@@ -66,6 +66,32 @@ def test_a_constrained_guess_is_the_longest_its_grammar_admits_among_the_latest_
     assert d.guess(want_kind)[:2] == [kind, 3] and d.matched == 1
 
 
+def test_forced_text_is_guessed_as_the_model_wrote_it_where_the_context_has_it() -> None:
+    # Gemma 3 writes `"watts": ` as ` "` `watt` `s` `":` ` `, where its tokenizer has `watts`: guessed the
+    # tokenizer's way, the key was refused at its second token in every record.
+    light, sep, q, watts, watt, s, colon, space, one, zero, room, merged = range(20, 32)
+    piece = {light: b"light", sep: b'",', q: b' "', watts: b"watts", watt: b"watt", s: b"s", colon: b'":',
+             space: b" ", one: b"1", zero: b"0", room: b"room", merged: b'": 1'}  # fmt: skip
+    tokenizer_split = [q, watts, colon, space]
+
+    def guess(tokens: list[int]) -> list[int]:
+        d = drafter(tokens, most=8, ngram=3)
+        d.forced, d.piece = lambda: tokenizer_split, piece.__getitem__
+        out = d.guess()
+        assert d.matched == 0  # (measured as forced text, whichever split)
+        return out
+
+    record = [light, sep, q, watt, s, colon, space, one, zero]
+    assert guess([*record, light, sep]) == [q, watt, s, colon, space]
+    assert guess([light, sep]) == tokenizer_split  # nowhere earlier
+    assert guess([light, sep, q, room, colon, space, one, light, sep]) == tokenizer_split  # another text there
+    # Where the model wrote the text's end merged with what followed it, the guess stops before that token.
+    assert guess([light, sep, q, watt, s, merged, zero, light, sep]) == [q, watt, s]
+    d = drafter([*record, light, sep], most=8, ngram=3)
+    d.forced = lambda: tokenizer_split
+    assert d.guess() == tokenizer_split  # (no way to read a token's bytes: the tokenizer's split)
+
+
 def test_the_index_follows_the_conversation_as_it_grows_and_when_it_loses_tokens() -> None:
     tokens = [1, 2, 3, 4]
     d = drafter(tokens)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import Protocol, TypeVar
 
 from kvpool.daemon.engine.cost_model import CostModel, StepShape, within
@@ -85,6 +85,7 @@ class Drafter:
         # What the generation's grammar forces next, as tokens (jump_forward = "guess"; engine/jumps.py): the guess
         # whenever there is such a text.
         self.forced: Callable[[], list[int]] | None = None
+        self.piece: Callable[[int], bytes] | None = None  # a token's bytes (the model's), to read forced text with
         self._predicted: list[int] = []
         self._predicted_index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where the prediction goes on after it
         self._read = 0  # where in the prediction the answer is, as far as the prediction's guesses tell
@@ -127,18 +128,19 @@ class Drafter:
         Where the context's last token replaced another (a record's new value, a renamed word), the tokens after
         the one it replaced are guessed too, when the match before it is longer than any that ends with it.
         ``admitted``: a generation's grammar; then the longest part it admits of the latest CANDIDATES matches.
-        Where the grammar forces a text (``forced``), that text is the guess."""
+        Where the grammar forces a text (``forced``), that text is the guess, split as the model wrote it where
+        the context has it (_as_written)."""
         end = self._end = len(self.tokens)
         self._constrained = admitted is not None
         self._from_prediction = False
-        if self.forced is not None and (forced := self.forced()):
-            self.matched, self._start = FORCED, None
-            return forced[: self.most]
         if self._indexed > end:  # the conversation lost tokens (a prompt that could not be computed): start again
             self._index.clear()
             self._varying.clear()
             self._indexed = self._window_start = max(0, end - WINDOW)
         self._index_up_to(end - 1)  # the n-grams ending before the last token: the current one is no match
+        if self.forced is not None and (forced := self.forced()):
+            self.matched, self._start = FORCED, None
+            return self._as_written(forced, end)[: self.most]
         best: list[int] = []
         for asked, (matched, start, whole, predicted) in enumerate(self._matches(end), 1):
             if admitted is None:
@@ -150,6 +152,31 @@ class Drafter:
             if (part and len(part) == len(whole)) or asked >= CANDIDATES:
                 return best
         return best
+
+    def _as_written(self, forced: list[int], end: int) -> list[int]:
+        """``forced`` (the tokenizer's tokens of what the grammar forces next) as the model wrote the same text after
+        the latest of CANDIDATES places that ended as the context does now: a model may split a text otherwise than
+        its tokenizer does (Gemma 3 writes ``watt`` ``s`` where its tokenizer has ``watts``), and a guess split the
+        tokenizer's way was refused there in every record. Where the model wrote the text's end merged with what
+        followed it, the guess stops before that token. ``forced`` itself where no earlier place spelled the text
+        (or no ``piece`` reads a token's bytes). (Matches only: a substitution found marks changing slots.)"""
+        if self.piece is None:
+            return forced
+        text = b"".join(map(self.piece, forced))
+        for _, _, whole, _ in islice(self._matches(end, substitutions=False), CANDIDATES):
+            written, spelled = [], b""
+            for token in whole:
+                part = self.piece(token)
+                if part and text.startswith(spelled + part):
+                    written.append(token)
+                    spelled += part
+                    if len(spelled) == len(text):
+                        return written
+                    continue
+                if written and part and (spelled + part).startswith(text):  # (its end merged with what followed)
+                    return written
+                break
+        return forced
 
     @property
     def _key(self) -> tuple[int, bool, bool]:
@@ -167,7 +194,7 @@ class Drafter:
         matched, varying, predicted = self._key
         return not varying and (predicted or self._constrained or matched == FORCED or abs(matched) >= TRUSTED_MATCH)
 
-    def _matches(self, end: int) -> Iterator[tuple[int, int, list[int], bool]]:
+    def _matches(self, end: int, substitutions: bool = True) -> Iterator[tuple[int, int, list[int], bool]]:
         """Each earlier place's continuation, the longest match first, the latest first among equals (and the
         prediction's before the context's): its match length, where it starts, its tokens, and whether it is the
         prediction's. The match length is n for a match of the last n tokens; -n for a match of the n tokens before
@@ -184,7 +211,7 @@ class Drafter:
             for after in reversed(self._index.get(ngram, ())):
                 if whole := self._continuation(after, end):
                     yield n, after, whole, False
-            if n < SUBSTITUTED_MIN or n >= end:
+            if not substitutions or n < SUBSTITUTED_MIN or n >= end:
                 continue
             for after in reversed(self._index.get(tuple(tokens[end - 1 - n : end - 1]), ())):
                 if n <= run_before_last and tokens[after] == tokens[end - 2]:

@@ -359,7 +359,7 @@ class RequestHandlers:
             jumps=self._jumps(sampler.constrained, r),
         )
         if g.jumps == "guess" and g.drafter is not None:
-            g.drafter.forced = partial(g.forced_tokens, self.model)
+            g.drafter.forced, g.drafter.piece = partial(g.forced_tokens, self.model), self.model.token_bytes
         if predicted and g.drafter is not None:
             g.drafter.predict(predicted, lead=[*s.tokens[-self.config.draft_ngram :], *new])
         s.last_used = g.arrival
