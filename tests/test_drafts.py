@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.daemon.engine.cost_model import FEATURES, CostModel, StepShape, calibrate
-from kvpool.daemon.engine.drafts import RETRY_EVERY, RETRY_TOKENS, WINDOW, Drafter, with_drafts
+from kvpool.daemon.engine.drafts import FORCED_PRIOR, RETRY_EVERY, RETRY_TOKENS, WINDOW, Drafter, with_drafts
 from kvpool.daemon.engine.step_work import Work
 
 EOG = 99
@@ -92,6 +92,20 @@ def test_forced_text_is_guessed_as_the_model_wrote_it_where_the_context_has_it()
     assert d.guess() == tokenizer_split  # (no way to read a token's bytes: the tokenizer's split)
 
 
+def test_forced_text_starts_from_its_own_prior_not_from_the_refused_short_matches() -> None:
+    # An answer's first guesses are short matches, often refused; the grammar's forced text is mostly taken, and a
+    # JSON answer's first record fed its keys a token or three at a time when it started from their figures.
+    d = drafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4], ngram=4)
+    assert d.guess() and d.matched == 2
+    for _ in range(3):
+        d.observe(2, 0)  # (refused)
+    d.forced = lambda: [40, 41, 42]
+    assert d.guess() == [40, 41, 42] and d.matched == 0
+    assert d.acceptance == FORCED_PRIOR
+    d.observe(3, 0)  # ... and then follows what it measures
+    assert d.acceptance < FORCED_PRIOR
+
+
 def test_the_index_follows_the_conversation_as_it_grows_and_when_it_loses_tokens() -> None:
     tokens = [1, 2, 3, 4]
     d = drafter(tokens)
@@ -129,6 +143,7 @@ def test_acceptance_is_measured_for_each_match_length() -> None:
 
 def test_acceptance_follows_what_was_taken() -> None:
     d = drafter([])
+    d.matched = 3  # (guesses after a 3-token match)
     start = d.acceptance
     for _ in range(10):
         d.observe(4, 4)
