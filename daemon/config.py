@@ -244,7 +244,8 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 16
     # Guessed tokens a step feeds whenever a guess has them, paying or not (llama-server's --draft-min): for
     # measuring what guesses cost, and for tests that must see guesses verified and refused whatever the step
-    # times. A deadline's step cap still bounds them. At most draft_tokens.
+    # times. A deadline's step cap still bounds them, and a step that computes a budgeted first token's prompt
+    # feeds none. At most draft_tokens.
     draft_min_tokens: Annotated[
         int, Meta(ge=0, le=DRAFT_TOKENS_MAX), Flag("guessed tokens fed whenever a guess has them, paying or not")
     ] = 0

@@ -191,9 +191,9 @@ def test_guesses_go_off_with_a_budget_that_has_no_room_for_them(start_daemon: St
 
 
 def test_a_promised_first_token_waits_behind_no_guessed_rows(start_daemon: Start, tmp_path: Path) -> None:
-    """While a deadline-bound task waits for its first token, the steps carry no guessed rows: another session's
-    guesses would lengthen the steps it waits behind, which its admission's estimate did not count. They come back
-    once the first token is out."""
+    """A step that computes the prompt of a deadline-bound task's turn carries no guessed rows: another session's
+    guesses would only lengthen the step its first token waits for (which the budgets' admission estimated without
+    them). They come back once the first token is out."""
     config = "[tasks.default]\n[tasks.voice]\nttft_ms = 60000\n"  # (far out: admission never refuses)
     step_log = tmp_path / "steps.jsonl"
     daemon = start_daemon("--hot-slots", "2", *SPECULATE, "--step-log", str(step_log), config=config, name="voice")
@@ -225,9 +225,8 @@ def test_a_promised_first_token_waits_behind_no_guessed_rows(start_daemon: Start
     waiting = [item for step in steps[voice_steps[0] : first_token + 1] for item in step.items]
     assert any(item.session == background.session for item in waiting)  # the background decoded beside its prompt
     assert all(item.guessed == 0 for item in waiting)
-    background_steps = [i for step in steps for i in step.items if i.session == background.session and i.pending == 1]
-    guessing = [item for item in background_steps if item not in waiting]
-    assert guessing and all(item.guessed for item in guessing[:-1])  # (its last step had no room for a guess)
+    after = [i for step in steps[first_token + 1 :] for i in step.items if i.session == background.session]
+    assert after and sum(1 for item in after if item.guessed) >= len(after) - 1  # (its last may have no room)
 
 
 def test_constrained_answers_guess_only_what_their_grammar_admits_and_stay_the_same(start_daemon: Start) -> None:

@@ -56,6 +56,11 @@ class Generation:
         return self.request.max_tokens > 0
 
     @property
+    def awaits_promised_first_token(self) -> bool:
+        """Its task promised a first token within a budget (not best effort), and it is not out yet."""
+        return bool(self.ttft_s) and not self.best_effort and self.samples and self.first_token_at is None
+
+    @property
     def pending_tokens(self) -> int:
         return self.session.pending_tokens
 

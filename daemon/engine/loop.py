@@ -181,10 +181,12 @@ class Engine:
                 self.idle_cores.engine_waited()
                 self._take_requests(PAUSED_WAIT_S)
             return
+        # A step that feeds a promised first token's prompt carries no guessed rows: they would only lengthen it (and
+        # the budgets' admission estimated it without them).
         if (
             self.config.draft_tokens
             and not step_work[0].item.feeds_medium  # (a medium's step feeds it alone)
-            and not self.scheduler.deadline_waits()
+            and not any(w.item.awaits_promised_first_token for w in step_work)
         ):
             step_work = with_drafts(
                 step_work,

@@ -148,12 +148,6 @@ class Scheduler:
         """A generation with a first-token budget waits for its first token (no step should be slower than it must)."""
         return any(g.ttft_s and g.first_token_at is None for g in self.generations())
 
-    def deadline_waits(self) -> bool:
-        """A generation with a first-token budget it was promised (not best effort) waits for its first token: the
-        steps until it comes carry no guessed rows. Its admission's estimate counted none, and each guessed row of
-        another session lengthens a step it waits behind."""
-        return any(g.ttft_s and not g.best_effort and g.first_token_at is None for g in self.generations())
-
     def step_time_cap(self) -> float | None:
         """The longest a step may take: the tightest per-token budget in flight, and a share (HEADROOM) of the
         tightest first-token budget of the tasks with open sessions (one of them may ask at any moment, and
