@@ -73,6 +73,39 @@ def test_a_prediction_is_guessed_where_the_answer_follows_it_and_the_answer_stay
     )
 
 
+def test_an_answer_a_stop_string_ends_inside_a_guess_counts_only_the_predicted_tokens_it_kept(
+    start_daemon: Start, tmp_path: Path
+) -> None:
+    """A stop string can end an answer inside a run of guessed tokens that sampling took: the usage counts the
+    prediction's tokens the answer kept, and those after the stop as refused (computed and thrown away)."""
+    step_log = tmp_path / "steps.jsonl"
+    cut_inside = 0
+    with start_daemon("--hot-slots", "2", *SPECULATE, "--step-log", str(step_log), name="fast").client() as client:
+        with client.open_session() as session:
+            plain = session.complete(PROMPTS[1], max_tokens=TOKENS, **GREEDY)
+        text = client.detokenize(plain.tokens)
+        for end in range(len(text) // 3, len(text) // 3 + 8):  # answers cut at eight places past its first third
+            # The shortest stop string that ends there and nowhere before (the tiny model writes runs of one byte).
+            stop = next(text[i:end] for i in range(end - 1, -1, -1) if text.find(text[i:end]) == i)
+            with client.open_session() as session:
+                stream = session.generate(
+                    PROMPTS[1], max_tokens=TOKENS, stop=[stop], prediction_tokens=plain.tokens, **GREEDY
+                )
+                got = [token for chunk in stream for token in chunk.tokens]
+            assert stream.final is not None and stream.final.finish_reason == "stop"
+            usage = stream.final.usage
+            lines = step_log.read_bytes().splitlines()
+            runs = [i for line in lines for i in msgspec.json.decode(line, type=StepRecord).items]
+            runs = [i for i in runs if i.session == session.id and i.sampled]
+            kept_last = len(got) - sum(i.sampled for i in runs[:-1])  # (the stop came in the last run)
+            cut_inside += runs[-1].predicted and kept_last < runs[-1].sampled
+            taken = sum(i.sampled - 1 for i in runs[:-1] if i.predicted) + (kept_last - 1) * runs[-1].predicted
+            fed = sum(i.guessed for i in runs if i.predicted)
+            assert (usage.accepted_prediction_tokens, usage.rejected_prediction_tokens) == (taken, fed - taken)
+            assert usage.accepted_prediction_tokens < usage.completion_tokens == len(got)
+    assert cut_inside  # (a stop came inside a run of the prediction's tokens that sampling took)
+
+
 def test_a_prediction_that_cannot_be_used_is_refused_with_a_sentence(start_daemon: Start) -> None:
     plain = start_daemon("--hot-slots", "2", *NO_GUESSES, name="plain")
     with plain.client() as client, client.open_session() as session:

@@ -293,8 +293,10 @@ class Drafter:
             self._idle_steps = 0
         return min(RETRY_TOKENS, available)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A step fed ``drafted`` tokens of the last guess and ``accepted`` of them were taken."""
+    def observe(self, drafted: int, accepted: int, kept: int | None = None) -> None:
+        """A step fed ``drafted`` tokens of the last guess and ``accepted`` of them were taken; ``kept`` of those
+        are in the answer (fewer where a stop ended it inside the run; the prediction's counts are of these)."""
+        kept = accepted if kept is None else kept
         if not drafted:
             return
         self.drafted_tokens += drafted
@@ -305,8 +307,8 @@ class Drafter:
             stats[1] = DECAY * stats[1] + accepted + rejected
         if self._from_prediction:
             assert self._start is not None
-            self.predicted_accepted += accepted
-            self.predicted_rejected += drafted - accepted
+            self.predicted_accepted += kept
+            self.predicted_rejected += drafted - kept
             # The answer took the guess's first ``accepted`` tokens and then sampled one: if that one follows the
             # prediction too, the answer is next at the place after it.
             self._read = self._start + accepted + 1

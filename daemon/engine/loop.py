@@ -353,24 +353,27 @@ class Engine:
         guessed token before it, which equals the token accepted before it, so that row's cell is computed. Cells
         past what the session holds then go, whatever happens (a stop, an error)."""
         g = work.item
-        if work.draft and g.drafter is not None:  # (counted first: the run that ends an answer is in its usage)
-            if g.drafter.matched == FORCED:
-                self.counters.jumped_tokens += len(run) - 1
-            g.drafter.observe(len(work.draft), len(run) - 1)
-            self.counters.drafted_tokens += len(work.draft)
-            self.counters.accepted_tokens += len(run) - 1
-        going = True
+        ended: FinishReason | None = None
+        kept = len(run)  # the run's tokens the answer took (a stop ends it at one of them)
         try:
             for i, sampled in enumerate(run):
                 if i:
                     self.kv.fed(g.session, 1)
-                if not self._accept(g, sampled, now):
-                    going = False
+                if (ended := self._accept(g, sampled, now)) is not None:
+                    kept = i + 1
                     break
         finally:
             if work.draft:
                 self.kv.trim(g.session)
-        if going and g.jumps == "append":
+        if work.draft and g.drafter is not None:  # (before the final message: its usage counts this run)
+            if g.drafter.matched == FORCED:
+                self.counters.jumped_tokens += len(run) - 1
+            g.drafter.observe(len(work.draft), len(run) - 1, kept=kept - 1)
+            self.counters.drafted_tokens += len(work.draft)
+            self.counters.accepted_tokens += len(run) - 1
+        if ended is not None:
+            self.finish(g, ended, now, flushed=True)
+        elif g.jumps == "append":
             self._jump(g, now)
 
     def _jump(self, g: Generation, now: float) -> None:
@@ -380,12 +383,13 @@ class Engine:
         for token in g.forced_tokens(self.model)[:-1][:room]:
             g.sampler.take(token)
             self.counters.jumped_tokens += 1
-            if not self._accept(g, Sampled(token), now):
+            if (ended := self._accept(g, Sampled(token), now)) is not None:
+                self.finish(g, ended, now, flushed=True)
                 return
 
-    def _accept(self, g: Generation, sampled: Sampled, now: float) -> bool:
+    def _accept(self, g: Generation, sampled: Sampled, now: float) -> FinishReason | None:
         """A token was sampled for ``g``: append it to the session, stream it, and check the stop conditions.
-        False when the generation ended with it."""
+        Why the generation ended with it (its text flushed; the caller finishes it), or None."""
         token = sampled.token
         logprobs = [sampled.logprob] if sampled.logprob is not None else None
         self.kv.append(g.session, [token])
@@ -396,17 +400,13 @@ class Engine:
         if self.model.is_end_of_generation(token):
             g.ended_by_eog = True
             self.send(g.client, p.Chunk(id=g.request.id, text=g.text.flush(), tokens=[token], logprobs=logprobs))
-            self.finish(g, FinishReason.STOP, now, flushed=True)
-            return False
+            return FinishReason.STOP
         text = g.text.feed(self.model.token_bytes(token))
         reason = g.stop_reason()
         if reason is not None:
             text += g.text.flush()
         self.send(g.client, p.Chunk(id=g.request.id, text=text, tokens=[token], logprobs=logprobs))
-        if reason is not None:
-            self.finish(g, reason, now, flushed=True)
-            return False
-        return True
+        return reason
 
     def finish(
         self, g: Generation, reason: FinishReason, now: float, flushed: bool = False, checkpoint: bool = True
