@@ -74,8 +74,8 @@ def test_forced_text_is_guessed_as_the_model_wrote_it_where_the_context_has_it()
              space: b" ", one: b"1", zero: b"0", room: b"room", merged: b'": 1'}  # fmt: skip
     tokenizer_split = [q, watts, colon, space]
 
-    def guess(tokens: list[int]) -> list[int]:
-        d = drafter(tokens, most=8, ngram=3)
+    def guess(tokens: list[int], most: int = 8) -> list[int]:
+        d = drafter(tokens, most=most, ngram=3)
         d.forced, d.piece = lambda: tokenizer_split, piece.__getitem__
         out = d.guess()
         assert d.matched == 0  # (measured as forced text, whichever split)
@@ -83,6 +83,7 @@ def test_forced_text_is_guessed_as_the_model_wrote_it_where_the_context_has_it()
 
     record = [light, sep, q, watt, s, colon, space, one, zero]
     assert guess([*record, light, sep]) == [q, watt, s, colon, space]
+    assert guess([*record, light, sep], most=3) == [q, watt, s]  # (as far as a guess goes, the model's split)
     assert guess([light, sep]) == tokenizer_split  # nowhere earlier
     assert guess([light, sep, q, room, colon, space, one, light, sep]) == tokenizer_split  # another text there
     # Where the model wrote the text's end merged with what followed it, the guess stops before that token.

@@ -47,8 +47,8 @@ VARYING_PRIOR = 0.25
 FORCED = 0  # the match length a guess of what a grammar forces is measured under (no n-gram is that short)
 # Before anything is measured, a guess of a grammar's forced text is expected taken nine times in ten (Gemma 3's
 # were 0.88-0.95 a row, docs/speculative.md): what the grammar forces the model writes, only perhaps split
-# otherwise. Started from the other guesses' figures, which an answer's first refused short matches pull down, a
-# JSON answer's first record fed its keys a token or three at a time.
+# otherwise. The answer's other guesses so far are a poor start for it: its first short matches are often refused,
+# and from their figures a forced key would be fed a token or three a step.
 FORCED_PRIOR = 0.9
 
 Admitted = Callable[[list[int]], list[int]]  # the part of a guess a generation's grammar admits
@@ -168,12 +168,16 @@ class Drafter:
         the latest of CANDIDATES places that ended as the context does now: a model may split a text otherwise than
         its tokenizer does (Gemma 3 writes ``watt`` ``s`` where its tokenizer has ``watts``), and a guess split the
         tokenizer's way was refused there in every record. Where the model wrote the text's end merged with what
-        followed it, the guess stops before that token. ``forced`` itself where no earlier place spelled the text
-        (or no ``piece`` reads a token's bytes). (Matches only: a substitution found marks changing slots.)"""
+        followed it, the guess stops before that token; where the place's tokens end first (at ``most``), the
+        guess is the part they spell. ``forced`` itself where no earlier place spelled the text (or no ``piece``
+        reads a token's bytes). Matches in the context only: a substitution found marks changing slots, and a
+        prediction's tokens are not the model's."""
         if self.piece is None:
             return forced
         text = b"".join(map(self.piece, forced))
-        for _, _, whole, _ in islice(self._matches(end, substitutions=False), CANDIDATES):
+        for _, _, whole, predicted in islice(self._matches(end, substitutions=False), CANDIDATES):
+            if predicted:  # (a prediction is the tokenizer's or the client's tokens, not the model's)
+                continue
             written, spelled = [], b""
             for token in whole:
                 part = self.piece(token)
@@ -186,6 +190,9 @@ class Drafter:
                 if written and part and (spelled + part).startswith(text):  # (its end merged with what followed)
                     return written
                 break
+            else:  # (the place's tokens ran out, at ``most`` or a turn's end, all of them the text's)
+                if written:
+                    return written
         return forced
 
     @property
