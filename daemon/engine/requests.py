@@ -324,7 +324,7 @@ class RequestHandlers:
         if len(new) > room:
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"The prompt is {len(new)} tokens but session {s.id} has room for {max(room, 0)} more "
+                f"The prompt is {len(new)} tokens but the session has room for {max(room, 0)} more "
                 f"(context limit {s.context_limit}); shorten the prompt or open a new session.",
                 {"prompt_tokens": len(new), "room": max(room, 0), "context_limit": s.context_limit},
             )
