@@ -15,8 +15,8 @@ distributions to bench/out/latency.png and the raw numbers to bench/out/latency.
     python bench/latency.py [--model PATH] [--seconds 60] [--setups budgets fcfs serial deterministic]
                             [--before PYTHON]
 
---before also runs each setup with kvpoold from another install's Python ("<setup> before", right after it), for a
-change's effect on the same machine in the same hour.
+--before also runs each setup with kvpoold from another install's Python ("<setup> before", beside it, each of
+the two first in turn), for a change's effect on the same machine in the same hour.
 """
 
 from __future__ import annotations
@@ -169,12 +169,11 @@ def main() -> int:
         return 0
     model = default_model(args.model)
     results = {}
-    for name in args.setups:
-        results[name] = run_setup(model, SETUPS[name], args.seconds)
-        print(f"measured {name}", file=sys.stderr, flush=True)
-        if args.before:
-            results[f"{name} before"] = run_setup(model, SETUPS[name], args.seconds, args.before)
-            print(f"measured {name} before", file=sys.stderr, flush=True)
+    for i, name in enumerate(args.setups):
+        installs = [(name, sys.executable)] + ([(f"{name} before", args.before)] if args.before else [])
+        for label, python in installs[:: -1 if i % 2 else 1]:  # (each goes first in turn: drift favours neither)
+            results[label] = run_setup(model, SETUPS[name], args.seconds, python)
+            print(f"measured {label}", file=sys.stderr, flush=True)
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     (out / "latency.json").write_text(json.dumps(results, indent=2))
