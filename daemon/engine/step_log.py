@@ -49,18 +49,7 @@ class StepLog:
     ) -> None:
         if self._file is None:
             return
-        items = [
-            StepItem(
-                session=w.item.session.id,
-                pending=w.item.pending_tokens,
-                fed=w.n_tokens,
-                guessed=len(w.draft),
-                sampled=len(run),
-                guess_kind=w.item.drafter.matched if w.draft and w.item.drafter is not None else None,
-                predicted=bool(w.draft) and w.item.drafter is not None and w.item.drafter.from_prediction,
-            )
-            for w, run in zip(step_work, sampled, strict=True)
-        ]
+        items = [_item(w, len(run)) for w, run in zip(step_work, sampled, strict=True)]
         record = StepRecord(
             at=time.monotonic(), ms=round(seconds * 1e3, 3), predicted_ms=round(predicted * 1e3, 3), items=items
         )
@@ -76,3 +65,16 @@ class StepLog:
             file, self._file = self._file, None
             with contextlib.suppress(OSError):
                 file.close()
+
+
+def _item(w: Work[Generation], sampled: int) -> StepItem:
+    drafter = w.item.drafter if w.draft else None  # (the guess's kind and source, where the step fed one)
+    return StepItem(
+        session=w.item.session.id,
+        pending=w.item.pending_tokens,
+        fed=w.n_tokens,
+        guessed=len(w.draft),
+        sampled=sampled,
+        guess_kind=drafter.matched if drafter is not None else None,
+        predicted=drafter is not None and drafter.from_prediction,
+    )
