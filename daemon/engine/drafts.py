@@ -125,7 +125,7 @@ class Drafter:
         overall = self._overall[key[2]]
         if key[1]:
             start = VARYING_PRIOR
-        elif key[0] == FORCED and not key[2]:
+        elif key[0] == FORCED:  # (never the prediction's: its matches are a token or longer)
             start = FORCED_PRIOR
         else:
             start = overall[0] / overall[1]
