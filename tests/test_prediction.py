@@ -8,16 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from kvpool.client import Client
 from kvpool.client.errors import BadRequest, ContextOverflow
-from kvpool.daemon.engine.step_log import StepRecord
 from kvpool.protocol import Final, TokenLogprob
 
 from .daemon_process import DaemonProcess
-from .test_speculative import GREEDY, NO_GUESSES, SPECULATE, TOP, same_but_at_float_ties
+from .test_speculative import GREEDY, NO_GUESSES, SPECULATE, TOP, same_but_at_float_ties, step_records
 
 Start = Callable[..., DaemonProcess]
 # Prompts whose greedy answers the tiny model does not loop in at once: the context's own n-grams guess little of
@@ -63,7 +61,7 @@ def test_a_prediction_is_guessed_where_the_answer_follows_it_and_the_answer_stay
     assert wrong[1].usage.accepted_prediction_tokens < as_text[1].usage.accepted_prediction_tokens
     assert wrong[1].usage.rejected_prediction_tokens > 0  # guessed (draft_min_tokens feeds it), and refused
     # The step log tells the prediction's guesses from the context's: its rows are those the answers counted.
-    items = [i for line in step_log.read_bytes().splitlines() for i in msgspec.json.decode(line, type=StepRecord).items]
+    items = [i for step in step_records(step_log) for i in step.items]
     finals = [final for _, final in [*own, *right, as_text, wrong]]
     predicted = [i for i in items if i.predicted]
     assert all(i.guessed for i in predicted) and any(i.guessed and not i.predicted for i in items)
@@ -94,9 +92,7 @@ def test_an_answer_a_stop_string_ends_inside_a_guess_counts_only_the_predicted_t
                 got = [token for chunk in stream for token in chunk.tokens]
             assert stream.final is not None and stream.final.finish_reason == "stop"
             usage = stream.final.usage
-            lines = step_log.read_bytes().splitlines()
-            runs = [i for line in lines for i in msgspec.json.decode(line, type=StepRecord).items]
-            runs = [i for i in runs if i.session == session.id and i.sampled]
+            runs = [i for step in step_records(step_log) for i in step.items if i.session == session.id and i.sampled]
             kept_last = len(got) - sum(i.sampled for i in runs[:-1])  # (the stop came in the last run)
             cut_inside += runs[-1].predicted and kept_last < runs[-1].sampled
             taken = sum(i.sampled - 1 for i in runs[:-1] if i.predicted) + (kept_last - 1) * runs[-1].predicted

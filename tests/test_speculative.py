@@ -41,6 +41,11 @@ FLOAT_TIE = 0.01
 TOP = 1  # log-probabilities asked for (the comparison reads each token's own; none would report none)
 
 
+def step_records(path: Path) -> list[StepRecord]:
+    """A daemon's step log (step_log), a record a step."""
+    return [msgspec.json.decode(line, type=StepRecord) for line in path.read_bytes().splitlines()]
+
+
 def same_but_at_float_ties(fast: list[list[TokenLogprob]], plain: list[list[TokenLogprob]]) -> None:
     """Each session's greedy tokens with guesses are those without, each with its log-probability within FLOAT_TIE,
     up to a place where the two took tokens whose log-probabilities were within FLOAT_TIE of each other (under a
@@ -96,7 +101,7 @@ def test_greedy_answers_are_the_same_with_guesses_and_most_guesses_are_taken(
     assert f'kvpool_draft_tokens_total{{kind="drafted"}} {float(c.drafted_tokens)}' in exposition
     assert f'kvpool_draft_tokens_total{{kind="accepted"}} {float(c.accepted_tokens)}' in exposition
     # The step log (step_log) has a line for each step, and its items add up to the counters.
-    steps = [msgspec.json.decode(line, type=StepRecord) for line in step_log.read_bytes().splitlines()]
+    steps = step_records(step_log)
     items = [item for step in steps for item in step.items]
     assert len(steps) == c.decode_calls and all(step.ms > 0 and step.predicted_ms > 0 for step in steps)
     assert sum(item.sampled for item in items) == c.generated_tokens
@@ -219,7 +224,7 @@ def test_a_promised_first_token_waits_behind_no_guessed_rows(start_daemon: Start
     finally:
         raw.close()
     assert background_final.usage.completion_tokens == 400
-    steps = [msgspec.json.decode(line, type=StepRecord) for line in step_log.read_bytes().splitlines()]
+    steps = step_records(step_log)
     voice_steps = [k for k, step in enumerate(steps) if any(i.session == voice.session for i in step.items)]
     first_token = next(k for k in voice_steps if any(i.session == voice.session and i.sampled for i in steps[k].items))
     waiting = [item for step in steps[voice_steps[0] : first_token + 1] for item in step.items]
