@@ -152,6 +152,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # "budgets": earliest deadline first, chunked prefill, admission control, preemption of best-effort work.
     # "fcfs": first come first served with whole-batch prefill chunks and no admission control (to compare).
     scheduling: Annotated[one_of("budgets", "fcfs"), Flag("latency budgets, or first come first served")] = "budgets"
+    # A step of several sessions whose rows llama.cpp's flash attention would tile across them (a prompt chunk beside
+    # decoding sessions, llama/decode_groups.py) runs in two decodes: "auto" where the cost model predicts that
+    # faster, "always" wherever the step has such parts (to measure), "off" never.
+    step_parts: Annotated[
+        one_of("auto", "always", "off"),
+        Flag("decode a prompt chunk apart from other sessions' rows: where predicted faster, always, or never"),
+    ] = "auto"
     # Time a few synthetic steps at start to fit the cost model that budgets and admission use (about 3 s with
     # Gemma 3 270M on 2 cores). false starts from a cautious prior that every step then refines: for tests and
     # for daemons whose tasks have no latency budgets.

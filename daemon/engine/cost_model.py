@@ -1,9 +1,11 @@
 """Predict how long an engine step takes, so the scheduler can size prompt chunks and admission can refuse
 a request whose first token cannot arrive within its budget. Pure numpy, no llama.cpp.
 
-A step's time is modelled as linear in seven features: a fixed cost (reading the weights once), the tokens in
+A step's time is modelled as linear in seven features: a fixed cost per decode (reading the weights once; a step
+of several sessions with a long prompt chunk may run as two, decode_groups.py), the tokens in
 the batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens), the attention
-work (each token attends to its position's context), and three of the output rows' kernel: whether there are more
+work (each token attends to its position's context; in llama.cpp's tiles of several sequences, to all of theirs:
+tiled_attention), and three of the output rows' kernel: whether there are more
 than one, whether they are an odd number past one, and whether they pass a multiple of four by one to three. The
 last three are there because llama.cpp computes one logits row by a vector kernel and several by a matrix kernel
 (llamafile's for Q8_0 and Q4_0 weights, as Gemma 3's tied output projection is) whose tiles are two rows wide in
@@ -30,11 +32,12 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.daemon.llama.decode_groups import decode_groups
 from kvpool.protocol.status import CalibrationPoint, CostFit, CostModelStatus
 
 FORGET = 0.995  # weight of the past per update: about the last 200 steps count
@@ -67,14 +70,26 @@ class StepShape:
     tokens: int  # tokens fed in the step
     outputs: int  # rows whose logits are needed (one per sampling generation)
     attention: int  # sum over the fed tokens of the context each attends to
+    decodes: int = 1  # llama_decode calls the step runs as (decode_groups.py): each reads the weights once
 
     @staticmethod
-    def of(chunks: list[tuple[int, int, int]]) -> StepShape:
-        """From (first position, token count, output rows) per sequence in the step (a bool: one row or none)."""
+    def of(chunks: Sequence[tuple[int, int, int]], tile: int = 0) -> StepShape:
+        """One decode of (first position, token count, output rows) per sequence in the step (a bool: one row or
+        none), in this order; ``tile``: the rows from which its attention is tiled (Model.attention_tile_rows;
+        0: never)."""
         tokens = sum(n for _, n, _ in chunks)
         outputs = sum(int(out) for _, _, out in chunks)
-        attention = sum(n * start + n * (n + 1) // 2 for start, n, _ in chunks)
-        return StepShape(tokens, outputs, attention)
+        return StepShape(tokens, outputs, tiled_attention(chunks, tile))
+
+    @staticmethod
+    def parts(shapes: Sequence[StepShape]) -> StepShape:
+        """A step decoded as these shapes, one decode each."""
+        return StepShape(
+            sum(s.tokens for s in shapes),
+            sum(s.outputs for s in shapes),
+            sum(s.attention for s in shapes),
+            sum(s.decodes for s in shapes),
+        )
 
     def rows_past_tiles(self, width: int) -> bool:
         """More output rows than a tile ``width`` rows wide holds, and not a whole number of tiles: the matrix
@@ -84,7 +99,32 @@ class StepShape:
     def features(self) -> np.ndarray:
         wide = 1.0 if self.outputs > 1 else 0.0
         past_tiles = [float(self.rows_past_tiles(width)) for width in TILE_WIDTHS]
-        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, wide, *past_tiles])
+        return np.array([float(self.decodes), self.tokens, self.outputs, self.attention / 1e4, wide, *past_tiles])
+
+
+def tiled_attention(chunks: Sequence[tuple[int, int, int]], tile: int) -> int:
+    """The attention feature of one decode of ``chunks`` (first position, token count, outputs), in this order: each
+    fed token against its position's context, but from ``tile`` rows on (decode_groups.py), where a tile of
+    consecutive rows holding several sequences puts each of its rows against all of their cells."""
+    own = [n * start + n * (n + 1) // 2 for start, n, _ in chunks]
+    rows = sum(n for _, n, _ in chunks)
+    if tile <= 0 or rows < tile or len(chunks) < 2:
+        return sum(own)
+    ends = np.cumsum([n for _, n, _ in chunks])
+    work = 0
+    for first in range(0, rows, tile):
+        last = min(first + tile, rows)
+        inside = range(
+            int(np.searchsorted(ends, first, side="right")), int(np.searchsorted(ends, last - 1, "right")) + 1
+        )
+        if len(inside) == 1:  # one sequence's rows: its own context, as without tiles
+            start, n, _ = chunks[inside[0]]
+            begin = int(ends[inside[0]]) - n
+            a, b = first - begin, last - begin  # its rows in the tile
+            work += (b - a) * start + (b * (b + 1) - a * (a + 1)) // 2
+        else:
+            work += (last - first) * sum(chunks[i][0] + chunks[i][1] for i in inside)
+    return work
 
 
 def bounded(covariance: np.ndarray) -> np.ndarray:
@@ -185,13 +225,31 @@ class CostModel:
     fitted to a stream of large chunks would mispredict the short step a voice request needs, and the other way
     round."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, tile: int = 0, parts: str = "auto") -> None:
         self.small, self.large = _LinearFit(clock), _LinearFit(clock)
+        self.tile = tile  # the rows from which attention is tiled (Model.attention_tile_rows; 0: never)
+        self.parts = parts  # the step_parts setting: "auto", "always" or "off"
         self.updates = 0
         self.calibration: list[CalibrationPoint] = []
 
     def _fit(self, shape: StepShape) -> _LinearFit:
         return self.small if shape.tokens <= SMALL_STEP else self.large
+
+    def plan(self, chunks: Sequence[tuple[int, int, int]]) -> tuple[list[list[int]], StepShape]:
+        """How a step of these (first position, token count, output rows) chunks is decoded: the chunks' indices per
+        decode (decode_groups.py), in parts only when they are predicted faster than one decode, and its shape."""
+        everything = [list(range(len(chunks)))]
+        one = StepShape.of(chunks, self.tile)
+        groups = decode_groups([n for _, n, _ in chunks], self.tile if self.parts != "off" else 0)
+        if len(groups) == 1:
+            return everything, one
+        split = StepShape.parts([StepShape.of([chunks[i] for i in group], self.tile) for group in groups])
+        faster = self.parts == "always" or self.predict(split) < self.predict(one)
+        return (groups, split) if faster else (everything, one)
+
+    def shape(self, chunks: Sequence[tuple[int, int, int]]) -> StepShape:
+        """The shape of a step of these (first position, token count, output rows) chunks, as it will be decoded."""
+        return self.plan(chunks)[1]
 
     def predict(self, shape: StepShape) -> float:
         """Seconds; never below a small floor (a step always costs something)."""

@@ -369,7 +369,8 @@ def with_drafts(
     other, the most urgent first. ``capacity``: tokens one decode takes; ``spare_outputs``: output rows beyond one
     per sequence the context has room for; ``time_cap``: the step's cap, which no guess may push it past;
     ``least``: guessed tokens fed whether they pay or not (draft_min_tokens), as many as the guess has."""
-    shape = StepShape.of([(w.item.position, w.n_tokens, 1 if w.completes else 0) for w in step_work])
+    chunks = [(w.item.position, w.n_tokens, 1 if w.completes else 0) for w in step_work]
+    shape = cost.shape(chunks)
     made = float(sum(1 for w in step_work if w.completes))  # tokens the step gives without guesses
     seconds = cost.predict(shape)
     out = list(step_work)
@@ -385,7 +386,7 @@ def with_drafts(
         position = w.item.position
         best, best_rate, best_seconds = 0, made / seconds, seconds
         for k in range(1, available + 1):
-            predicted = cost.predict(_with_rows(shape, position, k))
+            predicted = cost.predict(_with_rows(cost, chunks, i, k))
             if not _fits(predicted, time_cap):
                 break
             rate = (made + drafter.expected_tokens(k)) / predicted
@@ -393,26 +394,24 @@ def with_drafts(
                 best, best_rate, best_seconds = k, rate, predicted
         k = max(drafter.length(best, available), min(least, available))
         if k != best:  # a retry, or the least a guess feeds: this step pays for its rows, if its cap allows them
-            best_seconds = cost.predict(_with_rows(shape, position, k))
+            best_seconds = cost.predict(_with_rows(cost, chunks, i, k))
             if not _fits(best_seconds, time_cap):
                 k, best_seconds = 0, seconds
         if k:
             out[i] = replace(w, draft=tuple(guess[:k]))
-            shape = _with_rows(shape, position, k)
+            chunks[i] = (position, 1 + k, 1 + k)
+            shape = cost.shape(chunks)
             spare_outputs -= k
             made += drafter.expected_tokens(k)
             seconds = best_seconds
     return out
 
 
-def _with_rows(shape: StepShape, position: int, k: int) -> StepShape:
-    """``shape`` with one decode token at ``position`` grown by ``k`` guessed rows, each with its logits."""
-    one, more = StepShape.of([(position, 1, 1)]), StepShape.of([(position, 1 + k, 1 + k)])
-    return StepShape(
-        shape.tokens + more.tokens - one.tokens,
-        shape.outputs + more.outputs - one.outputs,
-        shape.attention + more.attention - one.attention,
-    )
+def _with_rows(cost: CostModel, chunks: list[tuple[int, int, int]], i: int, k: int) -> StepShape:
+    """The step of ``chunks`` with chunk ``i`` (one decode token) grown by ``k`` guessed rows, each with its
+    logits."""
+    position = chunks[i][0]
+    return cost.shape([*chunks[:i], (position, 1 + k, 1 + k), *chunks[i + 1 :]])
 
 
 def _fits(seconds: float, time_cap: float | None) -> bool:

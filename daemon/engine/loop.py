@@ -94,10 +94,10 @@ class Engine:
         self.send = send
         self.daemon_version = daemon_version
         self.counters = Counters()
-        self.scheduler = Scheduler(config, kv.sessions, model.step_tokens)
+        self.scheduler = Scheduler(config, kv.sessions, model.step_tokens, model.attention_tile_rows)
         self.media, self.frame_areas = media, frame_areas
         self.received_bytes = received_bytes or (lambda: 0)  # counted by the I/O thread
-        self.runner = Runner(model, media)
+        self.runner = Runner(model, self.scheduler.cost, media)
         self.step_log = step_log  # (the step_log setting; None: off)
         self.idle_cores = IdleSampler()
         self.threads = thread_count(config, model.threads, self.idle_cores)
@@ -206,7 +206,7 @@ class Engine:
         if outcome.rc == 0 and not outcome.medium_error:
             if self.step_log is not None:
                 predicted = self.scheduler.cost.predict(outcome.shape)  # (before _note_speed teaches it this step)
-                self.step_log.write(step_work, outcome.tokens, outcome.seconds, predicted)
+                self.step_log.write(step_work, outcome.tokens, outcome.seconds, predicted, outcome.shape.decodes)
             cores = (process_cpu_seconds() - cpu) / max(time.monotonic() - started, 1e-6)
             self._note_speed(threads, lent, outcome, cores)
         self._postprocess(step_work, outcome, started)

@@ -1,5 +1,6 @@
-"""The runner: one step's work through llama.cpp, as one batch; then one token sampled per finished chunk, and with
-a guess (engine/drafts.py) one more per guessed token taken. A step that feeds a medium feeds its cells alone, as
+"""The runner: one step's work through llama.cpp, as one batch (decoded in parts where the cost model predicts
+them faster than one decode, llama/decode_groups.py); then one token sampled per finished chunk, and with a guess
+(engine/drafts.py) one more per guessed token taken. A step that feeds a medium feeds its cells alone, as
 embeddings, after its encode (engine/step_work.py)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvpool.daemon.engine.cost_model import StepShape
+from kvpool.daemon.engine.cost_model import CostModel, StepShape
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.step_work import Work
 from kvpool.daemon.llama.model import Model, Sampled
@@ -29,8 +30,9 @@ class StepOutcome:
 
 
 class Runner:
-    def __init__(self, model: Model, media: MediaCache | None = None):
+    def __init__(self, model: Model, cost: CostModel, media: MediaCache | None = None):
         self.model = model
+        self.cost = cost  # (the scheduler's: it says whether a step is decoded in parts)
         self.media = media
 
     def run(self, step_work: list[Work[Generation]]) -> StepOutcome:
@@ -38,19 +40,19 @@ class Runner:
             return self._run_medium(step_work[0])
         batch = self.model.batch
         batch.clear()
-        rows = []
         # A prefill's last chunk needs no logits; a guess needs them for each of its rows, and the row before.
         outputs = [1 + len(w.draft) if w.completes and w.item.samples else 0 for w in step_work]
-        for work, out in zip(step_work, outputs, strict=True):
-            s = work.item.session
+        sizes = [w.n_tokens + len(w.draft) for w in step_work]
+        chunks = [(w.item.position, size, out) for w, size, out in zip(step_work, sizes, outputs, strict=True)]
+        groups, shape = self.cost.plan(chunks)  # the batch holds the items in the order they are decoded
+        rows = [0] * len(step_work)
+        for i in (i for group in groups for i in group):
+            s = step_work[i].item.session
             assert s.slot is not None  # the scheduler runs only generations whose session is hot
-            fed = s.tokens[s.n_kv : s.n_kv + work.n_tokens] + list(work.draft)
-            rows.append(batch.add(s.slot, fed, s.position(s.n_kv), out))  # (kv/positions.py)
-        shape = StepShape.of(
-            [(w.item.position, w.n_tokens + len(w.draft), out) for w, out in zip(step_work, outputs, strict=True)]
-        )
+            fed = s.tokens[s.n_kv : s.n_kv + step_work[i].n_tokens] + list(step_work[i].draft)
+            rows[i] = batch.add(s.slot, fed, s.position(s.n_kv), outputs[i])  # (kv/positions.py)
         started = time.perf_counter()
-        rc = self.model.decode()
+        rc = self.model.decode([sum(sizes[i] for i in group) for group in groups])
         if rc != 0:
             return StepOutcome(rc, [], batch.n, shape, 0.0)
         tokens = [self._sample(w, row) if out else [] for w, row, out in zip(step_work, rows, outputs, strict=True)]

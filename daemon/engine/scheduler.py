@@ -47,11 +47,12 @@ class Budget:
 
 
 class Scheduler:
-    def __init__(self, config: Config, sessions: SessionTable, batch_capacity: int):
+    def __init__(self, config: Config, sessions: SessionTable, batch_capacity: int, attention_tile: int = 0):
         self.config = config
         self.sessions = sessions
         self.capacity = batch_capacity
-        self.cost = CostModel()
+        # (Model.attention_tile_rows: from how many rows a step's attention is tiled, and may be decoded in parts)
+        self.cost = CostModel(tile=attention_tile, parts=config.step_parts)
         self.policy = step_policy(config.scheduling)
         self.waiting: list[Generation] = []
         self.running: list[Generation] = []

@@ -35,6 +35,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     ms: float  # decode and sampling
     predicted_ms: float  # what the cost model predicted for its shape, before it learnt this step's time
     items: list[StepItem]
+    decodes: int = 1  # llama_decode calls it ran as (llama/decode_groups.py)
 
 
 class StepLog:
@@ -45,13 +46,22 @@ class StepLog:
         self._encoder = msgspec.json.Encoder()
 
     def write(
-        self, step_work: Sequence[Work[Generation]], sampled: Sequence[Sequence[int]], seconds: float, predicted: float
+        self,
+        step_work: Sequence[Work[Generation]],
+        sampled: Sequence[Sequence[int]],
+        seconds: float,
+        predicted: float,
+        decodes: int = 1,
     ) -> None:
         if self._file is None:
             return
         items = [_item(w, len(run)) for w, run in zip(step_work, sampled, strict=True)]
         record = StepRecord(
-            at=time.monotonic(), ms=round(seconds * 1e3, 3), predicted_ms=round(predicted * 1e3, 3), items=items
+            at=time.monotonic(),
+            ms=round(seconds * 1e3, 3),
+            predicted_ms=round(predicted * 1e3, 3),
+            items=items,
+            decodes=decodes,
         )
         try:
             self._file.write(self._encoder.encode(record) + b"\n")

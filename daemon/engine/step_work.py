@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from kvpool.daemon.engine.cost_model import CostModel, StepShape, within
+from kvpool.daemon.engine.cost_model import CostModel, within
 
 MIN_CHUNK = 8  # the most urgent prompt always moves by at least this much, however tight the cap
 
@@ -125,7 +125,7 @@ class StepPolicy:
             return True
         # Deadline-bound work is in flight: the medium goes only in a step that stays within the cap it keeps.
         n = first.feedable_tokens
-        seconds = cost.predict(StepShape.of([(first.position, n, n == first.pending_tokens)])) + first.medium_seconds
+        seconds = cost.predict(cost.shape([(first.position, n, n == first.pending_tokens)])) + first.medium_seconds
         return time_cap is not None and within(seconds, time_cap)
 
 
@@ -169,7 +169,7 @@ def budgeted_work(running: list[T], token_budget: int, cost: CostModel, time_cap
     def fits(chunk: tuple[int, int, bool]) -> bool:
         if sum(c[1] for c in chunks) + chunk[1] > token_budget:
             return False
-        return time_cap is None or within(cost.predict(StepShape.of([*chunks, chunk])), time_cap)
+        return time_cap is None or within(cost.predict(cost.shape([*chunks, chunk])), time_cap)
 
     def add(g: T, n: int) -> None:
         chunk = (g.position, n, n == g.pending_tokens)
@@ -221,19 +221,19 @@ def steps_for(
         return 0, 0.0
     room = max(1, token_budget - decoders)
     chunk = room
+
+    def step(n: int) -> float:
+        return cost.predict(cost.shape([(position, 1, 1)] * decoders + [(position, n, 1)]))
+
     if time_cap is not None:
         lo, hi = MIN_CHUNK, room
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            shape = StepShape(decoders + mid, decoders + 1, decoders * position + mid * (position + mid // 2))
-            if within(cost.predict(shape), time_cap):
+            if within(step(mid), time_cap):
                 lo = mid
             else:
                 hi = mid - 1
         chunk = min(room, lo)
-
-    def step(n: int) -> float:
-        return cost.predict(StepShape(decoders + n, decoders + 1, decoders * position + n * (position + n // 2)))
 
     full, rest = divmod(prompt_tokens, chunk)
     return full + (rest > 0), full * step(chunk) + (step(rest) if rest else 0.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import llama_cpp as lc
 import numpy as np
 
@@ -49,5 +51,30 @@ class Batch:
         self._batch.n_tokens = self.n
         return self._batch
 
+    def rows(self, start: int, end: int) -> lc.llama_batch:
+        """Rows [start, end) as a llama_batch of their own: views into this one's arrays (keep this batch alive
+        and unchanged while it is decoded)."""
+        b, part = self._batch, lc.llama_batch()
+        part.n_tokens = end - start
+        part.token = _offset(b.token, start)
+        part.pos = _offset(b.pos, start)
+        part.n_seq_id = _offset(b.n_seq_id, start)
+        part.seq_id = _offset(b.seq_id, start)
+        part.logits = _offset(b.logits, start)
+        return part
+
+    def sequences(self, start: int, end: int) -> dict[int, int]:
+        """Each sequence fed in rows [start, end), with the lowest position it is fed at."""
+        lowest: dict[int, int] = {}
+        for i in range(start, end):
+            seq, pos = int(self._seq_rows[i][0]), int(self.pos[i])
+            lowest[seq] = min(pos, lowest.get(seq, pos))
+        return lowest
+
     def free(self) -> None:
         lc.llama_batch_free(self._batch)
+
+
+def _offset(pointer: ctypes._Pointer, items: int) -> ctypes._Pointer:  # type: ignore[type-arg]
+    """``pointer`` moved on by ``items`` of what it points to."""
+    return ctypes.cast(ctypes.addressof(pointer.contents) + items * ctypes.sizeof(pointer._type_), type(pointer))

@@ -8,6 +8,7 @@ one context.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from kvpool.daemon.config import sequence_count
 from kvpool.daemon.kv.codec.kv_types import F16
+from kvpool.daemon.llama.decode_groups import ATTENTION_TILE_ROWS
 from kvpool.daemon.llama.deterministic_mode import NOT_DETERMINISTIC, Determinism
 from kvpool.daemon.llama.kv_settings import KvSettings
 from kvpool.daemon.llama.memory_plan import sliding_window_cells
@@ -124,6 +126,9 @@ class Model:
         self.seqs = Sequences(self.ctx, cell_room, scratch_seq, graveyard)
         self.hot_slots = hot_slots
         self.batch = Batch(batch_size)
+        # The last decode in parts: the copied logits of its earlier parts' rows, and where its last part began.
+        self._kept: dict[int, np.ndarray] = {}
+        self._last_part = 0
         self.description = self._desc()
         self.fingerprint = fingerprint(self.path)
         # What a saved sequence state depends on besides the weights; a pool written with other values is refused.
@@ -177,8 +182,20 @@ class Model:
 
     # ------------------------------------------------------------------ decoding
 
-    def decode(self) -> int:
-        """Run the filled batch through the model. 0: done; 1: no room in the KV (state unchanged)."""
+    @property
+    def attention_tile_rows(self) -> int:
+        """The query rows from which llama.cpp's flash attention tiles a batch, wasting work on a tile of several
+        sequences (decode_groups.py); 0 where it never does: without flash attention or with quantized cells (no
+        tiled path), and in deterministic decoding, whose batches stay below it."""
+        tiled = self.kv.flash_attn and self.kv.type_k == self.kv.type_v and not self.kv.type_k.quantized
+        return ATTENTION_TILE_ROWS if tiled and not self.deterministic else 0
+
+    def decode(self, parts: Sequence[int] = ()) -> int:
+        """Run the filled batch through the model: in one decode, or in ``parts`` (each a count of the batch's
+        rows, in order; decode_groups.py). 0: done; 1: no room in the KV (state unchanged)."""
+        if len(parts) > 1:
+            return self._decode_parts(parts)
+        self._kept, self._last_part = {}, 0
         batch = self.batch
         tokens = batch.n
         # A batch of one token takes other kernels than any larger one (a matrix-vector product; flash attention
@@ -201,6 +218,31 @@ class Model:
             self.seqs.appended += tokens
         return rc
 
+    def _decode_parts(self, parts: Sequence[int]) -> int:
+        """The batch in several decodes. The logits of a part's output rows are copied before the next part
+        replaces them (the narrow parts, which hold most output rows, run last). A part without room takes back
+        the parts before it, so the KV is as it was."""
+        batch, start = self.batch, 0
+        kept: dict[int, np.ndarray] = {}
+        assert sum(parts) == batch.n, "the parts cover the batch"
+        for i, count in enumerate(parts):
+            end = start + count
+            rc = lc.llama_decode(self.ctx, batch.rows(start, end))
+            if rc != 0:
+                for seq, first in batch.sequences(0, start).items():
+                    self.seqs.forget_from(seq, first)
+                self._kept, self._last_part = {}, 0
+                return rc
+            if i < len(parts) - 1:
+                for row in np.flatnonzero(batch.logits[start:end]):
+                    kept[start + int(row)] = self._logits(int(row)).copy()
+            else:
+                self._last_part = start
+            start = end
+        self._kept = kept
+        self.seqs.appended += batch.n
+        return 0
+
     def decode_embeddings(
         self,
         seq_id: int,
@@ -215,6 +257,7 @@ class Model:
         batch, attending to each other both ways). ``logits``: the last row gives them (the prompt ends with the
         medium); sample from row ``len(rows) - 1``. Returns llama_decode's answer."""
         assert self._embeddings is not None, "a model without a projector decodes no embeddings"
+        self._kept, self._last_part = {}, 0
         # Deterministic decoding never runs one output row (another kernel than two): the row before it gives some too.
         outputs = (2 if self.deterministic and len(rows) > 1 else 1) if logits else 0
         self._embeddings.fill(seq_id, rows, first_pos, outputs, positions)
@@ -245,6 +288,11 @@ class Model:
 
     def row_logits(self, row: int) -> np.ndarray:
         """The logits of batch row ``row`` of the last decode (a view: copy to keep)."""
+        kept = self._kept.get(row)
+        return kept if kept is not None else self._logits(row - self._last_part)
+
+    def _logits(self, row: int) -> np.ndarray:
+        """Row ``row`` of what llama.cpp's last decode returned."""
         return np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
 
     def output_logits(self, rows: int) -> np.ndarray:
