@@ -4,7 +4,8 @@ Without ``--log`` it runs one: a private daemon (bench/speculative.py's settings
 ``--without``) writes its step log while ``--streams`` answers of a bench/speculative.py workload run at once for
 ``--rounds`` rounds, then the log is summarised. Three tables:
 
-- steps: those that carry a prompt chunk, and the decode steps by how many sequences decode in them: their count,
+- steps: those that carry a prompt chunk (decoded in one call, or in parts: the chunk apart from the decode rows,
+  llama/decode_groups.py), and the decode steps by how many sequences decode in them: their count,
   time, median time, rows (each decode token and each guessed token is a row with its logits), tokens given, and
   the measured time over the cost model's prediction;
 - what a row costs: within the decode steps of each width, a least-squares line of the step's time on its rows
@@ -34,6 +35,7 @@ from common import default_model, private_daemon
 from kvpool.daemon.engine.step_log import StepRecord
 
 PROMPT = -1  # the group of steps that carry a prompt chunk
+IN_PARTS = -2  # ... and those of them decoded in parts (llama/decode_groups.py: the chunk apart from the rows)
 FIT_STEPS = 10  # decode steps of one width a row's cost is fitted from, at least
 
 
@@ -62,13 +64,14 @@ def summarise(steps: list[StepRecord]) -> None:
     groups: dict[int, list[StepRecord]] = defaultdict(list)  # sequences decoding -> its steps (PROMPT: a prompt's)
     for step in steps:
         prompt = any(item.pending > 1 for item in step.items)
-        groups[PROMPT if prompt else sum(1 for item in step.items if item.pending == 1)].append(step)
+        decoding = sum(1 for item in step.items if item.pending == 1)
+        groups[(IN_PARTS if step.decodes > 1 else PROMPT) if prompt else decoding].append(step)
     header = ("steps", "count", "seconds", "median ms", "prompt", "rows", "tokens", "measured/pred")
     widths = (6, 8, 10, 7, 6, 7, 14)
     print(f"{header[0]:<12} " + " ".join(f"{h:>{w}}" for h, w in zip(header[1:], widths, strict=True)))
     for decoding in sorted(groups):
         group = groups[decoding]
-        name = "prompt" if decoding == PROMPT else f"{decoding} decoding"
+        name = {PROMPT: "prompt", IN_PARTS: "prompt,parts"}.get(decoding, f"{decoding} decoding")
         given = sum(item.sampled for step in group for item in step.items)
         ratio = statistics.median(step.ms / step.predicted_ms for step in group)
         print(
@@ -78,7 +81,7 @@ def summarise(steps: list[StepRecord]) -> None:
         )
     print(f"\n{'decoding':<9} {'steps':>6} {'fixed ms':>9} {'ms a row':>9} {'pays from':>10}")
     for sequences, group in groups.items():
-        if sequences == PROMPT or len(group) < FIT_STEPS or len({rows(s) for s in group}) < 3:
+        if sequences in (PROMPT, IN_PARTS) or len(group) < FIT_STEPS or len({rows(s) for s in group}) < 3:
             continue
         per_row, fixed = np.polyfit([rows(s) for s in group], [s.ms for s in group], 1)
         if per_row <= 0 or fixed <= 0:  # too few or too noisy steps to tell a row from the step
