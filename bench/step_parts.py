@@ -74,7 +74,7 @@ def one_round(address: str, step_log: Path, round_: int, tokens: int) -> Round:
         ninth = time.monotonic() - sent
     for t in threads:
         t.join(TIMEOUT_S)
-    rate = sum((len(t) - 1) / (t[-1] - t[0]) for t in times if len(t) > 1)
+    rate = sum((len(t) - 1) / (t[-1] - t[0]) for t in times if len(t) > 1 and t[-1] > t[0])
     lines = step_log.read_bytes().splitlines() if step_log.exists() else []
     steps = [msgspec.json.decode(line, type=StepRecord) for line in lines if line.strip()]
     return Round(ninth, rate, max(t[-1] for t in times) - started, sum(1 for s in steps if s.decodes > 1))

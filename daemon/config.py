@@ -153,8 +153,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # "fcfs": first come first served with whole-batch prefill chunks and no admission control (to compare).
     scheduling: Annotated[one_of("budgets", "fcfs"), Flag("latency budgets, or first come first served")] = "budgets"
     # A step of several sessions whose rows llama.cpp's flash attention would tile across them (a prompt chunk beside
-    # decoding sessions, llama/decode_groups.py) runs in two decodes: "auto" where the cost model predicts that
-    # faster, "always" wherever the step has such parts (to measure), "off" never.
+    # decoding sessions, or 64 and more decode and guessed rows, llama/decode_groups.py) runs in parts, one decode
+    # each: "auto" where the cost model predicts that faster, "always" wherever the step has such parts (to
+    # measure), "off" never.
     step_parts: Annotated[
         one_of("auto", "always", "off"),
         Flag("decode a prompt chunk apart from other sessions' rows: where predicted faster, always, or never"),

@@ -63,7 +63,7 @@ class SessionCounts(Struct, kw_only=True):
 class Counters(Struct, kw_only=True):
     """What the engine counts (it keeps one of these and updates it in place)."""
 
-    decode_calls: int = 0  # llama_decode calls that succeeded (one per engine step)
+    decode_calls: int = 0  # engine steps whose decode succeeded (a step may run as several llama_decode calls)
     batch_tokens: int = 0  # tokens fed through those calls (prompt chunks + decode tokens)
     prompt_tokens: int = 0  # prompt tokens computed (system prompts included; tokens a shared prefix held are not)
     generated_tokens: int = 0  # tokens sampled and sent to clients
@@ -94,6 +94,7 @@ class CostFit(Struct, kw_only=True):
     several_outputs_ms: float = 0.0  # a step with more than one logits row (a matrix kernel) costs this once more
     odd_outputs_ms: float = 0.0  # ... and this with an odd number of them (a tile of two's last row, a pass alone)
     outputs_past_fours_ms: float = 0.0  # ... and this with 1-3 past a multiple of four (a tile of four's, likewise)
+    extra_decode_ms: float = 0.0  # a step run as two decodes costs this once more (engine/cost_model.py)
     recent: float = 1.0  # the last few steps' time over the fit's: multiplies its predictions (a fast change)
 
 

@@ -26,7 +26,11 @@ from .tinymodel import build_tiny_model
 Start = Callable[..., DaemonProcess]
 
 TILE = ATTENTION_TILE_ROWS
-TOKENS = 160  # each answer: long enough that the long prompt arrives while all are decoding
+# Alone, a session's rows take the one-row kernels; beside a long prompt in one decode, the tiled ones (f32 sums
+# instead of f16 dot products): log-probabilities move by up to about 0.01 here. Another row's logits would move
+# them by far more, or change the token.
+BATCH_TIE = 0.05
+TOKENS = 120  # each answer: long enough that the long prompt arrives while all are decoding
 LONG_PROMPT = "a long prompt that arrives while the others decode, " * 8  # ~420 byte tokens
 
 
@@ -62,11 +66,11 @@ def test_attention_in_tiles_of_several_sequences_counts_all_their_cells() -> Non
     step = [*decoders, (500, 128, 1)]
     own = tiled_attention(step, 0)
     assert own == 8 * 1001 + 128 * 500 + 128 * 129 // 2
-    # The first tile: the 8 decode rows and the chunk's first 56, each row against the nine sequences' cells; the
-    # next two: the chunk's rows 56-119 and 120-127, against its own.
-    first = 64 * (8 * 1001 + 500 + 128)
+    # The first tile: the 8 decode rows and the chunk's first 56, each row against the nine sequences' cells (the
+    # chunk's up to its 56th row: causal); the next two: the chunk's rows 56-119 and 120-127, against its own.
+    first = 64 * (8 * 1001 + 500 + 56)
     rest = 64 * 500 + (120 * 121 - 56 * 57) // 2 + 8 * 500 + (128 * 129 - 120 * 121) // 2
-    assert tiled_attention(step, TILE) == first + rest == 595_364  # 7.4 times its own
+    assert tiled_attention(step, TILE) == first + rest == 590_756  # 7.4 times its own
     assert tiled_attention([*decoders, (500, 40, 1)], TILE) == tiled_attention([*decoders, (500, 40, 1)], 0)  # 48
 
 
@@ -74,14 +78,14 @@ def test_a_step_runs_in_parts_only_when_the_cost_model_predicts_them_faster() ->
     decoders = [(1000, 1, 1)] * 8
     step = [*decoders, (500, 128, 1)]
     cost = CostModel(tile=TILE)
-    fixed = 0.030
-    cost.large.usable = np.array([fixed, 0.001, 0.002, 0.005, 0.0, 0.0, 0.0])  # attention: 5 ms a 10k
+    extra = 0.030  # a decode more
+    cost.large.usable = np.array([0.040, 0.001, 0.002, 0.005, 0.0, 0.0, 0.0, extra])  # attention: 5 ms a 10k
     cost.large.reset_factors()
     groups, shape = cost.plan(step)
     assert groups == [[8], list(range(8))] and shape.decodes == 2
     one = StepShape.of(step, TILE)
     wasted = (one.attention - shape.attention) / 1e4 * 0.005
-    assert cost.predict(shape) == pytest.approx(cost.predict(one) + fixed - wasted)
+    assert cost.predict(shape) == pytest.approx(cost.predict(one) + extra - wasted)
     assert cost.shape(step) == shape
     cost.large.usable[3] = 0.0  # where attention costs nothing, the second pass over the weights does not pay
     assert cost.plan(step) == ([list(range(9))], one) and cost.shape(step).decodes == 1
@@ -205,7 +209,7 @@ def test_sessions_decoding_beside_a_long_prompt_answer_as_each_alone(start_daemo
             alone = [
                 client.open_session().complete(p, max_tokens=TOKENS, logprobs=TOP, **GREEDY).logprobs for p in prompts
             ]
-            same_but_at_float_ties(beside_a_long_prompt(client, prompts), alone)
+            same_but_at_float_ties(beside_a_long_prompt(client, prompts), alone, tie=BATCH_TIE)
     in_parts = [step for step in step_records(logs["always"]) if step.decodes == 2]
     assert any(
         any(item.pending > 1 for item in step.items) and sum(item.pending == 1 for item in step.items) >= 2

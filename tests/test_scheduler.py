@@ -179,7 +179,7 @@ def test_the_step_work_on_a_cap_does_not_depend_on_a_fused_multiply_add(monkeypa
         monkeypatch.setattr(cost_model, "dot", way)
         work = budgeted_work([Item(1000, 1.0, best_effort=True)], 512, fixed_cost(), time_cap=0.150)
         works.append([(w.n_tokens, w.completes) for w in work])
-        estimates.append(steps_for(280, decoders=0, position=0, token_budget=512, cost=fixed_cost(), time_cap=0.150))
+        estimates.append(steps_for(280, decoders=[], position=0, token_budget=512, cost=fixed_cost(), time_cap=0.150))
     assert works[0] == works[1] == [(140, False)]
     assert estimates[0][0] == estimates[1][0] == 2  # two chunks of 140
 
@@ -189,10 +189,10 @@ def test_the_step_work_on_a_cap_does_not_depend_on_a_fused_multiply_add(monkeypa
 
 def test_admission_estimate_counts_chunks_under_the_cap() -> None:
     cost = fixed_cost()
-    steps, seconds = steps_for(100, decoders=2, position=0, token_budget=512, cost=cost, time_cap=0.0505)
+    steps, seconds = steps_for(100, decoders=[0, 0], position=0, token_budget=512, cost=cost, time_cap=0.0505)
     assert steps == 3  # 38 tokens per step next to 2 decodes, then 24
     assert math.isclose(seconds, 2 * 0.050 + (0.010 + 0.026), rel_tol=1e-6)
-    steps, seconds = steps_for(100, decoders=0, position=0, token_budget=512, cost=cost, time_cap=None)
+    steps, seconds = steps_for(100, decoders=[], position=0, token_budget=512, cost=cost, time_cap=None)
     assert (steps, round(seconds, 6)) == (1, 0.110)  # one 100-token chunk: 10 ms + 100 x 1 ms
 
 

@@ -46,15 +46,17 @@ def step_records(path: Path) -> list[StepRecord]:
     return [msgspec.json.decode(line, type=StepRecord) for line in path.read_bytes().splitlines()]
 
 
-def same_but_at_float_ties(fast: list[list[TokenLogprob]], plain: list[list[TokenLogprob]]) -> None:
-    """Each session's greedy tokens with guesses are those without, each with its log-probability within FLOAT_TIE,
-    up to a place where the two took tokens whose log-probabilities were within FLOAT_TIE of each other (under a
+def same_but_at_float_ties(
+    fast: list[list[TokenLogprob]], plain: list[list[TokenLogprob]], tie: float = FLOAT_TIE
+) -> None:
+    """Each session's greedy tokens with guesses are those without, each with its log-probability within ``tie``,
+    up to a place where the two took tokens whose log-probabilities were within ``tie`` of each other (under a
     grammar too: each is the most likely the grammar allowed); from there that session is another conversation."""
     assert len(fast) == len(plain)
     for i, (a_tokens, e_tokens) in enumerate(zip(fast, plain, strict=True)):
         assert len(a_tokens) == len(e_tokens), i
         for a, e in zip(a_tokens, e_tokens, strict=True):
-            assert abs(a.logprob - e.logprob) < FLOAT_TIE, (i, a, e)
+            assert abs(a.logprob - e.logprob) < tie, (i, a, e)
             if a.token != e.token:
                 break
 

@@ -1,13 +1,13 @@
 """Predict how long an engine step takes, so the scheduler can size prompt chunks and admission can refuse
 a request whose first token cannot arrive within its budget. Pure numpy, no llama.cpp.
 
-A step's time is modelled as linear in seven features: a fixed cost per decode (reading the weights once; a step
-of several sessions with a long prompt chunk may run as two, decode_groups.py), the tokens in
-the batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens), the attention
-work (each token attends to its position's context; in llama.cpp's tiles of several sequences, to all of theirs:
-tiled_attention), and three of the output rows' kernel: whether there are more
-than one, whether they are an odd number past one, and whether they pass a multiple of four by one to three. The
-last three are there because llama.cpp computes one logits row by a vector kernel and several by a matrix kernel
+A step's time is modelled as linear in eight features: a fixed cost (reading the weights once), the tokens in the
+batch, the output rows (each needs the vocabulary projection, large for Gemma's 262k tokens), the attention work
+(each token attends to its position's context; in llama.cpp's tiles of several sequences, to all of theirs:
+tiled_attention), three of the output rows' kernel: whether there are more than one, whether they are an odd
+number past one, and whether they pass a multiple of four by one to three; and the decodes past one a step runs as
+(a prompt chunk apart from other sessions' rows, decode_groups.py: each reads the weights once more). The output
+rows' three are there because llama.cpp computes one logits row by a vector kernel and several by a matrix kernel
 (llamafile's for Q8_0 and Q4_0 weights, as Gemma 3's tied output projection is) whose tiles are two rows wide in
 an AVX2 build and four in an AVX-512 one; rows past the last whole tile take a pass of their own over the weights.
 On an AMD EPYC (bench/guess_rows.py) an AVX2 build's logits cost 8 ms for one row, 20 for two, 43 for three, 22
@@ -51,7 +51,8 @@ IDLE_HALF_LIFE_S = 0.5  # with no step run for this long, the fast factor is hal
 # Every comparison of a prediction with a limit allows this much, so no decision follows that bit.
 TOLERANCE_S = 1e-6
 TILE_WIDTHS = (2, 4)  # the logits kernel's tile widths: an AVX2 build's, an AVX-512 one's
-FEATURES = 5 + len(TILE_WIDTHS)
+FEATURES = 5 + len(TILE_WIDTHS) + 1  # ... and the decodes past one a step runs as (decode_groups.py)
+EXTRA_DECODE = FEATURES - 1
 PRIOR_VARIANCE = 1e3  # the fit's covariance before any step (a weak prior: any step outweighs it), and its bound after
 
 
@@ -83,7 +84,8 @@ class StepShape:
 
     @staticmethod
     def parts(shapes: Sequence[StepShape]) -> StepShape:
-        """A step decoded as these shapes, one decode each."""
+        """A step decoded as these shapes, one decode each (the output rows' kernel features are then those of
+        all its rows together: an estimate, as the narrow part holds nearly all of them)."""
         return StepShape(
             sum(s.tokens for s in shapes),
             sum(s.outputs for s in shapes),
@@ -99,13 +101,16 @@ class StepShape:
     def features(self) -> np.ndarray:
         wide = 1.0 if self.outputs > 1 else 0.0
         past_tiles = [float(self.rows_past_tiles(width)) for width in TILE_WIDTHS]
-        return np.array([float(self.decodes), self.tokens, self.outputs, self.attention / 1e4, wide, *past_tiles])
+        extra = float(self.decodes - 1)
+        return np.array([1.0, self.tokens, self.outputs, self.attention / 1e4, wide, *past_tiles, extra])
 
 
 def tiled_attention(chunks: Sequence[tuple[int, int, int]], tile: int) -> int:
     """The attention feature of one decode of ``chunks`` (first position, token count, outputs), in this order: each
     fed token against its position's context, but from ``tile`` rows on (decode_groups.py), where a tile of
-    consecutive rows holding several sequences puts each of its rows against all of their cells."""
+    consecutive rows holding several sequences puts each of its rows against all of their cells. An estimate: ggml
+    cuts the rows into tiles per thread's share, not from row 0, a short tile costs a whole one, and a
+    sliding-window layer sees its window only."""
     own = [n * start + n * (n + 1) // 2 for start, n, _ in chunks]
     rows = sum(n for _, n, _ in chunks)
     if tile <= 0 or rows < tile or len(chunks) < 2:
@@ -122,8 +127,9 @@ def tiled_attention(chunks: Sequence[tuple[int, int, int]], tile: int) -> int:
             begin = int(ends[inside[0]]) - n
             a, b = first - begin, last - begin  # its rows in the tile
             work += (b - a) * start + (b * (b + 1) - a * (a + 1)) // 2
-        else:
-            work += (last - first) * sum(chunks[i][0] + chunks[i][1] for i in inside)
+        else:  # each row against every one of these sequences' cells up to its last row in the tile (causal)
+            seen = [chunks[i][0] + min(int(ends[i]), last) - (int(ends[i]) - chunks[i][1]) for i in inside]
+            work += (last - first) * sum(seen)
     return work
 
 
@@ -169,6 +175,7 @@ class _LinearFit:
         # A cautious prior (10 ms fixed, 2 ms per token) until calibration says otherwise.
         self.theta = np.zeros(FEATURES)
         self.theta[:2] = (0.010, 0.002)
+        self.theta[EXTRA_DECODE] = 0.010  # a decode more: a pass over the weights, as the fixed cost
         self.usable = self.theta.copy()
         self._p = np.eye(FEATURES) * PRIOR_VARIANCE
         self.recent = 1.0  # the last steps' measured time over the fit's prediction
@@ -206,7 +213,7 @@ class _LinearFit:
         self._updated = self._clock()
 
     def status(self) -> CostFit:
-        fixed, per_token, per_output, per_attention, wide, odd, past_fours = (float(x) for x in self.theta)
+        fixed, per_token, per_output, per_attention, wide, odd, past_fours, extra = (float(x) for x in self.theta)
         return CostFit(
             fixed_ms=round(fixed * 1e3, 3),
             per_token_ms=round(per_token * 1e3, 4),
@@ -215,6 +222,7 @@ class _LinearFit:
             several_outputs_ms=round(wide * 1e3, 4),
             odd_outputs_ms=round(odd * 1e3, 4),
             outputs_past_fours_ms=round(past_fours * 1e3, 4),
+            extra_decode_ms=round(extra * 1e3, 4),
             recent=round(self.factor(), 3),
         )
 
@@ -297,5 +305,9 @@ def calibrate(model: CostModel, run: Callable[..., float], repeat: int = 1, gues
             model.update(StepShape.of([(start, n, outputs)]), seconds)
             model.calibration.append(CalibrationPoint(context=start, tokens=n, ms=round(seconds * 1e3, 3)))
     model.calibration = model.calibration[-len(shapes) :]
+    # No calibration step runs in parts: a decode more starts at what a one-token step costs (a pass over the
+    # weights), and the steps run in parts refine it.
+    one_token = max(0.0, float(StepShape.of([(0, 1, 1)]).features() @ model.small.usable))
     for fit in (model.small, model.large):
+        fit.theta[EXTRA_DECODE] = fit.usable[EXTRA_DECODE] = one_token
         fit.reset_factors()  # calibration's steps vary on purpose: no drift

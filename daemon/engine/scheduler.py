@@ -164,7 +164,7 @@ class Scheduler:
         in flight when it came), then the prompts due no later than it and its own, in chunks next to the
         streams already decoding."""
         cap = self.step_time_cap()
-        decoders = sum(1 for g in self.running if g.pending_tokens == 1)
+        decoders = [g.position for g in self.running if g.pending_tokens == 1]
         ahead = sum(
             len(g.new_tokens) + g.pending_tokens
             for g in self.generations()

@@ -21,7 +21,7 @@ Under "fcfs" it goes when it is the oldest prompt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -213,17 +213,23 @@ def _largest_chunk(g: Schedulable, most: int, fits: Callable[[tuple[int, int, bo
 
 
 def steps_for(
-    prompt_tokens: int, decoders: int, position: int, token_budget: int, cost: CostModel, time_cap: float | None
+    prompt_tokens: int,
+    decoders: Sequence[int],
+    position: int,
+    token_budget: int,
+    cost: CostModel,
+    time_cap: float | None,
 ) -> tuple[int, float]:
-    """How many steps and seconds a prompt of ``prompt_tokens`` needs next to ``decoders`` decode tokens,
-    in chunks that keep each step within ``time_cap`` (for admission control)."""
+    """How many steps and seconds a prompt of ``prompt_tokens`` at ``position`` needs next to a decode token at
+    each of ``decoders``' positions, in chunks that keep each step within ``time_cap`` (for admission control)."""
     if prompt_tokens <= 0:
         return 0, 0.0
-    room = max(1, token_budget - decoders)
+    room = max(1, token_budget - len(decoders))
     chunk = room
+    decoding = [(at, 1, 1) for at in decoders]
 
     def step(n: int) -> float:
-        return cost.predict(cost.shape([(position, 1, 1)] * decoders + [(position, n, 1)]))
+        return cost.predict(cost.shape([*decoding, (position, n, 1)]))
 
     if time_cap is not None:
         lo, hi = MIN_CHUNK, room

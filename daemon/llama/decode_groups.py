@@ -48,8 +48,3 @@ def decode_groups(rows: Sequence[int], tile: int) -> list[list[int]]:
     if part:
         parts.append(part)
     return [wide, *parts] if wide else parts
-
-
-def decode_count(rows: Sequence[int], tile: int) -> int:
-    """How many decodes a step of items with these ``rows`` runs as."""
-    return len(decode_groups(rows, tile))

@@ -185,9 +185,10 @@ class Model:
     @property
     def attention_tile_rows(self) -> int:
         """The query rows from which llama.cpp's flash attention tiles a batch, wasting work on a tile of several
-        sequences (decode_groups.py); 0 where it never does: without flash attention or with quantized cells (no
-        tiled path), and in deterministic decoding, whose batches stay below it."""
-        tiled = self.kv.flash_attn and self.kv.type_k == self.kv.type_v and not self.kv.type_k.quantized
+        sequences (decode_groups.py); 0 where it never does: without flash attention or with cells other than f16
+        or f32 (ggml's tiled path takes only those, K and V alike), and in deterministic decoding, whose batches
+        stay below it."""
+        tiled = self.kv.flash_attn and self.kv.type_k == self.kv.type_v and self.kv.type_k.name in ("f16", "f32")
         return ATTENTION_TILE_ROWS if tiled and not self.deterministic else 0
 
     def decode(self, parts: Sequence[int] = ()) -> int:
@@ -225,6 +226,7 @@ class Model:
         batch, start = self.batch, 0
         kept: dict[int, np.ndarray] = {}
         assert sum(parts) == batch.n, "the parts cover the batch"
+        assert not self.deterministic, "deterministic decoding runs no step in parts (and pads the one it runs)"
         for i, count in enumerate(parts):
             end = start + count
             rc = lc.llama_decode(self.ctx, batch.rows(start, end))
@@ -289,7 +291,10 @@ class Model:
     def row_logits(self, row: int) -> np.ndarray:
         """The logits of batch row ``row`` of the last decode (a view: copy to keep)."""
         kept = self._kept.get(row)
-        return kept if kept is not None else self._logits(row - self._last_part)
+        if kept is not None:
+            return kept
+        assert row >= self._last_part, "a row of an earlier part whose logits were not kept"
+        return self._logits(row - self._last_part)
 
     def _logits(self, row: int) -> np.ndarray:
         """Row ``row`` of what llama.cpp's last decode returned."""
