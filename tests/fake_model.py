@@ -8,7 +8,7 @@ as it is told to. It models bookkeeping, not numbers: the tests of what llama.cp
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -53,6 +53,7 @@ class FakeModel:
     determinism = NOT_DETERMINISTIC
     threads = 1  # (one thread: the engine's thread count has nothing to adapt)
     draft_rows = 16
+    attention_tile_rows = 0  # (no attention kernel to tile: every step is one decode; tests/test_decode_groups.py)
 
     def __init__(self, *, context_size: int = 256, hot_slots: int = 2, prefix_slots: int = 0, batch_size: int = 64):
         self.context_size = context_size
@@ -81,8 +82,9 @@ class FakeModel:
         """The next decodes return these codes (1: no room in the KV; -1 or 2: llama.cpp failed) or raise these."""
         self.failures.extend(outcomes)
 
-    def decode(self) -> int:
+    def decode(self, parts: Sequence[int] = ()) -> int:
         """The filled batch into the KV: 0; 1 (nothing changed) when its tokens do not fit the free cells."""
+        assert len(parts) <= 1, "a step in parts needs a tile, which the fake has not"
         self.decodes += 1
         if self.failures:
             outcome = self.failures.pop(0)
