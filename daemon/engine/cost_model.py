@@ -30,7 +30,9 @@ after one slow turn, with nothing else running).
 
 from __future__ import annotations
 
+import bisect
 import copy
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -111,25 +113,21 @@ def tiled_attention(chunks: Sequence[tuple[int, int, int]], tile: int) -> int:
     consecutive rows holding several sequences puts each of its rows against all of their cells. An estimate: ggml
     cuts the rows into tiles per thread's share, not from row 0, a short tile costs a whole one, and a
     sliding-window layer sees its window only."""
-    own = [n * start + n * (n + 1) // 2 for start, n, _ in chunks]
-    rows = sum(n for _, n, _ in chunks)
+    ends = list(itertools.accumulate(n for _, n, _ in chunks))  # where each chunk's rows end in the batch
+    rows = ends[-1] if ends else 0
     if tile <= 0 or rows < tile or len(chunks) < 2:
-        return sum(own)
-    ends = np.cumsum([n for _, n, _ in chunks])
+        return sum(n * start + n * (n + 1) // 2 for start, n, _ in chunks)
     work = 0
     for first in range(0, rows, tile):
         last = min(first + tile, rows)
-        inside = range(
-            int(np.searchsorted(ends, first, side="right")), int(np.searchsorted(ends, last - 1, "right")) + 1
-        )
+        inside = range(bisect.bisect_right(ends, first), bisect.bisect_right(ends, last - 1) + 1)
         if len(inside) == 1:  # one sequence's rows: its own context, as without tiles
             start, n, _ = chunks[inside[0]]
-            begin = int(ends[inside[0]]) - n
+            begin = ends[inside[0]] - n
             a, b = first - begin, last - begin  # its rows in the tile
             work += (b - a) * start + (b * (b + 1) - a * (a + 1)) // 2
         else:  # each row against every one of these sequences' cells up to its last row in the tile (causal)
-            seen = [chunks[i][0] + min(int(ends[i]), last) - (int(ends[i]) - chunks[i][1]) for i in inside]
-            work += (last - first) * sum(seen)
+            work += (last - first) * sum(chunks[i][0] + min(ends[i], last) - (ends[i] - chunks[i][1]) for i in inside)
     return work
 
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 from itertools import islice, takewhile
 from typing import Protocol, TypeVar
 
-from kvpool.daemon.engine.cost_model import CostModel, StepShape, within
+from kvpool.daemon.engine.cost_model import CostModel, within
 from kvpool.daemon.engine.step_work import Work
 
 WINDOW = 4096  # the most recent tokens of the context searched for a match
@@ -383,10 +383,9 @@ def with_drafts(
         if available <= 0:
             drafter.length(0, 0)
             continue
-        position = w.item.position
         best, best_rate, best_seconds = 0, made / seconds, seconds
         for k in range(1, available + 1):
-            predicted = cost.predict(_with_rows(cost, chunks, i, k))
+            predicted = cost.predict(cost.shape(_grown(chunks, i, k)))
             if not _fits(predicted, time_cap):
                 break
             rate = (made + drafter.expected_tokens(k)) / predicted
@@ -394,12 +393,12 @@ def with_drafts(
                 best, best_rate, best_seconds = k, rate, predicted
         k = max(drafter.length(best, available), min(least, available))
         if k != best:  # a retry, or the least a guess feeds: this step pays for its rows, if its cap allows them
-            best_seconds = cost.predict(_with_rows(cost, chunks, i, k))
+            best_seconds = cost.predict(cost.shape(_grown(chunks, i, k)))
             if not _fits(best_seconds, time_cap):
                 k, best_seconds = 0, seconds
         if k:
             out[i] = replace(w, draft=tuple(guess[:k]))
-            chunks[i] = (position, 1 + k, 1 + k)
+            chunks = _grown(chunks, i, k)
             shape = cost.shape(chunks)
             spare_outputs -= k
             made += drafter.expected_tokens(k)
@@ -407,11 +406,9 @@ def with_drafts(
     return out
 
 
-def _with_rows(cost: CostModel, chunks: list[tuple[int, int, int]], i: int, k: int) -> StepShape:
-    """The step of ``chunks`` with chunk ``i`` (one decode token) grown by ``k`` guessed rows, each with its
-    logits."""
-    position = chunks[i][0]
-    return cost.shape([*chunks[:i], (position, 1 + k, 1 + k), *chunks[i + 1 :]])
+def _grown(chunks: list[tuple[int, int, int]], i: int, k: int) -> list[tuple[int, int, int]]:
+    """``chunks`` with chunk ``i`` (one decode token) grown by ``k`` guessed rows, each with its logits."""
+    return [*chunks[:i], (chunks[i][0], 1 + k, 1 + k), *chunks[i + 1 :]]
 
 
 def _fits(seconds: float, time_cap: float | None) -> bool:

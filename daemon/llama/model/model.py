@@ -196,7 +196,7 @@ class Model:
         rows, in order; decode_groups.py). 0: done; 1: no room in the KV (state unchanged)."""
         if len(parts) > 1:
             return self._decode_parts(parts)
-        self._kept, self._last_part = {}, 0
+        self._in_one_part()
         batch = self.batch
         tokens = batch.n
         # A batch of one token takes other kernels than any larger one (a matrix-vector product; flash attention
@@ -233,7 +233,7 @@ class Model:
             if rc != 0:
                 for seq, first in batch.sequences(0, start).items():
                     self.seqs.forget_from(seq, first)
-                self._kept, self._last_part = {}, 0
+                self._in_one_part()
                 return rc
             if i < len(parts) - 1:
                 for row in np.flatnonzero(batch.logits[start:end]):
@@ -244,6 +244,10 @@ class Model:
         self._kept = kept
         self.seqs.appended += batch.n
         return 0
+
+    def _in_one_part(self) -> None:
+        """The next logits are read as one decode's: none kept from earlier parts."""
+        self._kept, self._last_part = {}, 0
 
     def decode_embeddings(
         self,
@@ -259,7 +263,7 @@ class Model:
         batch, attending to each other both ways). ``logits``: the last row gives them (the prompt ends with the
         medium); sample from row ``len(rows) - 1``. Returns llama_decode's answer."""
         assert self._embeddings is not None, "a model without a projector decodes no embeddings"
-        self._kept, self._last_part = {}, 0
+        self._in_one_part()
         # Deterministic decoding never runs one output row (another kernel than two): the row before it gives some too.
         outputs = (2 if self.deterministic and len(rows) > 1 else 1) if logits else 0
         self._embeddings.fill(seq_id, rows, first_pos, outputs, positions)
