@@ -95,6 +95,9 @@ def _canonical_separators(gbnf: str) -> str:
 
 
 # Any character JSON allows unescaped (no quote, backslash or control; no surrogate or value past U+10FFFF, which
-# llama.cpp's UTF-8 decoder would let through), or an escape.
-JSON_CHAR_UNESCAPED = r'[^"\\\x7F\x00-\x1F\uD800-\uDFFF\U00110000-\U001FFFFF]'
+# llama.cpp's UTF-8 decoder would let through), or an escape. Written as the ranges it allows, not as a class of
+# what it leaves out: llama.cpp lets a token end inside a character only where a character the class allows begins
+# so, and a class of what it leaves out refuses every such ending whose characters include one it leaves out (a
+# lone 0xED, which begins the surrogates and the Korean syllables U+D000-U+D7FF alike).
+JSON_CHAR_UNESCAPED = r"[\x20\x21\x23-\x5B\x5D-\x7E\x80-\uD7FF\uE000-\U0010FFFF]"
 JSON_CHAR = JSON_CHAR_UNESCAPED + r' | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
