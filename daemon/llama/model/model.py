@@ -171,6 +171,10 @@ class Model:
     def byte_tokens(self) -> np.ndarray | None:
         return self.text.byte_tokens
 
+    @property
+    def grammar_first_bytes(self) -> np.ndarray:
+        return self.text.grammar_first_bytes
+
     def valid_token(self, token: int) -> bool:
         return self.text.valid_token(token)
 

@@ -8,6 +8,9 @@ from functools import cached_property
 import llama_cpp as lc
 import numpy as np
 
+NO_BYTE = -1  # grammar_first_bytes: a token every grammar refuses (no text, or a NUL first)
+AN_END = 256  # grammar_first_bytes: an end-of-generation token
+
 
 class Tokenizer:
     def __init__(self, weights: ctypes.c_void_p):
@@ -69,28 +72,50 @@ class Tokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for (special tokens such as end-of-turn render as nothing)."""
-        n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+        return self._piece(token, special=False)
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        """``special``: a control token as its text (``<start_of_turn>``), as llama.cpp's grammar reads it."""
+        n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
         if n < 0:
             self._piece_buf = ctypes.create_string_buffer(-n)
-            n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+            n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
         return self._piece_buf.raw[:n]
 
-    @cached_property
+    @property
     def byte_tokens(self) -> np.ndarray | None:
-        """What a grammar is asked about to learn the one byte it lets come next (Sampler.forced): for each byte
-        value a token that spells that byte alone, then the end-of-generation tokens; None when an ASCII byte has
-        no token of its own (a grammar could then let it come unseen). One pass over the vocabulary (0.3 s for 262k
-        tokens), which the engine makes at start (Engine._calibrate)."""
+        """What a grammar is asked about to learn the bytes it lets come next (Sampler.forced, Sampler's pass over
+        the vocabulary): for each byte value a token that spells that byte alone, then the end-of-generation
+        tokens; None when an ASCII byte has no token of its own (a grammar could then let it come unseen)."""
+        return self._vocabulary_bytes[0]
+
+    @property
+    def grammar_first_bytes(self) -> np.ndarray:
+        """Each token's first byte as a grammar reads it (a control token as its text); NO_BYTE where the grammar
+        refuses it whatever its state (no text, or a NUL first: llama_grammar_apply_impl), AN_END for an
+        end-of-generation token (allowed where the grammar may end, whatever its text)."""
+        return self._vocabulary_bytes[1]
+
+    @cached_property
+    def _vocabulary_bytes(self) -> tuple[np.ndarray | None, np.ndarray]:
+        """One pass over the vocabulary (0.3 s for 262k tokens), which the engine makes at start
+        (Engine._calibrate): byte_tokens and grammar_first_bytes."""
         by_byte: dict[int, int] = {}
         ends: list[int] = []
+        first = np.full(self.n_vocab, NO_BYTE, dtype=np.int16)
         for token in range(self.n_vocab):
             if self.is_end_of_generation(token):
                 ends.append(token)
-            elif len(piece := self.token_bytes(token)) == 1:
+                first[token] = AN_END
+                continue
+            piece = self.token_bytes(token)
+            if len(piece) == 1:
                 by_byte.setdefault(piece[0], token)
-        if any(b not in by_byte for b in range(128)):
-            return None
-        return np.array([*by_byte.values(), *ends], dtype=np.int32)
+            read = piece or self._piece(token, special=True)  # (only a control token has no text without it)
+            if read and read[0]:
+                first[token] = read[0]
+        table = np.array([*by_byte.values(), *ends], dtype=np.int32)
+        return (None if any(b not in by_byte for b in range(128)) else table), first
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
