@@ -237,13 +237,14 @@ class Sampler:
         allows the others (0xED begins the surrogates and Korean syllables): of the tokens that begin so, the
         grammar is asked about those at least as likely as the best found."""
         ids = self._model.byte_tokens
-        first = self._model.grammar_first_bytes
-        probe = np.zeros(0 if ids is None else len(ids), dtype=TOKEN_DATA)
-        if ids is not None:
-            probe["id"], probe["logit"] = ids, 1.0
-            self._apply(self._grammar, probe)
-        if ids is None or np.isfinite(probe["logit"]).all():  # (free text, or a grammar waiting for its trigger)
+        if ids is None:
             return self._best_of(self._ids, logits)[0]
+        probe = np.zeros(len(ids), dtype=TOKEN_DATA)
+        probe["id"], probe["logit"] = ids, 1.0
+        self._apply(self._grammar, probe)
+        if np.isfinite(probe["logit"]).all():  # (free text, or a grammar waiting for its trigger: nothing to leave out)
+            return self._best_of(self._ids, logits)[0]
+        first = self._model.grammar_first_bytes
         allowed = np.zeros(AN_END + 1, dtype=bool)
         allowed[first[ids]] = np.isfinite(probe["logit"])
         allowed[AN_END] = True

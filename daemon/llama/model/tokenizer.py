@@ -84,8 +84,8 @@ class Tokenizer:
 
     @property
     def byte_tokens(self) -> np.ndarray | None:
-        """What a grammar is asked about to learn the bytes it lets come next (Sampler.forced, Sampler's pass over
-        the vocabulary): for each byte value a token that spells that byte alone, then the end-of-generation
+        """What a grammar is asked about to learn the bytes it lets come next (Sampler.forced,
+        Sampler._best_allowed): for each byte value a token that spells that byte alone, then the end-of-generation
         tokens; None when an ASCII byte has no token of its own (a grammar could then let it come unseen)."""
         return self._vocabulary_bytes[0]
 
@@ -98,7 +98,7 @@ class Tokenizer:
 
     @cached_property
     def _vocabulary_bytes(self) -> tuple[np.ndarray | None, np.ndarray]:
-        """One pass over the vocabulary (0.3 s for 262k tokens), which the engine makes at start
+        """One pass over the vocabulary (0.4 s for 262k tokens), which the engine makes at start
         (Engine._calibrate): byte_tokens and grammar_first_bytes."""
         by_byte: dict[int, int] = {}
         ends: list[int] = []
