@@ -94,7 +94,7 @@ class CostFit(Struct, kw_only=True):
     several_outputs_ms: float = 0.0  # a step with more than one logits row (a matrix kernel) costs this once more
     odd_outputs_ms: float = 0.0  # ... and this with an odd number of them (a tile of two's last row, a pass alone)
     outputs_past_fours_ms: float = 0.0  # ... and this with 1-3 past a multiple of four (a tile of four's, likewise)
-    extra_decode_ms: float = 0.0  # a step run as two decodes costs this once more (engine/cost_model.py)
+    extra_decode_ms: float = 0.0  # each decode a step runs as past its first costs this (engine/cost_model.py)
     recent: float = 1.0  # the last few steps' time over the fit's: multiplies its predictions (a fast change)
 
 

@@ -154,22 +154,19 @@ class Sampler:
         """The text the grammar lets come next and nothing else, up to ``most`` bytes: b"" without a grammar (or
         a lazy one waiting for its trigger), or where two bytes, or a byte and the end, could come. It stops at a
         byte past ASCII (a character of several bytes: a key's text is ASCII in practice). A copy of the grammar is
-        asked, one byte at a time, about a token per byte value: every token a grammar allows begins with a byte
-        it allows, so one byte allowed means every allowed token begins with it."""
+        asked, one byte at a time, about a token per byte value (_bytes_allowed): a token that begins with an ASCII
+        byte the grammar refuses is refused, so one byte allowed means every allowed token begins with it, but for
+        a byte past ASCII that the grammar refuses alone where it allows a character it begins (_best_allowed)."""
         if self._grammar is None or most <= 0:
             return b""
         ids = self._model.byte_tokens
         if ids is None:
             return b""
-        template = np.zeros(len(ids), dtype=TOKEN_DATA)
-        template["id"], template["logit"] = ids, 1.0
         out = bytearray()
         probe = lc.llama_sampler_clone(self._grammar)
         try:
             while len(out) < most:
-                cand = template.copy()
-                self._apply(probe, cand)
-                allowed = np.flatnonzero(np.isfinite(cand["logit"]))
+                allowed = np.flatnonzero(self._bytes_allowed(ids, probe))
                 if len(allowed) != 1:
                     break
                 token = int(ids[allowed[0]])
@@ -239,14 +236,12 @@ class Sampler:
         ids = self._model.byte_tokens
         if ids is None:
             return self._best_of(self._ids, logits)[0]
-        probe = np.zeros(len(ids), dtype=TOKEN_DATA)
-        probe["id"], probe["logit"] = ids, 1.0
-        self._apply(self._grammar, probe)
-        if np.isfinite(probe["logit"]).all():  # (free text, or a grammar waiting for its trigger: nothing to leave out)
+        byte_allowed = self._bytes_allowed(ids, self._grammar)
+        if byte_allowed.all():  # (free text, or a grammar waiting for its trigger: nothing to leave out)
             return self._best_of(self._ids, logits)[0]
         first = self._model.grammar_first_bytes
         allowed = np.zeros(AN_END + 1, dtype=bool)
-        allowed[first[ids]] = np.isfinite(probe["logit"])
+        allowed[first[ids]] = byte_allowed
         allowed[AN_END] = True
         ascii_first = (first >= 0) & (first < 0x80)
         best, at_least = self._best_of(np.flatnonzero((ascii_first | (first == AN_END)) & allowed[first]), logits)
@@ -259,8 +254,7 @@ class Sampler:
     def _best_of(self, tokens: np.ndarray, logits: np.ndarray) -> tuple[int | None, float]:
         """Of ``tokens`` (in id order), the likeliest the grammar allows (the first among equals) and its logit;
         (None, -inf) where it allows none."""
-        cand = np.empty(len(tokens), dtype=TOKEN_DATA)
-        cand["id"], cand["logit"], cand["p"] = tokens, logits[tokens], 0.0
+        cand = _as_candidates(tokens, logits[tokens])
         self._apply(self._grammar, cand)
         finite = np.isfinite(cand["logit"])
         if not finite.any():
@@ -269,20 +263,14 @@ class Sampler:
         return int(cand["id"][i]), float(cand["logit"][i])
 
     def _candidates(self, logits: np.ndarray) -> np.ndarray:
-        cand = np.empty(self._n_vocab, dtype=TOKEN_DATA)
-        cand["id"] = self._ids
-        cand["logit"] = logits
-        cand["p"] = 0.0
-        return cand
+        return _as_candidates(self._ids, logits)
 
     def _subset(self, logits: np.ndarray) -> np.ndarray:
         """The SUBSET most likely tokens, most likely first."""
         size = min(SUBSET, self._n_vocab)
         top = np.argpartition(logits, -size)[-size:]
         top = top[np.argsort(-logits[top], kind="stable")]
-        cand = np.empty(len(top), dtype=TOKEN_DATA)
-        cand["id"], cand["logit"], cand["p"] = top, logits[top], 0.0
-        return cand
+        return _as_candidates(top, logits[top])
 
     def _pick(self, cand: np.ndarray) -> int:
         array = self._apply(self._chain, cand)
@@ -298,6 +286,13 @@ class Sampler:
         lc.llama_sampler_apply(sampler, ctypes.byref(array))
         return array
 
+    def _bytes_allowed(self, ids: np.ndarray, grammar: ctypes.c_void_p) -> np.ndarray:
+        """For each of the byte table's tokens (``ids``: the model's byte_tokens), whether ``grammar`` lets it come
+        next."""
+        probe = _as_candidates(ids, 1.0)
+        self._apply(grammar, probe)
+        return np.isfinite(probe["logit"])
+
     def _allowed(self, token: int, grammar: ctypes.c_void_p | None = None) -> bool:
         """Whether the grammar (or a copy of it) lets ``token`` come next (a lazy grammar still waiting for its
         trigger allows all)."""
@@ -312,6 +307,13 @@ class Sampler:
             if sampler is not None:
                 lc.llama_sampler_free(sampler)
                 setattr(self, name, None)
+
+
+def _as_candidates(ids: np.ndarray, logits: np.ndarray | float) -> np.ndarray:
+    """llama.cpp's candidate array (llama_token_data) of ``ids`` with these ``logits``."""
+    cand = np.empty(len(ids), dtype=TOKEN_DATA)
+    cand["id"], cand["logit"], cand["p"] = ids, logits, 0.0
+    return cand
 
 
 def token_logprob(logits: np.ndarray, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprob:
