@@ -98,6 +98,19 @@ def prediction_text(body: ChatCompletionRequest) -> str | None:
     )
 
 
+def refuse_stop_in_json(stop: object, json_answer: bool) -> None:
+    """A stop string where the answer is JSON a grammar shapes (tools offered, a JSON response_format) could only
+    cut that JSON short, and the cut would read as a finished answer (``finish_reason`` "stop", or a tool call with
+    half its arguments): refused (docs/decisions.md)."""
+    if stop and json_answer:
+        raise refuse(
+            "stop",
+            "`stop` cannot be combined with tools or a JSON response_format: the answer is JSON that its schema "
+            "fixes, and a stop string could only cut it short. Leave `stop` out: the answer ends where its JSON ends.",
+            "invalid_value",
+        )
+
+
 def refuse_deep(field: str, value: object) -> None:
     """Schemas nested beyond any real use are refused here, before the daemon walks them."""
     if value is not None and depth(json_of(value)) > MAX_SCHEMA_DEPTH:

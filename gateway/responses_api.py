@@ -245,8 +245,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(state: ChoiceState, message_id: str) -> list[dict[str, Any]]:
-    """The response's output: the message (when the answer has text), then each function call."""
+def output_items(state: ChoiceState, message_id: str, cut: bool) -> list[dict[str, Any]]:
+    """The response's output: the message (when the answer has text), then each function call. In an answer
+    ``cut`` by max_output_tokens the last item is the one cut: its status says so (its text or arguments stop where
+    the answer stopped), the items before it are whole."""
     out: list[dict[str, Any]] = []
     text = state.content()
     if text:
@@ -264,6 +266,8 @@ def output_items(state: ChoiceState, message_id: str) -> list[dict[str, Any]]:
                     "arguments": call.arguments,
                 }
             )
+    if cut and out:
+        out[-1]["status"] = "incomplete"
     return out
 
 
@@ -322,7 +326,7 @@ class ResponsesAnswer:
         reason = state.finish_reason()  # (raises for an answer that did not end normally)
         incomplete = reason == "length"
         response = self.head("incomplete" if incomplete else "completed")
-        response["output"] = output_items(state, self.message_id)
+        response["output"] = output_items(state, self.message_id, cut=incomplete)
         response["incomplete_details"] = {"reason": "max_output_tokens"} if incomplete else None
         output = state.final.usage.completion_tokens if state.final is not None else 0
         response["usage"] = usage(prompt_tokens, output, cached)
@@ -409,7 +413,9 @@ class OutputItems:
         return out
 
     def close(self, output: list[dict[str, Any]]) -> list[bytes]:
-        return self._close()
+        """The last item's done events, with its status in the whole response's ``output`` (incomplete where the
+        answer was cut); the items before it were closed as completed when the next one opened."""
+        return self._close(output[-1]["status"] if output else "completed")
 
     def _open_message(self) -> list[bytes]:
         self.index += 1
@@ -421,14 +427,14 @@ class OutputItems:
             self._emit("response.content_part.added", item_id=self.message_id, content_index=0, part=part),
         ]
 
-    def _close(self) -> list[bytes]:
+    def _close(self, status: str = "completed") -> list[bytes]:
         if self.open == "message":
             text = "".join(self.text)
             part = {"type": "output_text", "text": text, "annotations": []}
             item = {
                 "id": self.message_id,
                 "type": "message",
-                "status": "completed",
+                "status": status,
                 "role": "assistant",
                 "content": [part],
             }
@@ -438,7 +444,7 @@ class OutputItems:
                 self._emit("response.output_item.done", item=item),
             ]
         elif self.open == "call" and self.call is not None:
-            self.call["status"] = "completed"
+            self.call["status"] = status
             out = [
                 self._emit(
                     "response.function_call_arguments.done", item_id=self.call["id"], arguments=self.call["arguments"]

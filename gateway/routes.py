@@ -92,6 +92,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
         model = await gateway.model()
         response = fields.response_schema(body.response_format)
         toolbox = Toolbox.of(body, response)
+        fields.refuse_stop_in_json(body.stop, json_answer=toolbox is not None or response is not None)
         messages = template_messages(
             body.messages, toolbox, gateway.memory, fields.format_description(body.response_format), media
         )
@@ -234,6 +235,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
         prompt = fields.completion_prompt(body)
         params = fields.sampling(body, model.status.n_vocab, body.max_tokens, fields.DEFAULT_COMPLETION_MAX_TOKENS)
         schema = fields.response_schema(body.response_format)
+        fields.refuse_stop_in_json(body.stop, json_answer=schema is not None)
         if schema is not None:
             params["json_schema"] = fields.schema_text(schema)
         if body.logprobs is not None:

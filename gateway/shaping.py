@@ -95,8 +95,11 @@ class ChoiceState:
         if self.final is None or str(self.final.finish_reason) not in FINISH:
             raise RuntimeError("an answer that did not end normally was about to be reported as finished")
         reason = FINISH[str(self.final.finish_reason)]
-        if reason == "stop" and self.envelope is not None and self.envelope.calls and not self.envelope.responding:
-            return "tool_calls"
+        envelope = self.envelope
+        if reason == "stop" and envelope is not None and envelope.calls and not envelope.responding:
+            # Calls whose envelope a stop string cut (a template's implied one, written as text inside it) are not
+            # whole: the answer stopped, and says so, rather than hand over half a call's arguments as a call.
+            return "tool_calls" if envelope.whole else "stop"
         return reason
 
     # ------------------------------------------------------------------ whole answers

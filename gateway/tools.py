@@ -181,6 +181,7 @@ class EnvelopeParser:
         self.calls: list[Call] = []
         self.response = ""
         self.responding = False
+        self.whole = False  # the envelope's object has closed (an answer can stop before: a limit, a stop string)
         self._stack: list[_Frame] = []
         self._string: list[str] | None = None  # the characters of the string being read
         self._string_is_key = False
@@ -263,6 +264,7 @@ class EnvelopeParser:
                 self._stack.pop()
                 self._emit(char)
                 self._value_ends()
+                self.whole = not self._stack
         elif char == ":":
             self._emit(char)
             if frame is not None:

@@ -188,6 +188,19 @@ def check_stop(api: Api) -> None:
     cut = next(ch for ch in plain[2:] if (ch.isascii() and ch.isalnum()) or ch in "]~")
     text, reply = api.ask(max_tokens=16, stop=[cut])
     assert text == plain[: plain.index(cut)] and reply.choices[0].finish_reason == "stop"
+    # Where the answer is JSON a grammar shapes, a stop string could only cut it and read as finished: refused.
+    shaped: list[dict[str, Any]] = [{"response_format": {"type": "json_object"}}]
+    if api.chat:
+        shaped += [{"tools": [LIGHT]}, {"tools": [LIGHT], "tool_choice": "required"}]
+    for extra in shaped:
+        body = {"model": "tiny", "stop": ["}"], **extra}
+        body["messages" if api.chat else "prompt"] = [{"role": "user", "content": "hi"}] if api.chat else "hi"
+        route = "/v1/chat/completions" if api.chat else "/v1/completions"
+        reply = httpx.post(api.gateway.url + route, json=body, timeout=WAIT_S)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "stop", reply.text
+    if api.chat:  # (tools offered but not to be called: the answer is text, and the stop string is honoured)
+        text, reply = api.ask(max_tokens=16, stop=[cut], tools=[LIGHT], tool_choice="none")
+        assert text == plain[: plain.index(cut)] and reply.choices[0].finish_reason == "stop"
 
 
 def check_stream(api: Api) -> None:

@@ -16,6 +16,8 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from kvpool import protocol as p
+from kvpool.gateway.shaping import ChoiceFormat, ChoiceState
 from kvpool.gateway.tools import EnvelopeParser
 
 from .daemon_process import DaemonProcess
@@ -107,6 +109,27 @@ def test_the_envelope_reads_the_same_whole_or_one_character_at_a_time(text: str)
         assert json.loads(whole.response) == {"label": "x", "count": 3}
     else:
         assert whole.calls[0].arguments == '{"s": "cut sh' and whole.calls[0].named
+    assert whole.whole == pieces.whole == (not text.endswith("cut sh"))
+
+
+def test_calls_a_stop_string_cut_are_not_reported_as_tool_calls() -> None:
+    """The finish reason of a tool envelope that ended normally: tool_calls only when the envelope closed. A stop
+    string matched inside it (a template's implied one, written as text) leaves half a call: the answer stopped."""
+    usage, timings = (
+        p.Usage(prompt_tokens=1, completion_tokens=9, context_tokens=10),
+        p.Timings(queue_ms=0, ttft_ms=0, total_ms=0, decode_tokens_per_s=0),
+    )
+    for text, stop, reason in (
+        ('{"tool_calls": [{"name": "a", "arguments": {"x": 1}}]}', None, "tool_calls"),
+        ('{"tool_calls": [{"name": "a", "arguments": {"x": "cut', "\nUser:", "stop"),
+        ('{"tool_calls": [{"name": "a", "arguments": {"x": "cu', None, "stop"),
+    ):
+        state = ChoiceState(0, ChoiceFormat(chat=True, tools=True))
+        state.add(p.Chunk(text=text, tokens=[1]))
+        state.final = p.Final(finish_reason=p.FinishReason.STOP, usage=usage, timings=timings, stop=stop)
+        assert state.finish_reason() == reason, text
+    state.final = p.Final(finish_reason=p.FinishReason.LENGTH, usage=usage, timings=timings)
+    assert state.finish_reason() == "length"
 
 
 # ---------------------------------------------------------------------- calls
