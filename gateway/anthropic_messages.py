@@ -27,6 +27,12 @@ from .http_errors import RETRY_AFTER_S, HttpError, refuse
 from .shaping import ChoiceState
 from .streaming import Stream, first_choice_deltas
 
+# The chat route's fields as a Messages request names them, for its errors (HttpError.renamed).
+CHAT_NAMES = {
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+}
 # Anthropic's error types, by HTTP status (its API uses 529 for overloaded; a gateway's 503 is that).
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -123,7 +129,7 @@ class CountTokensRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
 def chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """The chat completion request (as JSON) that asks for what ``request`` asks."""
-    if request.thinking is not None:
+    if request.thinking is not None and request.thinking != {"type": "disabled"}:
         raise refuse("thinking", "`thinking` is not supported: the served model has no extended thinking.")
     body: dict[str, Any] = {"model": request.model, "messages": chat_messages(request)}
     if request.tools:
@@ -169,6 +175,13 @@ def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[st
     if system:
         out.append(
             {"role": "system", "content": system if isinstance(system, str) else "".join(b.text for b in system)}
+        )
+    if request.messages and request.messages[-1].role == "assistant":
+        last = f"messages[{len(request.messages) - 1}]"
+        raise refuse(
+            last,
+            f"{last} is an assistant message: continuing a prefilled answer is not supported here (it would be "
+            "answered as a closed turn). End with a user message, and ask for the opening you want in it.",
         )
     for i, message in enumerate(request.messages):
         where = f"messages[{i}]"

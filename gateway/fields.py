@@ -65,6 +65,12 @@ def refuse_chat_fields(body: ChatCompletionRequest) -> None:
         raise refuse(
             "modalities", '`modalities` may only be ["text"]: this gateway serves a text model.', "unsupported_value"
         )
+    if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+        raise refuse(
+            "max_tokens",
+            "`max_tokens` and `max_completion_tokens` say the same and differ here: send one of them.",
+            "invalid_value",
+        )
     if body.top_logprobs is not None and not body.logprobs:
         raise refuse("top_logprobs", "`top_logprobs` needs `logprobs`: true.", "invalid_value")
     if not body.tools:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -47,6 +49,9 @@ RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a res
 OPENAI_CODES = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded", DaemonUnavailable.code: "daemon_unavailable"}
 
 
+_QUOTED_FIELD = re.compile(r"`(\$\.)?([A-Za-z_][A-Za-z0-9_.\[\]]*)`")  # `field`, `$.field.sub[2]`
+
+
 def refuse(param: str, message: str, code: str = "unsupported_parameter") -> HttpError:
     """A 400 that names the request field it refuses and says what to do instead."""
     return HttpError(400, message, code, param=param)
@@ -64,6 +69,23 @@ class HttpError(Exception):
         status, kind = STATUS.get(code or "", (500, "server_error"))
         name = OPENAI_CODES.get(code or "", (code or "internal").lower())
         return cls(status, message, name, kind)
+
+    def renamed(self, names: Mapping[str, str]) -> HttpError:
+        """The same error for a request translated into the chat route's (Responses, Messages): each chat field it
+        names (``param``, and a field in backquotes in its sentence) named as the client sent it. ``names``: chat
+        field -> the client's, the longest first where one is a prefix of another."""
+
+        def own(path: str) -> str:
+            for chat, theirs in names.items():
+                if path == chat or path.startswith((chat + ".", chat + "[")):
+                    return theirs + path[len(chat) :]
+            return path
+
+        def quoted(match: re.Match[str]) -> str:
+            return f"`{match.group(1) or ''}{own(match.group(2))}`"
+
+        message = _QUOTED_FIELD.sub(quoted, self.message)
+        return HttpError(self.status, message, self.code, self.kind, own(self.param) if self.param else "")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param or None}}

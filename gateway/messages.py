@@ -13,6 +13,7 @@ from .media_parts import RequestMedia
 from .schema import ChatMessage
 from .tools import AnswerMemory, Toolbox, envelope_text
 
+PART_FIELDS = ("text", "refusal", "image_url", "input_audio", "file")  # each is its own type's content only
 MARK = "\u2063kvpool-answer\u2063"  # a text no template trims or rewrites, to find where an answer starts
 
 
@@ -25,6 +26,13 @@ def message_text(message: ChatMessage, where: str, media: RequestMedia | None = 
     texts = []
     for k, part in enumerate(content):
         at = f"{where}.content[{k}]"
+        for other in PART_FIELDS:
+            if other != part.type and getattr(part, other) is not None:
+                raise refuse(
+                    f"{at}.{other}",
+                    f"{at}: a {part.type} part carries no `{other}` (send it as a part of its own).",
+                    "invalid_value",
+                )
         if part.type == "refusal" and message.role == "assistant":
             texts.append(part.refusal or "")
         elif part.type in ("image_url", "input_audio") and media is not None and message.role in ("user", "system"):

@@ -97,7 +97,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+FIELD_AT = re.compile(r" - at `\$\.?([^`]*)`$")  # where msgspec says a field is wrong
 _FIELD = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
 
@@ -107,14 +107,14 @@ def decode(body: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        at = _AT.search(message)
+        at = FIELD_AT.search(message)
         path = at.group(1) if at else ""
         named = _FIELD.search(message)
         if named:
             path = f"{path}.{named.group(1)}" if path else named.group(1)
         if "unknown field" in message:
             message = (
-                f"Unknown field `{path}`: this gateway honours or refuses by name every field of OpenAI's "
+                f"Unknown field `{path}`: this gateway honours or refuses by name every field of the API's "
                 "request, and this one is not among them"
             )
         raise HttpError(400, f"Invalid request: {message}.", "invalid_request", param=path) from None

@@ -42,6 +42,21 @@ UNSERVED = {  # field -> why it is refused when set
     "prompt_cache_options": "every chain keeps all of its KV",
     "max_tool_calls": "the model's calls are returned whole; bound them in the tools offered",
     "top_logprobs": "log-probabilities are served on /v1/chat/completions",
+    "prompt_cache_retention": "a chain's KV is kept until the daemon's session_timeout",
+}
+# The chat route's fields as a Responses request names them, for its errors (HttpError.renamed). ``messages`` is not
+# among them: a chat message's index is not its input item's (instructions, the stored chain and merged calls).
+CHAT_NAMES = {
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format.json_schema": "text.format",
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+}
+TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
+FORMAT_KEYS = {
+    "text": ("type",),
+    "json_object": ("type",),
+    "json_schema": ("type", "name", "schema", "strict", "description"),
 }
 BUILT_IN_TOOLS = "web search, file search, code interpreter, computer use, image generation, MCP, shell"
 
@@ -90,8 +105,36 @@ def refuse_unserved(request: ResponsesRequest) -> None:
             raise refuse(name, f"`{name}` is not supported: {why}.")
     for name in request.include or ():
         raise refuse("include", f"`include` {name!r} is not served: nothing extra is kept with a response here.")
-    if request.stream_options is not None and not request.stream:
-        raise refuse("stream_options", "`stream_options` goes with `stream`: true.")
+    if request.stream_options is not None:
+        if not request.stream:
+            raise refuse("stream_options", "`stream_options` goes with `stream`: true.")
+        for name, value in request.stream_options.items():
+            if name == "include_obfuscation" and value:
+                raise refuse(
+                    "stream_options.include_obfuscation",
+                    "`include_obfuscation` is not supported: this gateway does not pad its events.",
+                    "unsupported_value",
+                )
+            if name != "include_obfuscation":
+                raise refuse(
+                    f"stream_options.{name}", f"`stream_options.{name}` is not an option here.", "invalid_value"
+                )
+    for name in request.text or {}:
+        if name == "verbosity":
+            raise refuse(
+                "text.verbosity",
+                "`text.verbosity` is not supported: ask for the length you want in the instructions, or set "
+                "max_output_tokens.",
+            )
+        if name != "format":
+            raise refuse(f"text.{name}", f"`text.{name}` is not an option here (`text.format` is).", "invalid_value")
+    if request.truncation == "auto":
+        raise refuse(
+            "truncation",
+            "`truncation` auto is not supported: an input longer than the context is refused, never cut; "
+            "shorten the input or start a new chain.",
+            "unsupported_value",
+        )
 
 
 def _no_effort(reasoning: Any) -> bool:
@@ -103,6 +146,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input items as chat messages (a 400 naming the item for what has no chat counterpart)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    if not items:
+        raise refuse("input", "`input` has no items: send the new turn as text or as items.", "invalid_value")
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -122,7 +167,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):  # (content parts: their text)
-                output = "".join(part.get("text", "") for part in output if isinstance(part, dict))
+                output = "".join(_part_text(part, f"{where}.output[{k}]") for k, part in enumerate(output))
             if not isinstance(output, str):
                 raise refuse(f"{where}.output", f"{where}.output is the call's result as text.")
             out.append({"role": "tool", "tool_call_id": _text(item, "call_id", where), "content": output})
@@ -146,10 +191,10 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     for k, part in enumerate(content):
         at = f"{where}.content[{k}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": part.get("text", "")})
-        elif kind == "refusal":
-            parts.append({"type": "text", "text": part.get("refusal", "")})
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            parts.append({"type": "text", "text": _part_text(part, at)})
+        elif role == "assistant":
+            raise refuse(at, f"{at}: an assistant message's parts are text ({kind!r} is not).")
         elif kind == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):
@@ -162,6 +207,18 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if role == "assistant":
         return {"role": role, "content": "".join(x.get("text", "") for x in parts)}
     return {"role": role, "content": parts}
+
+
+def _part_text(part: object, where: str) -> str:
+    """A text content part's text (input_text, output_text or refusal); anything else is refused by name."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = "refusal" if kind == "refusal" else "text"
+    if kind not in ("input_text", "output_text", "text", "refusal"):
+        raise refuse(where, f"{where}: only text parts are read here, not {kind!r}.")
+    value = part.get(key)  # type: ignore[union-attr]
+    if not isinstance(value, str):
+        raise refuse(f"{where}.{key}", f"{where}.{key} is text.", "invalid_value")
+    return value
 
 
 def _text(item: dict[str, Any], key: str, where: str) -> str:
@@ -187,8 +244,7 @@ def chat_body(request: ResponsesRequest, history: list[dict[str, Any]], conversa
         body["tool_choice"] = _tool_choice(request.tool_choice)
     if request.parallel_tool_calls is not None and request.tools:
         body["parallel_tool_calls"] = request.parallel_tool_calls
-    fmt = (request.text or {}).get("format")
-    if fmt is not None:
+    if (fmt := (request.text or {}).get("format")) is not None:
         body["response_format"] = _format(fmt)
     for name, value in (
         ("max_tokens", request.max_output_tokens),
@@ -214,7 +270,8 @@ def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
             f"tools[{i}]: {tool.get('type')!r} tools are not served here ({BUILT_IN_TOOLS} need OpenAI's servers); "
             "offer function tools.",
         )
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    _refuse_keys(tool, TOOL_KEYS, f"tools[{i}]")
+    function = {k: tool[k] for k in TOOL_KEYS[1:] if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
 
@@ -225,17 +282,30 @@ def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
         raise refuse("tool_choice", '`tool_choice` names a function tool ({"type": "function", "name": ...}).')
+    _refuse_keys(choice, ("type", "name"), "tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
-def _format(fmt: dict[str, Any]) -> dict[str, Any]:
-    kind = fmt.get("type")
-    if kind in ("text", "json_object"):
-        return {"type": kind}
+def _format(fmt: object) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict) or kind not in FORMAT_KEYS:
+        raise refuse(
+            "text.format", f"`text.format` is an object of type text, json_object or json_schema, not {fmt!r}."
+        )
+    _refuse_keys(fmt, FORMAT_KEYS[kind], "text.format")
     if kind == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
-    raise refuse("text.format", f"`text.format` is text, json_object or json_schema, not {kind!r}.")
+    return {"type": kind}
+
+
+def _refuse_keys(given: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """A key not among ``known`` is refused by name: it would otherwise be dropped unread."""
+    for key in given:
+        if key not in known:
+            raise refuse(
+                f"{where}.{key}", f"`{where}.{key}` is not read here (it has {', '.join(known)}).", "invalid_value"
+            )
 
 
 # ---------------------------------------------------------------------- answers

@@ -4,7 +4,7 @@ the status page and its JSON, the health check and /metrics. A completions route
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from .dispatch import Job, OtherAnswer, respond
 from .http_errors import HttpError
 from .media_parts import RequestMedia, holds_media
 from .messages import answer_separator, template_messages
-from .middleware import decode, read_body, route
+from .middleware import FIELD_AT, decode, read_body, route
 from .responses_store import StoredResponse
 from .schema import ChatCompletionRequest, CompletionRequest
 from .shaping import ChoiceFormat
@@ -37,12 +37,17 @@ RESPONSES = "/v1/responses"
 API_ROUTES = {"chat": CHAT, "completions": COMPLETIONS, "responses": RESPONSES, "messages": MESSAGES}
 
 
-def as_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """A translated request as the chat route's (a field the translation cannot carry is a 400 naming it)."""
+def as_chat_request(body: dict[str, Any], names: Mapping[str, str]) -> ChatCompletionRequest:
+    """A translated request as the chat route's (a field the translation cannot carry is a 400 naming it as the
+    client sent it: ``names``, chat field -> the client's)."""
     try:
         return msgspec.convert(body, ChatCompletionRequest)
     except msgspec.ValidationError as exc:
-        raise HttpError(400, f"The request cannot be served as a chat: {exc}.", "invalid_value") from None
+        at = FIELD_AT.search(str(exc))
+        error = HttpError(
+            400, f"The request cannot be served: {exc}.", "invalid_value", param=at.group(1) if at else ""
+        )
+        raise error.renamed(names) from None
 
 
 def fairness_key(request: Request, *identities: str | None) -> str:
@@ -154,15 +159,25 @@ def build_routes(gateway: Gateway) -> list[Route]:
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API, through the chat route (anthropic_messages.py)."""
         asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.MessagesRequest)
-        body = as_chat_request(anthropic_messages.chat_body(asked))
+        names = anthropic_messages.CHAT_NAMES
+        body = as_chat_request(anthropic_messages.chat_body(asked), names)
         model = await gateway.model()
-        return await chat_answer(request, body, anthropic_messages.AnthropicAnswer(model.id, asked.stop_sequences))
+        try:
+            return await chat_answer(request, body, anthropic_messages.AnthropicAnswer(model.id, asked.stop_sequences))
+        except HttpError as exc:
+            raise exc.renamed(names) from None
 
     @anthropic(COUNT_TOKENS)
     async def count_tokens(request: Request) -> Response:
         """The tokens a Messages request's prompt comes to, as the chat route renders it."""
         asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.CountTokensRequest)
-        model, text, *_ = await chat_prompt(as_chat_request(anthropic_messages.chat_body(asked)), request_media())
+        names = anthropic_messages.CHAT_NAMES
+        try:
+            model, text, *_ = await chat_prompt(
+                as_chat_request(anthropic_messages.chat_body(asked), names), request_media()
+            )
+        except HttpError as exc:
+            raise exc.renamed(names) from None
         if holds_media(text):  # (the daemon counts a medium's cells; a rendering without it would undercount)
             raise HttpError(
                 400, "count_tokens counts text only here: leave the images out, or send the message.", "invalid_value"
@@ -192,7 +207,8 @@ def build_routes(gateway: Gateway) -> list[Route]:
                     param="previous_response_id",
                 )
             history, chain = previous.messages, asked.prompt_cache_key or previous.chain
-        body = as_chat_request(responses_api.chat_body(asked, history, chain))
+        names = responses_api.CHAT_NAMES
+        body = as_chat_request(responses_api.chat_body(asked, history, chain), names)
         model = await gateway.model()
         items = responses_api.input_items_of(asked)
 
@@ -203,7 +219,10 @@ def build_routes(gateway: Gateway) -> list[Route]:
         answer = responses_api.ResponsesAnswer(
             asked, model.id, conversation, store if asked.store is not False else None
         )
-        return await chat_answer(request, body, answer)
+        try:
+            return await chat_answer(request, body, answer)
+        except HttpError as exc:
+            raise exc.renamed(names) from None
 
     def stored(request: Request) -> StoredResponse:
         found = gateway.responses.get(request.path_params["response_id"])

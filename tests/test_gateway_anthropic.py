@@ -120,6 +120,33 @@ def test_a_stop_sequence_is_named(served: GatewayProcess) -> None:
     assert text_of(stopped) == free[: free.index(stop)]
 
 
+def test_what_would_read_as_another_answer_is_refused_by_its_own_name(served: GatewayProcess) -> None:
+    """A stop sequence beside tools could only cut the tool call it shapes (reported as a finished tool_use); a
+    last assistant message asks to continue it, which the chat route would answer as a closed turn: both refused,
+    naming the field as sent. Errors of the chat route it goes through name the Messages request's fields."""
+    c = claude(served)
+    hi = [{"role": "user", "content": "hi"}]
+    for messages, extra, named in (
+        (hi, {"tools": [LIGHT], "tool_choice": {"type": "any"}, "stop_sequences": ['"on"']}, "`stop_sequences`"),
+        (hi, {"tools": [LIGHT], "stop_sequences": ["}"]}, "`stop_sequences`"),
+        ([*hi, {"role": "assistant", "content": "The answer is"}], {}, "messages[1]"),
+        (hi, {"stop_sequences": [""]}, "stop_sequences[0]"),
+        (hi, {"metadata": {"user_id": "u" * 300}}, "metadata.user_id"),
+        (hi, {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "`tool_choice` needs `tools`"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            ask(c, messages, **extra)
+        message = refused.value.body["error"]["message"]  # type: ignore[index]
+        assert named in message, message
+        assert "parallel_tool_calls" not in message and "$.stop[" not in message and "$.user" not in message
+    # Tools offered but not to be called: the answer is text, and its stop sequence is honoured and named.
+    free = text_of(ask(c, hi, max_tokens=16, tools=[LIGHT], tool_choice={"type": "none"}))
+    stop = free[3:5]
+    stopped = ask(c, hi, max_tokens=16, tools=[LIGHT], tool_choice={"type": "none"}, stop_sequences=[stop])
+    assert stopped.stop_reason == "stop_sequence" and text_of(stopped) == free[: free.index(stop)]
+    assert text_of(ask(c, hi, extra_body={"thinking": {"type": "disabled"}}))  # (asks for nothing: served)
+
+
 def test_errors_come_in_anthropics_shape(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> None:
     gateway = start_gateway(daemon.address, "--api-key", "k")
     with pytest.raises(anthropic.AuthenticationError):

@@ -307,6 +307,8 @@ def check_messages(api: Api) -> None:
     one, _ = api.ask(content="hello there")
     assert api.ask(content="something else")[0] != one
     api.refused("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    both = {"type": "text", "text": "hi", "image_url": {"url": "data:image/png;base64,AAAA"}}  # (the image unread)
+    api.refused("messages", [{"role": "user", "content": [both]}], mentions="image_url")
     # A participant's name is rendered before its content (the templates render no names): it costs tokens.
     plain = api.create(messages=[{"role": "user", "content": "hi"}]).usage.prompt_tokens
     named = api.create(messages=[{"role": "system", "content": "Be brief.", "name": "rules"},
@@ -324,6 +326,11 @@ def check_messages(api: Api) -> None:
 def check_max_completion_tokens(api: Api) -> None:
     _, reply = api.ask(max_completion_tokens=5, max_tokens=None)
     assert reply.usage.completion_tokens == 5
+    _, reply = api.ask(max_completion_tokens=5, max_tokens=5)
+    assert reply.usage.completion_tokens == 5
+    with pytest.raises(openai.BadRequestError) as refused:  # two limits that differ: neither is dropped unsaid
+        api.ask(max_completion_tokens=5, max_tokens=7)
+    assert refused.value.body["param"] == "max_tokens" and "max_completion_tokens" in refused.value.message  # type: ignore[index]
 
 
 def check_logprobs_chat(api: Api) -> None:

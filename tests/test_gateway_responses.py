@@ -147,11 +147,79 @@ def test_what_cannot_be_honoured_is_refused_by_name(served: GatewayProcess) -> N
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+        ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"text": {"format": {"type": "text"}, "tone": "dry"}}, "text.tone"),
+        ({"text": {"format": "json_object"}}, "text.format"),
+        ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema"),
+        ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+        ({"stream": True, "stream_options": {"frobnicate": 1}}, "stream_options.frobnicate"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{**LIGHT, "frobnicate": 1}]}, "tools[0].frobnicate"),
+        ({"tools": [LIGHT], "tool_choice": {"type": "function", "name": "set_light", "x": 1}}, "tool_choice.x"),
+        ({"input": []}, "input"),
+        ({"max_output_tokens": 10**9}, "max_output_tokens"),
+        (
+            {"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "set_light", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": 5}]},
+                ]
+            },
+            "input[1].output[0].text",
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "set_light", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image"}]},
+                ]
+            },
+            "input[1].output[0]",
+        ),
     ):
         arguments = {"model": "tiny", "input": "hi", **kwargs}
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(**arguments)  # type: ignore[arg-type]
-        assert named in refused.value.message, refused.value.message
+        assert named.rsplit(".", 1)[-1] in refused.value.message, refused.value.message
+        assert refused.value.body["param"] == named, refused.value.body  # type: ignore[index]
+    # A chat field's error names the field as this request sent it.
+    schema_without_name = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input="hi", text=schema_without_name)  # type: ignore[arg-type]
+    assert "text.format" in refused.value.message and "response_format" not in refused.value.message
+    assert client.responses.create(model="tiny", input="still serving", max_output_tokens=2).status == "incomplete"
+
+
+def test_a_cut_answer_says_which_item_it_cut(served: GatewayProcess) -> None:
+    """max_output_tokens cuts the last output item: it is "incomplete", whole or streamed; a call cut in its
+    arguments is never "completed"."""
+    client = client_of(served)
+    text = client.responses.create(model="tiny", input="count for me", max_output_tokens=6, **GREEDY)
+    assert text.status == "incomplete" and [item.status for item in text.output] == ["incomplete"]
+    call = {"model": "tiny", "input": "light", "tools": [LIGHT], "tool_choice": "required", **GREEDY}
+    whole = client.responses.create(**call)  # type: ignore[arg-type]
+    [done] = [item for item in whole.output if item.type == "function_call"][:1]
+    assert whole.status == "completed" and done.status == "completed" and json.loads(done.arguments)
+    # The tiny model writes a token a byte: six short of the whole answer cuts the call inside its arguments.
+    assert whole.usage is not None
+    short = whole.usage.output_tokens - 6
+    cut = client.responses.create(**call, max_output_tokens=short)  # type: ignore[arg-type]
+    assert cut.status == "incomplete" and cut.output, cut
+    assert cut.output[-1].type == "function_call" and cut.output[-1].status == "incomplete"
+    assert cut.output[-1].arguments != done.arguments and done.arguments.startswith(cut.output[-1].arguments)
+    with client.responses.stream(**call, max_output_tokens=short) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+    [item_done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert item_done.status == "incomplete" and events[-1].type == "response.incomplete"
+    with client.responses.stream(model="tiny", input="count for me", max_output_tokens=6, **GREEDY) as stream:
+        events = list(stream)
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
 
 
 def test_a_cut_answer_says_which_item_it_cut(served: GatewayProcess) -> None:
