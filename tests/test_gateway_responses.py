@@ -222,32 +222,6 @@ def test_a_cut_answer_says_which_item_it_cut(served: GatewayProcess) -> None:
     assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
 
 
-def test_a_cut_answer_says_which_item_it_cut(served: GatewayProcess) -> None:
-    """max_output_tokens cuts the last output item: it is "incomplete", whole or streamed; a call cut in its
-    arguments is never "completed"."""
-    client = client_of(served)
-    text = client.responses.create(model="tiny", input="count for me", max_output_tokens=6, **GREEDY)
-    assert text.status == "incomplete" and [item.status for item in text.output] == ["incomplete"]
-    call = {"model": "tiny", "input": "light", "tools": [LIGHT], "tool_choice": "required", **GREEDY}
-    whole = client.responses.create(**call)  # type: ignore[arg-type]
-    [done] = [item for item in whole.output if item.type == "function_call"][:1]
-    assert whole.status == "completed" and done.status == "completed" and json.loads(done.arguments)
-    # The tiny model writes a token a byte: six short of the whole answer cuts the call inside its arguments.
-    assert whole.usage is not None
-    short = whole.usage.output_tokens - 6
-    cut = client.responses.create(**call, max_output_tokens=short)  # type: ignore[arg-type]
-    assert cut.status == "incomplete" and cut.output, cut
-    assert cut.output[-1].type == "function_call" and cut.output[-1].status == "incomplete"
-    assert cut.output[-1].arguments != done.arguments and done.arguments.startswith(cut.output[-1].arguments)
-    with client.responses.stream(**call, max_output_tokens=short) as stream:  # type: ignore[arg-type]
-        events = list(stream)
-    [item_done] = [e.item for e in events if e.type == "response.output_item.done"]
-    assert item_done.status == "incomplete" and events[-1].type == "response.incomplete"
-    with client.responses.stream(model="tiny", input="count for me", max_output_tokens=6, **GREEDY) as stream:
-        events = list(stream)
-    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
-
-
 def test_a_chain_continues_after_the_gateway_and_the_daemon_restart(
     daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
 ) -> None:
