@@ -170,12 +170,30 @@ def chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
 
 
 def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    return _translated(request)[0]
+
+
+def chat_names(request: MessagesRequest | CountTokensRequest) -> dict[str, str]:
+    """The chat request's fields and message paths as this request names them, for its errors
+    (HttpError.renamed): ``system``, and each message or tool_result block a chat message came from."""
+    names = dict(CHAT_NAMES)
+    for message, suffix, theirs in _translated(request)[1]:
+        names[f"messages[{message}]{suffix}"] = theirs
+    return names
+
+
+def _translated(
+    request: MessagesRequest | CountTokensRequest,
+) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
+    """The messages as chat messages, and where each came from: (message, a path in it, the request's path)."""
     system = request.system
     out: list[dict[str, Any]] = []
+    origins: list[tuple[int, str, str]] = []
     if system:
         out.append(
             {"role": "system", "content": system if isinstance(system, str) else "".join(b.text for b in system)}
         )
+        origins.append((0, "", "system"))
     if request.messages and request.messages[-1].role == "assistant":
         last = f"messages[{len(request.messages) - 1}]"
         raise refuse(
@@ -213,13 +231,17 @@ def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[st
                 if block.is_error:
                     content = f"Error: {content}"
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+                origins += [(len(out) + len(results) - 1, ".tool_call_id", f"{at}.tool_use_id")]
+                origins += [(len(out) + len(results) - 1, "", at)]
         if message.role == "assistant":
             assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}  # (text only)
             if calls:
                 assistant["tool_calls"] = calls
             out.append(assistant)
+            origins.append((len(out) - 1, "", where))
         else:
             out.extend(results)  # (a tool's results come right after the calls, before any text of the turn)
+            origins.append((len(out), "", where))  # (the turn's text, when it has any)
             if any(isinstance(x, dict) for x in texts):
                 out.append(
                     {
@@ -229,7 +251,7 @@ def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[st
                 )
             elif texts or not results:
                 out.append({"role": "user", "content": "".join(texts)})
-    return out
+    return out, origins
 
 
 def image_part(block: ImageBlock, where: str, role: str) -> dict[str, Any]:

@@ -49,7 +49,8 @@ RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a res
 OPENAI_CODES = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded", DaemonUnavailable.code: "daemon_unavailable"}
 
 
-_QUOTED_FIELD = re.compile(r"`(\$\.)?([A-Za-z_][A-Za-z0-9_.\[\]]*)`")  # `field`, `$.field.sub[2]`
+# A field a sentence names: in backquotes (`field`, `$.field.sub[2]`), or a path with an index (messages[3].name).
+_FIELD_IN_SENTENCE = re.compile(r"`(\$\.)?([A-Za-z_][A-Za-z0-9_.\[\]]*)`|\b([a-z_]+\[\d+\](?:\.[A-Za-z_]\w*|\[\d+\])*)")
 
 
 def refuse(param: str, message: str, code: str = "unsupported_parameter") -> HttpError:
@@ -72,19 +73,23 @@ class HttpError(Exception):
 
     def renamed(self, names: Mapping[str, str]) -> HttpError:
         """The same error for a request translated into the chat route's (Responses, Messages): each chat field it
-        names (``param``, and a field in backquotes in its sentence) named as the client sent it. ``names``: chat
-        field -> the client's, the longest first where one is a prefix of another."""
+        names (``param``; in its sentence a field in backquotes, or a path with an index such as
+        ``messages[3].tool_call_id``) named as the client sent it. ``names``: chat field or path -> the client's;
+        the longest that a path begins with is used."""
+        longest_first = sorted(names.items(), key=lambda item: -len(item[0]))
 
         def own(path: str) -> str:
-            for chat, theirs in names.items():
+            for chat, theirs in longest_first:
                 if path == chat or path.startswith((chat + ".", chat + "[")):
                     return theirs + path[len(chat) :]
             return path
 
-        def quoted(match: re.Match[str]) -> str:
+        def field(match: re.Match[str]) -> str:
+            if match.group(3) is not None:
+                return own(match.group(3))
             return f"`{match.group(1) or ''}{own(match.group(2))}`"
 
-        message = _QUOTED_FIELD.sub(quoted, self.message)
+        message = _FIELD_IN_SENTENCE.sub(field, self.message)
         return HttpError(self.status, message, self.code, self.kind, own(self.param) if self.param else "")
 
     def body(self) -> dict[str, Any]:

@@ -44,8 +44,8 @@ UNSERVED = {  # field -> why it is refused when set
     "top_logprobs": "log-probabilities are served on /v1/chat/completions",
     "prompt_cache_retention": "a chain's KV is kept until the daemon's session_timeout",
 }
-# The chat route's fields as a Responses request names them, for its errors (HttpError.renamed). ``messages`` is not
-# among them: a chat message's index is not its input item's (instructions, the stored chain and merged calls).
+# The chat route's fields as a Responses request names them, for its errors (HttpError.renamed); its messages are
+# named by chat_names, since a chat message's index is not its input item's (instructions, the chain, merged calls).
 CHAT_NAMES = {
     "response_format.json_schema.schema": "text.format.schema",
     "response_format.json_schema": "text.format",
@@ -144,16 +144,37 @@ def _no_effort(reasoning: Any) -> bool:
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input items as chat messages (a 400 naming the item for what has no chat counterpart)."""
+    return _translated(items)[0]
+
+
+def chat_names(request: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, str]:
+    """The chat request's fields and message paths as this request names them, for its errors
+    (HttpError.renamed): the instructions, the stored chain before the input, each input item."""
+    names = dict(CHAT_NAMES)
+    first = 1 if request.instructions else 0
+    if request.instructions:
+        names["messages[0]"] = "instructions"
+    for h in range(len(history)):
+        names[f"messages[{first + h}]"] = "previous_response_id"
+    for message, suffix, theirs in _translated(request.input)[1]:
+        names[f"messages[{first + len(history) + message}]{suffix}"] = theirs
+    return names
+
+
+def _translated(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
+    """The input items as chat messages, and where each came from: (message, a path in it, the item's path)."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], [(0, "", "input")]
     if not items:
         raise refuse("input", "`input` has no items: send the new turn as text or as items.", "invalid_value")
     out: list[dict[str, Any]] = []
+    origins: list[tuple[int, str, str]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             out.append(_message(item, where))
+            origins.append((len(out) - 1, "", where))
         elif kind == "function_call":
             call = {
                 "id": _text(item, "call_id", where),
@@ -164,6 +185,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out[-1]["tool_calls"].append(call)  # (parallel calls come as items one after the other)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((len(out) - 1, "", where))
+            at = f".tool_calls[{len(out[-1]['tool_calls']) - 1}]"
+            origins += [
+                (len(out) - 1, f"{at}.id", f"{where}.call_id"),
+                (len(out) - 1, f"{at}.function", where),
+                (len(out) - 1, at, where),
+            ]
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):  # (content parts: their text)
@@ -171,11 +199,12 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(output, str):
                 raise refuse(f"{where}.output", f"{where}.output is the call's result as text.")
             out.append({"role": "tool", "tool_call_id": _text(item, "call_id", where), "content": output})
+            origins += [(len(out) - 1, ".tool_call_id", f"{where}.call_id"), (len(out) - 1, "", where)]
         elif kind == "reasoning":
             raise refuse(where, f"{where}: reasoning items are not read (the served model has no reasoning).")
         else:
             raise refuse(where, f"{where}: {kind!r} items are not served here (messages and function calls are).")
-    return out
+    return out, origins
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:

@@ -159,7 +159,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API, through the chat route (anthropic_messages.py)."""
         asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.MessagesRequest)
-        names = anthropic_messages.CHAT_NAMES
+        names = anthropic_messages.chat_names(asked)
         body = as_chat_request(anthropic_messages.chat_body(asked), names)
         model = await gateway.model()
         try:
@@ -171,7 +171,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
     async def count_tokens(request: Request) -> Response:
         """The tokens a Messages request's prompt comes to, as the chat route renders it."""
         asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.CountTokensRequest)
-        names = anthropic_messages.CHAT_NAMES
+        names = anthropic_messages.chat_names(asked)
         try:
             model, text, *_ = await chat_prompt(
                 as_chat_request(anthropic_messages.chat_body(asked), names), request_media()
@@ -207,7 +207,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
                     param="previous_response_id",
                 )
             history, chain = previous.messages, asked.prompt_cache_key or previous.chain
-        names = responses_api.CHAT_NAMES
+        names = responses_api.chat_names(asked, history)
         body = as_chat_request(responses_api.chat_body(asked, history, chain), names)
         model = await gateway.model()
         items = responses_api.input_items_of(asked)

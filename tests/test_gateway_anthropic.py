@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from kvpool.gateway.http_errors import HttpError
+
 from .daemon_process import DaemonProcess
 from .gateway_process import GatewayProcess, client_of
 
@@ -132,6 +134,11 @@ def test_what_would_read_as_another_answer_is_refused_by_its_own_name(served: Ga
         ([*hi, {"role": "assistant", "content": "The answer is"}], {}, "messages[1]"),
         (hi, {"stop_sequences": [""]}, "stop_sequences[0]"),
         (hi, {"metadata": {"user_id": "u" * 300}}, "metadata.user_id"),
+        (  # (with a system message the chat route's index is one more: the message is named as sent)
+            [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nobody", "content": "on"}]}],
+            {"system": "be brief"},
+            "messages[0].content[0].tool_use_id",
+        ),
         (hi, {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "`tool_choice` needs `tools`"),
     ):
         with pytest.raises(anthropic.BadRequestError) as refused:
@@ -145,6 +152,24 @@ def test_what_would_read_as_another_answer_is_refused_by_its_own_name(served: Ga
     stopped = ask(c, hi, max_tokens=16, tools=[LIGHT], tool_choice={"type": "none"}, stop_sequences=[stop])
     assert stopped.stop_reason == "stop_sequence" and text_of(stopped) == free[: free.index(stop)]
     assert text_of(ask(c, hi, extra_body={"thinking": {"type": "disabled"}}))  # (asks for nothing: served)
+
+
+def test_a_renamed_error_names_each_field_once() -> None:
+    """The chat route's names become the request's, each once: a chat message one place on (after a system
+    message) is not renamed again as the message before it."""
+    names = {
+        "messages[0]": "system",
+        "messages[1]": "messages[0]",
+        "messages[1].tool_call_id": "messages[0].content[0].tool_use_id",
+        "stop": "stop_sequences",
+    }
+    error = HttpError(400, "messages[1].tool_call_id: no call; see `stop` and `$.stop[0]`.", "x", param="messages[1]")
+    renamed = error.renamed(names)
+    assert renamed.param == "messages[0]" and (renamed.status, renamed.code) == (400, "x")
+    assert renamed.message == (
+        "messages[0].content[0].tool_use_id: no call; see `stop_sequences` and `$.stop_sequences[0]`."
+    )
+    assert error.renamed({}).message == error.message
 
 
 def test_errors_come_in_anthropics_shape(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> None:

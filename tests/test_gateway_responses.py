@@ -193,6 +193,15 @@ def test_what_cannot_be_honoured_is_refused_by_name(served: GatewayProcess) -> N
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="tiny", input="hi", text=schema_without_name)  # type: ignore[arg-type]
     assert "text.format" in refused.value.message and "response_format" not in refused.value.message
+    # ... and a message's place as its input item: after the instructions, the second item is input[1].
+    calls = [
+        {"type": "function_call", "call_id": "c1", "name": "set_light", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": "on"},
+    ]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input=calls, instructions="be brief", tools=[LIGHT])  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "input[1].call_id" and "input[1].call_id" in refused.value.message  # type: ignore[index]
+    assert "messages[" not in refused.value.message
     assert client.responses.create(model="tiny", input="still serving", max_output_tokens=2).status == "incomplete"
 
 
