@@ -73,9 +73,12 @@ class Mapping:
     session: str
     token: str
     held: Standing | None = None
+    # How its text was tokenized (special tokens parsed: the chat routes; as text: /v1/completions). The same text
+    # tokenized the other way is other tokens, so a request of the other kind does not continue it.
+    special: bool = True
 
     def to_json(self) -> dict[str, object]:
-        raw: dict[str, object] = {"session": self.session, "token": self.token, "held": None}
+        raw: dict[str, object] = {"session": self.session, "token": self.token, "held": None, "special": self.special}
         if isinstance(self.held, Followed):
             raw["followed"] = self.held.to_json()
         elif self.held is not None:
@@ -85,7 +88,7 @@ class Mapping:
     @classmethod
     def from_json(cls, raw: dict[str, object]) -> Mapping:
         held: Standing | None = Followed.load(raw["followed"]) if "followed" in raw else Held.load(raw.get("held"))
-        return cls(str(raw["session"]), str(raw["token"]), held)
+        return cls(str(raw["session"]), str(raw["token"]), held, bool(raw.get("special", True)))
 
 
 class ConversationStore:

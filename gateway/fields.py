@@ -195,10 +195,11 @@ def token_biases(bias: dict[str, float], n_vocab: int) -> dict[int, float]:
     """OpenAI's logit_bias (token ids as strings) as the daemon's {token id: bias}."""
     out = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab:
+        if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab or key != str(int(key)):
             raise refuse(
                 "logit_bias",
-                f"`logit_bias` keys are token ids from 0 to {n_vocab - 1} (as strings); {key[:20]!r} is not one.",
+                f"`logit_bias` keys are token ids from 0 to {n_vocab - 1} (as strings, without leading zeros, so "
+                f"that each token has one key); {key[:20]!r} is not one.",
                 "invalid_value",
             )
         out[int(key)] = value

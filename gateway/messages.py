@@ -100,6 +100,13 @@ def template_messages(
             calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
             calls_by_id.update((c.id, c.function.name) for c in message.tool_calls or ())
             raw = memory.recall(text, calls)
+            if calls and text and raw is None:
+                raise refuse(
+                    f"{where}.content",
+                    f"{where}.content: an assistant message with tool_calls is rendered as its calls alone (the model "
+                    "answers either text or calls here), so its text would be dropped: leave it out.",
+                    "invalid_value",
+                )
             content = raw if raw is not None else envelope_text(calls) if calls else text or ""
             out.append({"role": "assistant", "content": content})
             from_tool.append(False)

@@ -4,6 +4,7 @@ and tool calls read from kvpool's envelope (tools.py)."""
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,14 @@ def token_text(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
+def legacy_token(piece: bytes) -> str:
+    """A token in OpenAI's legacy completions logprobs: its text, or ``bytes:\\xNN...`` when it is not whole UTF-8."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
 def chat_logprob(entry: p.TokenLogprob) -> dict[str, Any]:
     return {
         "token": token_text(entry.piece),
@@ -68,24 +77,51 @@ class ChoiceState:
     index: int
     choice_format: ChoiceFormat
     text: list[str] = field(default_factory=list)  # the generated text, as the daemon streamed it
-    logprobs: list[p.TokenLogprob] = field(default_factory=list)
+    logprobs: list[p.TokenLogprob] = field(default_factory=list)  # those of the tokens whose text is shown
+    offsets: list[int] = field(default_factory=list)  # each one's token's first character in the text
     final: p.Final | None = None
     envelope: EnvelopeParser | None = None
     _announced: int = 0  # calls whose first delta (id, name) went out
     _arguments_sent: list[int] = field(default_factory=list)
     _response_sent: int = 0
-    _offset: int = 0  # completions: characters of text before the next token's (text_offset)
+    _held: list[p.TokenLogprob] = field(default_factory=list)  # entries whose text the daemon has not shown yet
+    _shown: int = 0  # characters of text shown
+    _covered: int = 0  # characters the shown entries' bytes decode to (a character they begin and not end: not)
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
 
     def __post_init__(self) -> None:
         if self.choice_format.tools:
             self.envelope = EnvelopeParser()
 
-    def add(self, chunk: p.Chunk) -> None:
+    def add(self, chunk: p.Chunk) -> list[p.TokenLogprob]:
+        """Fold in one chunk; the log-probability entries its text shows (those of tokens it completes)."""
         self.text.append(chunk.text)
+        self._shown += len(chunk.text)
         # A token that stands for no text (the end of generation) has no entry: it is not part of the answer.
-        self.logprobs.extend(entry for entry in chunk.logprobs or () if entry.piece)
+        self._held.extend(entry for entry in chunk.logprobs or () if entry.piece)
+        shown = self._show_entries()
         if self.envelope is not None:
             self.envelope.feed(chunk.text)
+        return shown
+
+    def _show_entries(self) -> list[p.TokenLogprob]:
+        """The held entries whose text has been shown, in order. The daemon holds back text that may begin a stop
+        string and drops the stop string's, but sends every token's entry at once: an entry is shown with the
+        text its bytes decode to (decoded as the daemon decodes them), and a stop string's entries never are."""
+        shown = []
+        while self._held:
+            entry, state = self._held[0], self._decoder.getstate()
+            chars = self._covered + len(self._decoder.decode(entry.piece))
+            if chars + (1 if self._decoder.getstate()[0] else 0) > self._shown:
+                self._decoder.setstate(state)  # (not shown yet: decoded again when more text comes)
+                break
+            self.offsets.append(self._covered)
+            self._covered = chars
+            shown.append(self._held.pop(0))
+        self.logprobs.extend(shown)
+        return shown
 
     @property
     def raw(self) -> str:
@@ -142,23 +178,21 @@ class ChoiceState:
         return {
             "index": self.index,
             "text": self.choice_format.echo + self.raw,
-            "logprobs": self.completion_logprobs(self.logprobs),
+            "logprobs": self.completion_logprobs(self.logprobs, self.offsets),
             "finish_reason": self.finish_reason(),
         }
 
-    def completion_logprobs(self, entries: list[p.TokenLogprob]) -> dict[str, Any] | None:
-        """OpenAI's legacy form: tokens, their log-probabilities, the top ones as {text: logprob}, and each
-        token's character offset in the text."""
+    def completion_logprobs(self, entries: list[p.TokenLogprob], offsets: list[int]) -> dict[str, Any] | None:
+        """OpenAI's legacy form: tokens, their log-probabilities, the top ones as {token: logprob}, and each
+        token's first character in the text (a token inside a character: that character's). A token that is not
+        whole UTF-8 is written as its bytes, ``bytes:\\xNN``, as OpenAI writes one, so that two such tokens are
+        two keys."""
         if self.choice_format.logprobs is None:
             return None
-        offsets = []
-        for entry in entries:
-            offsets.append(self._offset)
-            self._offset += len(token_text(entry.piece))
         return {
-            "tokens": [token_text(e.piece) for e in entries],
+            "tokens": [legacy_token(e.piece) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t.piece): t.logprob for t in e.top} for e in entries],
+            "top_logprobs": [{legacy_token(t.piece): t.logprob for t in e.top} for e in entries],
             "text_offset": offsets,
         }
 
@@ -166,9 +200,9 @@ class ChoiceState:
 
     def chat_deltas(self, chunk: p.Chunk) -> list[dict[str, Any]]:
         """The choices of the chat stream's chunks for ``chunk``: usually one; a call's opening and its first
-        arguments go out as two, as OpenAI streams them. The chunk's log-probabilities ride on the first."""
-        entries = [e for e in chunk.logprobs or () if e.piece]
-        self.add(chunk)
+        arguments go out as two, as OpenAI streams them. The log-probabilities of the text it shows ride on the
+        first."""
+        entries = self.add(chunk)
         deltas = self._envelope_deltas() if self.envelope is not None else [{"content": chunk.text}]
         deltas = [delta for delta in deltas if delta.get("content") != ""]
         if not deltas and entries:
@@ -209,13 +243,12 @@ class ChoiceState:
         return deltas
 
     def completion_delta(self, chunk: p.Chunk) -> dict[str, Any] | None:
-        entries = [e for e in chunk.logprobs or () if e.piece]
-        self.add(chunk)
+        entries = self.add(chunk)
         if not chunk.text and not entries:
             return None
         return {
             "index": self.index,
             "text": chunk.text,
-            "logprobs": self.completion_logprobs(entries),
+            "logprobs": self.completion_logprobs(entries, self.offsets[len(self.offsets) - len(entries) :]),
             "finish_reason": None,
         }

@@ -154,7 +154,7 @@ class ToolResultPrefill:
             await self._start_afresh(key, turn)
             return
         followed = Followed.after(held, text, final.usage.context_tokens)
-        self.store.put(key, Mapping(mapping.session, mapping.token, followed))
+        self.store.put(key, Mapping(mapping.session, mapping.token, followed, mapping.special))
         self.metrics.prefilled_tokens.inc(len(tokens))
 
     async def _start_afresh(self, key: str, turn: Turn) -> None:

@@ -202,7 +202,10 @@ class Turns:
         candidates = [
             (m.held.text_chars, session_id)
             for session_id, m in self.anonymous.items()
-            if session_id not in self._busy and m.held is not None and m.held.rest(rendered) is not None
+            if session_id not in self._busy
+            and m.special == special
+            and m.held is not None
+            and m.held.rest(rendered) is not None
         ]
         turn: Turn | None = None
         if candidates:
@@ -219,7 +222,7 @@ class Turns:
             turn = await self._fresh(client, rendered, task, special, add_bos, media)
         self._busy.add(turn.session.id)
         # Recorded while in use (nothing to continue from yet): a gateway killed now leaves it findable.
-        self.anonymous.put(turn.session.id, Mapping(turn.session.id, turn.session.token, None))
+        self.anonymous.put(turn.session.id, Mapping(turn.session.id, turn.session.token, None, special))
         try:
             yield turn
         finally:
@@ -233,7 +236,7 @@ class Turns:
     ) -> Turn | None:
         """The turn that continues ``mapping``'s session, or None (then its session is closed: it is not this
         conversation any more, or it is gone)."""
-        rest = mapping.held.rest(rendered) if mapping.held is not None else None
+        rest = mapping.held.rest(rendered) if mapping.held is not None and mapping.special == special else None
         if mapping.held is not None and rest is not None:
             try:
                 session = await client.resume_session(mapping.session, mapping.token)
@@ -295,7 +298,7 @@ class Turns:
             store.forget(key)
             await self._close_session(turn.session)  # an anonymous session nobody can continue is closed
             return
-        store.put(key, Mapping(turn.session.id, turn.session.token, held))
+        store.put(key, Mapping(turn.session.id, turn.session.token, held, turn.special))
 
     async def _close(self, client: AsyncClient, mapping: Mapping) -> None:
         with contextlib.suppress(KvpoolError):

@@ -135,6 +135,38 @@ def test_an_edited_history_answers_as_a_fresh_conversation(served: GatewayProces
     assert again.usage is not None and again.usage.prompt_tokens_details.cached_tokens == 0
 
 
+@pytest.mark.parametrize("key", [None, "cross-route"])
+def test_a_conversation_continues_only_on_a_route_that_tokenizes_it_alike(
+    served: GatewayProcess, key: str | None
+) -> None:
+    """A completion's prompt is tokenized as text (its `<s>` three bytes), a chat's rendering with its special
+    tokens (`<s>` the BOS token): a chat whose history is a completion's text and answer is the same text and other
+    tokens, so it does not continue the completion's session (named or found by its history); it answers as fresh."""
+    c = client_of(served)
+    named = {"prompt_cache_key": key} if key else {}
+    z = {str(3 + ord("Z")): 100.0}  # (the tiny model's token for "Z")
+    done = c.completions.create(
+        model="tiny",
+        prompt="<s>[user] cross route\n[assistant] ",
+        temperature=0.0,
+        max_tokens=8,
+        logit_bias=z,
+        extra_body=named,
+    )  # (the tiny template's rendering of the chat's first turn, below)
+    assert done.choices[0].text == "Z" * 8
+    history = [
+        {"role": "user", "content": "cross route"},
+        {"role": "assistant", "content": "Z" * 8},
+        {"role": "user", "content": "more"},
+    ]
+    continued = chat(c, history, **named)
+    fresh = chat(c, history, prompt_cache_key=f"fresh-{key}")
+    assert continued.usage is not None and fresh.usage is not None
+    assert continued.usage.prompt_tokens_details.cached_tokens == 0
+    assert continued.usage.prompt_tokens == fresh.usage.prompt_tokens
+    assert continued.choices[0].message.content == fresh.choices[0].message.content
+
+
 def test_two_conversations_interleaved_stay_apart(served: GatewayProcess) -> None:
     c = client_of(served)
     alone = converse(c, "alone", 3)

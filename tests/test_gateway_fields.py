@@ -161,6 +161,7 @@ def check_logit_bias(api: Api) -> None:
     assert text == "Z" * 8
     api.refused("logit_bias", {"not-a-token": 5})
     api.refused("logit_bias", {"999999": 5})
+    api.refused("logit_bias", {str(Z): 5, f"0{Z}": -5})  # (two keys for one token: one would be dropped)
 
 
 def check_max_tokens(api: Api) -> None:
@@ -309,6 +310,13 @@ def check_messages(api: Api) -> None:
     api.refused("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     both = {"type": "text", "text": "hi", "image_url": {"url": "data:image/png;base64,AAAA"}}  # (the image unread)
     api.refused("messages", [{"role": "user", "content": [both]}], mentions="image_url")
+    said = {  # an assistant turn renders as its calls alone: words beside them would be dropped
+        "role": "assistant",
+        "content": "Switching it on now.",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "set_light", "arguments": "{}"}}],
+    }
+    api.refused("messages", [{"role": "user", "content": "light"}, said], mentions="content")
+    api.create(messages=[{"role": "user", "content": "light"}, {**said, "content": ""}])  # (nothing to drop)
     # A participant's name is rendered before its content (the templates render no names): it costs tokens.
     plain = api.create(messages=[{"role": "user", "content": "hi"}]).usage.prompt_tokens
     named = api.create(messages=[{"role": "system", "content": "Be brief.", "name": "rules"},
@@ -340,6 +348,20 @@ def check_logprobs_chat(api: Api) -> None:
     assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == text
     _, plain = api.ask()
     assert plain.choices[0].logprobs is None
+    # A stop string's tokens are not the answer's: their entries go with their text, whole and streamed.
+    text, reply = api.ask(max_tokens=24, logprobs=True, logit_bias=NO_END)
+    stop = next(text[i : i + 2] for i in range(6, len(text) - 1) if text[i : i + 2] not in text[: i + 1])
+    cut, reply = api.ask(max_tokens=24, logprobs=True, logit_bias=NO_END, stop=[stop])
+    entries = reply.choices[0].logprobs.content
+    assert cut == text[: text.index(stop)] and reply.choices[0].finish_reason == "stop"
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace") == cut
+    streamed = [
+        e
+        for chunk in api.create(max_tokens=24, logprobs=True, logit_bias=NO_END, stop=[stop], stream=True)
+        for choice in chunk.choices
+        for e in (choice.logprobs.content if choice.logprobs else None) or ()
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
 
 def check_prediction(api: Api) -> None:
@@ -456,6 +478,26 @@ def check_logprobs_completions(api: Api) -> None:
     assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs) and all(lp <= 0 for lp in logprobs.token_logprobs)
     assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
     api.refused("logprobs", 6)
+    # The tiny model spells ill-formed UTF-8: tokens that are not whole characters are written as their bytes (two
+    # such are two keys), offsets count the text's characters, and a stop string's tokens are left out.
+    text, reply = api.ask(max_tokens=24, logprobs=2, logit_bias=NO_END)
+    logprobs = reply.choices[0].logprobs
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert b"".join(map(legacy_bytes, logprobs.tokens)).decode("utf-8", "replace") == text
+    assert all(0 <= offset < len(text) for offset in logprobs.text_offset)
+    stop = next(text[i : i + 2] for i in range(6, len(text) - 1) if text[i : i + 2] not in text[: i + 1])
+    cut, reply = api.ask(max_tokens=24, logprobs=2, logit_bias=NO_END, stop=[stop])
+    assert cut == text[: text.index(stop)]
+    tokens = reply.choices[0].logprobs.tokens
+    assert b"".join(map(legacy_bytes, tokens)).decode("utf-8", "replace") == cut
+    assert tokens == logprobs.tokens[: len(tokens)]
+
+
+def legacy_bytes(token: str) -> bytes:
+    """A token of the legacy logprobs form as its bytes: its text, or ``bytes:\\xNN...``."""
+    if token.startswith("bytes:"):
+        return bytes(int(hex_, 16) for hex_ in token[len("bytes:") :].split("\\x")[1:])
+    return token.encode()
 
 
 def check_best_of(api: Api) -> None:

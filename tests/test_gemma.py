@@ -359,7 +359,10 @@ def test_agents_get_structured_output_tool_calls_and_logprobs_from_the_default_m
         scored = c.chat.completions.create(messages=user, logprobs=True, top_logprobs=3, **ask)
         assert scored.usage is not None
         entries = scored.choices[0].logprobs.content
-        assert len(entries) == scored.usage.completion_tokens > 0
+        # One entry per token of the answer shown: not the end-of-turn token, nor a stop string's tokens.
+        assert 0 < len(entries) <= scored.usage.completion_tokens
+        shown = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+        assert shown == scored.choices[0].message.content
         assert all(e.logprob <= 0.0 and len(e.top_logprobs) == 3 for e in entries)
         assert all(e.top_logprobs[0].logprob >= e.logprob for e in entries)  # greedy: each token is the likeliest
     finally:
