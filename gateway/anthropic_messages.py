@@ -177,6 +177,9 @@ def chat_names(request: MessagesRequest | CountTokensRequest) -> dict[str, str]:
     """The chat request's fields and message paths as this request names them, for its errors
     (HttpError.renamed): ``system``, and each message or tool_result block a chat message came from."""
     names = dict(CHAT_NAMES)
+    for i in range(len(request.tools or ())):
+        names[f"tools[{i}].function.parameters"] = f"tools[{i}].input_schema"
+        names[f"tools[{i}].function"] = f"tools[{i}]"
     for message, suffix, theirs in _translated(request)[1]:
         names[f"messages[{message}]{suffix}"] = theirs
     return names
@@ -205,9 +208,12 @@ def _translated(
         where = f"messages[{i}]"
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
+            origins.append((len(out) - 1, "", where))
             continue
         texts: list[Any] = []  # text, and images as OpenAI's image_url parts
+        text_blocks: list[str] = []  # the block each came from
         calls: list[dict[str, Any]] = []
+        call_blocks: list[str] = []
         results: list[dict[str, Any]] = []
         for k, block in enumerate(message.content):
             at = f"{where}.content[{k}]"
@@ -215,8 +221,10 @@ def _translated(
                 raise refuse(at, f"{at}: document blocks are not supported here (send their text).")
             if isinstance(block, ImageBlock):
                 texts.append(image_part(block, at, message.role))
+                text_blocks.append(at)
             elif isinstance(block, TextBlock):
                 texts.append(block.text)
+                text_blocks.append(at)
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
                     raise refuse(at, f"{at}: only assistant messages carry `tool_use` blocks.")
@@ -224,6 +232,7 @@ def _translated(
                 calls.append(
                     {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
                 )
+                call_blocks.append(at)
             else:
                 if message.role != "user":
                     raise refuse(at, f"{at}: only user messages carry `tool_result` blocks.")
@@ -239,18 +248,20 @@ def _translated(
                 assistant["tool_calls"] = calls
             out.append(assistant)
             origins.append((len(out) - 1, "", where))
+            for n, at in enumerate(call_blocks):
+                origins += [(len(out) - 1, f".tool_calls[{n}].id", f"{at}.id"), (len(out) - 1, f".tool_calls[{n}]", at)]
+            continue
+        out.extend(results)  # (a tool's results come right after the calls, before any text of the turn)
+        if any(isinstance(x, dict) for x in texts):
+            out.append(
+                {"role": "user", "content": [x if isinstance(x, dict) else {"type": "text", "text": x} for x in texts]}
+            )
+            origins += [(len(out) - 1, f".content[{j}]", at) for j, at in enumerate(text_blocks)]
+        elif texts or not results:
+            out.append({"role": "user", "content": "".join(texts)})
         else:
-            out.extend(results)  # (a tool's results come right after the calls, before any text of the turn)
-            origins.append((len(out), "", where))  # (the turn's text, when it has any)
-            if any(isinstance(x, dict) for x in texts):
-                out.append(
-                    {
-                        "role": "user",
-                        "content": [x if isinstance(x, dict) else {"type": "text", "text": x} for x in texts],
-                    }
-                )
-            elif texts or not results:
-                out.append({"role": "user", "content": "".join(texts)})
+            continue
+        origins.append((len(out) - 1, "", where))
     return out, origins
 
 
@@ -311,9 +322,7 @@ class AnthropicAnswer:
         text = state.content()
         if text:
             content.append({"type": "text", "text": text})
-        for call in state.envelope.calls if state.envelope is not None else ():
-            if not call.named:
-                continue
+        for call in state.named_calls():
             try:
                 arguments = json.loads(call.arguments)
             except ValueError:  # cut by max_tokens mid-call (stop_reason says so): no whole input to give

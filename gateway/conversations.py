@@ -74,8 +74,9 @@ class Mapping:
     token: str
     held: Standing | None = None
     # How its text was tokenized (special tokens parsed: the chat routes; as text: /v1/completions). The same text
-    # tokenized the other way is other tokens, so a request of the other kind does not continue it.
-    special: bool = True
+    # tokenized the other way is other tokens, so a request of the other kind does not continue it. None: not
+    # recorded (a map an older gateway wrote), so no request continues it.
+    special: bool | None = True
 
     def to_json(self) -> dict[str, object]:
         raw: dict[str, object] = {"session": self.session, "token": self.token, "held": None, "special": self.special}
@@ -88,7 +89,8 @@ class Mapping:
     @classmethod
     def from_json(cls, raw: dict[str, object]) -> Mapping:
         held: Standing | None = Followed.load(raw["followed"]) if "followed" in raw else Held.load(raw.get("held"))
-        return cls(str(raw["session"]), str(raw["token"]), held, bool(raw.get("special", True)))
+        special = raw.get("special")
+        return cls(str(raw["session"]), str(raw["token"]), held, special if isinstance(special, bool) else None)
 
 
 class ConversationStore:

@@ -20,7 +20,7 @@ from kvpool import protocol as p
 from kvpool.client.errors import KvpoolError
 
 from .generations import ConversationGenerations, Generations, SharedPrefixGenerations
-from .http_errors import HttpError
+from .http_errors import HttpError, longest_prefix
 from .media_parts import RequestMedia
 from .middleware import unless_disconnected
 from .shaping import ChoiceFormat, ChoiceState, usage
@@ -221,12 +221,11 @@ def refusal(exc: KvpoolError, job: Job) -> HttpError:
     if exc.code == "BAD_REQUEST" and job.schema_fields:
         at = _PATH.match(exc.message)
         daemon_path = at.group(1) if at else ""
-        for prefix, field_name in sorted(job.schema_fields, key=lambda place: -len(place[0])):
-            if daemon_path == prefix or daemon_path.startswith((prefix + ".", prefix + "[")):
-                error.param = field_name
-                error.message = field_name + daemon_path[len(prefix) :] + exc.message[len(daemon_path) :]
-                break
-        else:
-            if "schema" in exc.message.lower() or "grammar" in exc.message.lower():
-                error.param = job.schema_fields[0][1].split(".")[0].split("[")[0]  # tools, or response_format
+        found = longest_prefix(daemon_path, job.schema_fields)
+        if found is not None:
+            prefix, field_name = found
+            error.param = field_name
+            error.message = field_name + daemon_path[len(prefix) :] + exc.message[len(daemon_path) :]
+        elif "schema" in exc.message.lower() or "grammar" in exc.message.lower():
+            error.param = job.schema_fields[0][1].split(".")[0].split("[")[0]  # tools, or response_format
     return error

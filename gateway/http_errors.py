@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -53,6 +53,29 @@ OPENAI_CODES = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded", DaemonUna
 _FIELD_IN_SENTENCE = re.compile(r"`(\$\.)?([A-Za-z_][A-Za-z0-9_.\[\]]*)`|\b([a-z_]+\[\d+\](?:\.[A-Za-z_]\w*|\[\d+\])*)")
 
 
+class Whole(str):
+    """A client's name for a chat path and everything under it: nothing of the path past it is kept (a message of
+    a stored chain is `previous_response_id`, whatever field of it was wrong)."""
+
+
+def longest_prefix(path: str, names: Iterable[tuple[str, str]]) -> tuple[str, str] | None:
+    """The longest of ``names``' paths that ``path`` begins with (whole, or followed by ``.`` or ``[``), with its
+    name; None when it begins with none."""
+    for prefix, name in sorted(names, key=lambda item: -len(item[0])):
+        if path == prefix or path.startswith((prefix + ".", prefix + "[")):
+            return prefix, name
+    return None
+
+
+def rename_path(path: str, names: Iterable[tuple[str, str]]) -> str | None:
+    """``path`` with the longest of ``names``' paths it begins with replaced by its name; None when none."""
+    found = longest_prefix(path, names)
+    if found is None:
+        return None
+    prefix, name = found
+    return name if isinstance(name, Whole) else name + path[len(prefix) :]
+
+
 def refuse(param: str, message: str, code: str = "unsupported_parameter") -> HttpError:
     """A 400 that names the request field it refuses and says what to do instead."""
     return HttpError(400, message, code, param=param)
@@ -74,15 +97,12 @@ class HttpError(Exception):
     def renamed(self, names: Mapping[str, str]) -> HttpError:
         """The same error for a request translated into the chat route's (Responses, Messages): each chat field it
         names (``param``; in its sentence a field in backquotes, or a path with an index such as
-        ``messages[3].tool_call_id``) named as the client sent it. ``names``: chat field or path -> the client's;
-        the longest that a path begins with is used."""
-        longest_first = sorted(names.items(), key=lambda item: -len(item[0]))
+        ``messages[3].tool_call_id``) named as the client sent it. ``names``: chat field or path -> the client's
+        (a ``Whole`` name stands for everything under it too)."""
 
         def own(path: str) -> str:
-            for chat, theirs in longest_first:
-                if path == chat or path.startswith((chat + ".", chat + "[")):
-                    return theirs + path[len(chat) :]
-            return path
+            renamed = rename_path(path, names.items())
+            return path if renamed is None else renamed
 
         def field(match: re.Match[str]) -> str:
             if match.group(3) is not None:

@@ -25,7 +25,7 @@ from msgspec import Meta, Struct
 
 from kvpool.client.errors import KvpoolError
 
-from .http_errors import HttpError, refuse
+from .http_errors import HttpError, Whole, refuse
 from .shaping import ChoiceState
 from .streaming import Stream, first_choice_deltas
 
@@ -119,14 +119,14 @@ def refuse_unserved(request: ResponsesRequest) -> None:
                 raise refuse(
                     f"stream_options.{name}", f"`stream_options.{name}` is not an option here.", "invalid_value"
                 )
-    for name in request.text or {}:
-        if name == "verbosity":
+    for name, value in (request.text or {}).items():
+        if name == "verbosity" and value is not None:
             raise refuse(
                 "text.verbosity",
                 "`text.verbosity` is not supported: ask for the length you want in the instructions, or set "
                 "max_output_tokens.",
             )
-        if name != "format":
+        if name not in ("format", "verbosity"):
             raise refuse(f"text.{name}", f"`text.{name}` is not an option here (`text.format` is).", "invalid_value")
     if request.truncation == "auto":
         raise refuse(
@@ -151,11 +151,13 @@ def chat_names(request: ResponsesRequest, history: list[dict[str, Any]]) -> dict
     """The chat request's fields and message paths as this request names them, for its errors
     (HttpError.renamed): the instructions, the stored chain before the input, each input item."""
     names = dict(CHAT_NAMES)
+    for i in range(len(request.tools or ())):  # (a function tool is written flat here)
+        names[f"tools[{i}].function"] = f"tools[{i}]"
     first = 1 if request.instructions else 0
     if request.instructions:
         names["messages[0]"] = "instructions"
     for h in range(len(history)):
-        names[f"messages[{first + h}]"] = "previous_response_id"
+        names[f"messages[{first + h}]"] = Whole("previous_response_id")
     for message, suffix, theirs in _translated(request.input)[1]:
         names[f"messages[{first + len(history) + message}]{suffix}"] = theirs
     return names
@@ -353,18 +355,17 @@ def output_items(state: ChoiceState, message_id: str, cut: bool) -> list[dict[st
     if text:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         out.append({"id": message_id, "type": "message", "status": "completed", "role": "assistant", "content": [part]})
-    for call in state.envelope.calls if state.envelope is not None and not state.envelope.responding else ():
-        if call.named:
-            out.append(
-                {
-                    "id": f"fc_{call.id.removeprefix('call_')}",
-                    "type": "function_call",
-                    "status": "completed",
-                    "call_id": call.id,
-                    "name": call.name,
-                    "arguments": call.arguments,
-                }
-            )
+    for call in state.named_calls():
+        out.append(
+            {
+                "id": f"fc_{call.id.removeprefix('call_')}",
+                "type": "function_call",
+                "status": "completed",
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+            }
+        )
     if cut and out:
         out[-1]["status"] = "incomplete"
     return out

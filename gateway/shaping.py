@@ -10,7 +10,7 @@ from typing import Any
 
 from kvpool import protocol as p
 
-from .tools import AnswerMemory, EnvelopeParser
+from .tools import AnswerMemory, Call, EnvelopeParser
 
 # The daemon's finish reasons that end an answer normally; any other end reaches the caller as an error
 # (generations.py), never as one of these.
@@ -145,18 +145,26 @@ class ChoiceState:
             return self.raw
         return self.envelope.response if self.envelope.responding else None
 
-    def calls(self) -> list[tuple[str, str]]:
-        if self.envelope is None or self.envelope.responding:
+    def named_calls(self) -> list[Call]:
+        """The calls the answer hands over: those named so far. None where the answer stopped with its envelope
+        open (a stop string inside it: half a call is no call); an answer its limit cut hands them over as they
+        are, and says so (length)."""
+        envelope = self.envelope
+        if envelope is None or envelope.responding:
             return []
-        return [(call.name, call.arguments) for call in self.envelope.calls if call.named]
+        if not envelope.whole and self.final is not None and str(self.final.finish_reason) == "stop":
+            return []
+        return [call for call in envelope.calls if call.named]
+
+    def calls(self) -> list[tuple[str, str]]:
+        return [(call.name, call.arguments) for call in self.named_calls()]
 
     def message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content(), "refusal": None}
-        if self.calls():
+        if calls := self.named_calls():
             message["tool_calls"] = [
                 {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-                for call in self.envelope.calls  # type: ignore[union-attr]
-                if call.named
+                for call in calls
             ]
         return message
 

@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from kvpool.gateway.conversations import Mapping
+
 from .curve_keys import curve_setup
 from .daemon_process import DaemonProcess, wait_until
 from .gateway_process import GatewayProcess, client_of
@@ -154,6 +156,13 @@ def test_a_conversation_continues_only_on_a_route_that_tokenizes_it_alike(
         extra_body=named,
     )  # (the tiny template's rendering of the chat's first turn, below)
     assert done.choices[0].text == "Z" * 8
+    # The control: the chat's first turn renders as that prompt, `<s>` read as BOS (one token) and not as three
+    # bytes after the BOS a completion gets.
+    first = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "cross route"}], max_tokens=1, prompt_cache_key="control"
+    )
+    assert done.usage is not None and first.usage is not None
+    assert first.usage.prompt_tokens == done.usage.prompt_tokens - 3
     history = [
         {"role": "user", "content": "cross route"},
         {"role": "assistant", "content": "Z" * 8},
@@ -165,6 +174,15 @@ def test_a_conversation_continues_only_on_a_route_that_tokenizes_it_alike(
     assert continued.usage.prompt_tokens_details.cached_tokens == 0
     assert continued.usage.prompt_tokens == fresh.usage.prompt_tokens
     assert continued.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_a_conversation_map_of_an_older_gateway_continues_nothing() -> None:
+    """A mapping an older gateway wrote does not say how its text was tokenized: no route continues it (its session
+    is closed or replaced, a prefill more), rather than one that tokenizes it otherwise."""
+    old = {"session": "s1", "token": "t1", "held": None}
+    assert Mapping.from_json(old).special is None
+    for special in (True, False):
+        assert Mapping.from_json(Mapping("s1", "t1", None, special).to_json()).special is special
 
 
 def test_two_conversations_interleaved_stay_apart(served: GatewayProcess) -> None:

@@ -8,15 +8,18 @@ from collections.abc import Callable
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
 
+from kvpool.gateway import anthropic_messages
 from kvpool.gateway.http_errors import HttpError
 
 from .daemon_process import DaemonProcess
 from .gateway_process import GatewayProcess, client_of
 
 WAIT_S = 30.0
+USE = {"type": "tool_use", "name": "set_light", "input": {"room": "hall", "on": True}}
 LIGHT = {
     "name": "set_light",
     "description": "Switch a room's light",
@@ -134,6 +137,11 @@ def test_what_would_read_as_another_answer_is_refused_by_its_own_name(served: Ga
         ([*hi, {"role": "assistant", "content": "The answer is"}], {}, "messages[1]"),
         (hi, {"stop_sequences": [""]}, "stop_sequences[0]"),
         (hi, {"metadata": {"user_id": "u" * 300}}, "metadata.user_id"),
+        (
+            hi,
+            {"tools": [LIGHT, {"name": "bad", "input_schema": {"properties": {"x": {"not": {}}}}}]},
+            "tools[1].input_schema",
+        ),
         (  # (with a system message the chat route's index is one more: the message is named as sent)
             [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nobody", "content": "on"}]}],
             {"system": "be brief"},
@@ -170,6 +178,44 @@ def test_a_renamed_error_names_each_field_once() -> None:
         "messages[0].content[0].tool_use_id: no call; see `stop_sequences` and `$.stop_sequences[0]`."
     )
     assert error.renamed({}).message == error.message
+
+
+def test_each_chat_message_is_named_by_the_message_or_block_it_came_from() -> None:
+    """The map behind the renamed errors, against the translation itself: a system message first, a text message,
+    an assistant's text and call, a tool result before the text and image of its turn."""
+    request = msgspec.convert(
+        {
+            "model": "tiny",
+            "max_tokens": 5,
+            "system": "be brief",
+            "tools": [LIGHT],
+            "messages": [
+                {"role": "user", "content": "light"},
+                {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {**USE, "id": "t1"}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": "done"},
+                        {"type": "text", "text": "and this?"},
+                        {"type": "image", "source": {"type": "url", "url": "https://example.invalid/a.png"}},
+                    ],
+                },
+            ],
+        },
+        anthropic_messages.MessagesRequest,
+    )
+    chat = anthropic_messages.chat_messages(request)
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "tool", "user"]
+    names = anthropic_messages.chat_names(request)
+    assert names["messages[0]"] == "system" and names["messages[1]"] == "messages[0]"
+    assert (
+        names["messages[2]"] == "messages[1]" and names["messages[2].tool_calls[0].id"] == "messages[1].content[1].id"
+    )
+    assert names["messages[3].tool_call_id"] == "messages[2].content[0].tool_use_id"
+    assert names["messages[4]"] == "messages[2]" and names["messages[4].content[1]"] == "messages[2].content[2]"
+    assert names["tools[0].function.parameters"] == "tools[0].input_schema"
+    error = HttpError(400, "messages[4].content[1]: no images here.", "x", param="messages[4].content[1].image_url")
+    assert error.renamed(names).param == "messages[2].content[2].image_url"
 
 
 def test_errors_come_in_anthropics_shape(daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]) -> None:

@@ -9,8 +9,12 @@ import json
 from collections.abc import Callable
 
 import httpx
+import msgspec
 import openai
 import pytest
+
+from kvpool.gateway import responses_api
+from kvpool.gateway.http_errors import HttpError
 
 from .daemon_process import DaemonProcess
 from .gateway_process import GatewayProcess, client_of
@@ -202,7 +206,42 @@ def test_what_cannot_be_honoured_is_refused_by_name(served: GatewayProcess) -> N
         client.responses.create(model="tiny", input=calls, instructions="be brief", tools=[LIGHT])  # type: ignore[arg-type]
     assert refused.value.body["param"] == "input[1].call_id" and "input[1].call_id" in refused.value.message  # type: ignore[index]
     assert "messages[" not in refused.value.message
+    # ... and a tool as written flat: its schema the daemon refuses is tools[1].parameters.
+    bad = {"type": "function", "name": "bad", "parameters": {"type": "object", "properties": {"x": {"not": {}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input="hi", tools=[LIGHT, bad])  # type: ignore[list-item]
+    assert refused.value.body["param"] == "tools[1].parameters"  # type: ignore[index]
+    assert refused.value.message.startswith("Error code: 400 - tools[1].parameters.properties.x"), refused.value
     assert client.responses.create(model="tiny", input="still serving", max_output_tokens=2).status == "incomplete"
+
+
+def test_each_chat_message_is_named_by_the_input_item_it_came_from() -> None:
+    """The map behind the renamed errors: instructions, a stored chain (named whole, whatever of it was wrong),
+    then the items, parallel calls merged into one chat message."""
+    request = msgspec.convert(
+        {
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "both lights"}]},
+                {"type": "function_call", "call_id": "c1", "name": "set_light", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "set_light", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c2", "output": "on"},
+            ],
+            "instructions": "be brief",
+            "tools": [LIGHT],
+        },
+        responses_api.ResponsesRequest,
+    )
+    history = [{"role": "user", "content": "before"}, {"role": "assistant", "content": "ok"}]
+    chat = responses_api.chat_body(request, history, "")["messages"]
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant", "tool"]
+    names = responses_api.chat_names(request, history)
+    assert names["messages[0]"] == "instructions" and names["messages[3]"] == "input[0]"
+    assert names["messages[4].tool_calls[1].id"] == "input[2].call_id" and names["messages[4]"] == "input[1]"
+    assert names["messages[5].tool_call_id"] == "input[3].call_id" and names["tools[0].function"] == "tools[0]"
+    error = HttpError(400, "messages[2].tool_calls[0]: x", "x", param="messages[2].tool_calls[0].id")
+    assert error.renamed(names).param == "previous_response_id" and error.renamed(names).message == (
+        "previous_response_id: x"
+    )
 
 
 def test_a_cut_answer_says_which_item_it_cut(served: GatewayProcess) -> None:

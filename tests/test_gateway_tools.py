@@ -128,8 +128,11 @@ def test_calls_a_stop_string_cut_are_not_reported_as_tool_calls() -> None:
         state.add(p.Chunk(text=text, tokens=[1]))
         state.final = p.Final(finish_reason=p.FinishReason.STOP, usage=usage, timings=timings, stop=stop)
         assert state.finish_reason() == reason, text
+        # Half a call is no call: the message hands over only calls whose envelope closed.
+        assert bool(state.message().get("tool_calls")) == (reason == "tool_calls") == bool(state.calls())
     state.final = p.Final(finish_reason=p.FinishReason.LENGTH, usage=usage, timings=timings)
-    assert state.finish_reason() == "length"
+    assert state.finish_reason() == "length"  # cut by its limit, and saying so: the call as far as it went
+    assert state.calls() == [("a", '{"x": "cu')]
 
 
 # ---------------------------------------------------------------------- calls
