@@ -159,21 +159,31 @@ def _refuse_common(body: _Request) -> None:
             )
 
 
-def completion_prompt(body: CompletionRequest) -> str | list[int]:
-    """The one prompt a completions request carries: text, or token ids. Several prompts are refused."""
+def completion_prompt(body: CompletionRequest, n_vocab: int) -> str | list[int]:
+    """The one prompt a completions request carries: text, or token ids (each one of the vocabulary's). Several
+    prompts are refused."""
     prompt = body.prompt
     if isinstance(prompt, str):
         return prompt
     if all(isinstance(x, int) for x in prompt):
-        return list(prompt)  # type: ignore[arg-type]
+        return _token_ids(prompt, n_vocab, "prompt")  # type: ignore[arg-type]
     if len(prompt) != 1:
         raise refuse("prompt", "Send one prompt per request (a list of one prompt at most).", "unsupported_value")
     only = prompt[0]
     if isinstance(only, str):
         return only
     if isinstance(only, list) and only:
-        return only
+        return _token_ids(only, n_vocab, "prompt[0]")
     raise refuse("prompt", "`prompt` must be a text, a list of token ids, or a list of one of those.", "invalid_value")
+
+
+def _token_ids(ids: list[int], n_vocab: int, where: str) -> list[int]:
+    for k, token in enumerate(ids):
+        if not 0 <= token < n_vocab:
+            raise refuse(
+                f"{where}[{k}]", f"`{where}` token ids are 0 to {n_vocab - 1}; {token} is not one.", "invalid_value"
+            )
+    return list(ids)
 
 
 def sampling(body: _Request, n_vocab: int, max_tokens: int | None, default_max: int) -> dict[str, Any]:

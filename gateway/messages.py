@@ -98,6 +98,14 @@ def template_messages(
                     raise refuse(f"{where}.refusal", f"{where}: send either `content` or `refusal`, not both.")
                 text = message.refusal
             calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+            ids = [c.id for c in message.tool_calls or ()]
+            for n, call_id in enumerate(ids):
+                if call_id in ids[:n]:  # (a result names its call by id: one of two would get both results)
+                    raise refuse(
+                        f"{where}.tool_calls[{n}].id",
+                        f"{where}.tool_calls[{n}].id {call_id!r} is an earlier call's too: each call needs its own.",
+                        "invalid_value",
+                    )
             calls_by_id.update((c.id, c.function.name) for c in message.tool_calls or ())
             raw = memory.recall(text, calls)
             if calls and text and raw is None:

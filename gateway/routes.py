@@ -251,7 +251,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
         body = decode(await read_body(request, config.max_body_bytes), CompletionRequest)
         fields.refuse_completion_fields(body)
         model = await gateway.model()
-        prompt = fields.completion_prompt(body)
+        prompt = fields.completion_prompt(body, model.status.n_vocab)
         params = fields.sampling(body, model.status.n_vocab, body.max_tokens, fields.DEFAULT_COMPLETION_MAX_TOKENS)
         schema = fields.response_schema(body.response_format)
         fields.refuse_stop_in_json(body.stop, json_answer=schema is not None)

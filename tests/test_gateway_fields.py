@@ -317,6 +317,8 @@ def check_messages(api: Api) -> None:
     }
     api.refused("messages", [{"role": "user", "content": "light"}, said], mentions="content")
     api.create(messages=[{"role": "user", "content": "light"}, {**said, "content": ""}])  # (nothing to drop)
+    twice = {**said, "content": None, "tool_calls": said["tool_calls"] * 2}  # (which call would a result answer?)
+    api.refused("messages", [{"role": "user", "content": "light"}, twice], mentions="tool_calls[1].id")
     # A participant's name is rendered before its content (the templates render no names): it costs tokens.
     plain = api.create(messages=[{"role": "user", "content": "hi"}]).usage.prompt_tokens
     named = api.create(messages=[{"role": "system", "content": "Be brief.", "name": "rules"},
@@ -460,6 +462,8 @@ def check_prompt(api: Api) -> None:
         and api.ask(prompt=["a b c"])[0] == text
     )
     api.refused("prompt", ["one", "two"])
+    api.refused("prompt", [70, -1], mentions="-1")  # (named as sent, not as the daemon's field)
+    api.refused("prompt", [[70, 10**6]], mentions="prompt[0]")
 
 
 def check_echo(api: Api) -> None:
