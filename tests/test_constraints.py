@@ -50,6 +50,7 @@ def test_integer_range_grammar_is_gbnf_alternatives() -> None:
         ('{"type": "strnig"}', "unknown type"),
         ('{"type": "string", "pattern": "a+"}', r"\^\.\.\.\$"),
         ('{"$ref": "https://example.com/s.json"}', "local references"),
+        ('{"properties": {"a": {"enum": []}}}', r"\$\.properties\.a: `enum` must list at least one value"),
         ('{"properties": {"a": {"not": {}}}}', r"\$\.properties\.a: the keyword `not`"),
         ('{"type": "array", "items": {"type": "string", "format": "email"}}', r"\$\.items: format 'email'"),
         ("[1, 2]", "must be a JSON object"),

@@ -77,6 +77,8 @@ def _check_keyword(schema: dict[str, Any], key: str, value: Any, where: str) -> 
         raise ConstraintError(f"{where}: format {value!r} is not supported; use one of {', '.join(sorted(FORMATS))}.")
     elif key == "pattern" and not (isinstance(value, str) and value.startswith("^") and value.endswith("$")):
         raise ConstraintError(f"{where}: a `pattern` must match the whole string: write it as ^...$.")
+    elif key == "enum" and not (isinstance(value, list) and value):
+        raise ConstraintError(f"{where}: `enum` must list at least one value (no value can match an empty one).")
     elif key == "$ref" and not (isinstance(value, str) and value.startswith("#/")):
         raise ConstraintError(f"{where}: only local references (#/...) are supported, not {value!r}.")
     elif key in ("properties", "$defs", "definitions"):

@@ -76,7 +76,14 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
         converter.visit(converter.resolve_refs(schema, "schema"), "")
-    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+    except KeyError as exc:  # (the converter's rule for a reference is written after what it refers to)
+        raise GrammarError(
+            f"The JSON schema cannot be turned into a grammar: its top is a reference ({exc}) to a definition that "
+            "contains itself; write that definition's keywords at the top (the references inside it can stay)."
+            if "$ref" in schema
+            else f"The JSON schema cannot be turned into a grammar: the reference {exc} cannot be followed."
+        ) from None
+    except (AssertionError, ValueError, TypeError, RecursionError) as exc:
         raise GrammarError(f"The JSON schema cannot be turned into a grammar: {exc or type(exc).__name__}.") from None
     rules = converter._rules
     if "char" in rules:
