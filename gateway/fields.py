@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from .http_errors import refuse
+from .http_errors import HttpError, refuse
 from .schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -104,6 +104,14 @@ def prediction_text(body: ChatCompletionRequest) -> str | None:
     )
 
 
+def refuse_obfuscation() -> HttpError:
+    return refuse(
+        "stream_options.include_obfuscation",
+        "`include_obfuscation` is not supported: this gateway does not pad its events.",
+        "unsupported_value",
+    )
+
+
 def refuse_stop_in_json(stop: object, json_answer: bool) -> None:
     """A stop string where the answer is JSON a grammar shapes (tools offered, a JSON response_format) could only
     cut that JSON short, and the cut would read as a finished answer (``finish_reason`` "stop", or a tool call with
@@ -152,11 +160,7 @@ def _refuse_common(body: _Request) -> None:
         if not body.stream:
             raise refuse("stream_options", "`stream_options` needs `stream`: true.", "invalid_value")
         if body.stream_options.include_obfuscation:
-            raise refuse(
-                "stream_options.include_obfuscation",
-                "`include_obfuscation` is not supported: this gateway does not pad its events.",
-                "unsupported_value",
-            )
+            raise refuse_obfuscation()
 
 
 def completion_prompt(body: CompletionRequest, n_vocab: int) -> str | list[int]:

@@ -25,6 +25,7 @@ from msgspec import Meta, Struct
 
 from kvpool.client.errors import KvpoolError
 
+from . import fields
 from .http_errors import HttpError, Whole, refuse
 from .shaping import ChoiceState
 from .streaming import Stream, first_choice_deltas
@@ -110,11 +111,7 @@ def refuse_unserved(request: ResponsesRequest) -> None:
             raise refuse("stream_options", "`stream_options` goes with `stream`: true.")
         for name, value in request.stream_options.items():
             if name == "include_obfuscation" and value:
-                raise refuse(
-                    "stream_options.include_obfuscation",
-                    "`include_obfuscation` is not supported: this gateway does not pad its events.",
-                    "unsupported_value",
-                )
+                raise fields.refuse_obfuscation()
             if name != "include_obfuscation":
                 raise refuse(
                     f"stream_options.{name}", f"`stream_options.{name}` is not an option here.", "invalid_value"
