@@ -27,7 +27,7 @@ from kvpool.protocol.status import DaemonStatus
 from . import core
 from .address import default_address
 from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
-from .errors import BadRequest, DaemonUnavailable, KvpoolError, NotConnected, RequestTimeout
+from .errors import BadRequest, DaemonUnavailable, KvpoolError, NotConnected, RequestTimeout, closes_after
 from .media import AREA_BYTES, FrameArea, Part, Placing, is_parts, wire_parts
 from .results import Collector, Completion, WirePart, expect, generate_request, open_request, raise_if_error
 
@@ -470,6 +470,11 @@ class AsyncSession:
     async def __aenter__(self) -> AsyncSession:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        if not self.client._sock.closed:
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if self.client._sock.closed or not closes_after(exc):
+            return
+        if exc is None:
+            await self.close()
+            return
+        with contextlib.suppress(KvpoolError):  # the error on its way out is the one the caller must see
             await self.close()

@@ -46,6 +46,15 @@ class RequestTimeout(KvpoolError):
     code = "TIMEOUT"
 
 
+def closes_after(exc: BaseException | None) -> bool:
+    """Whether a session left (``with``) on ``exc`` is closed: not when the daemon is gone, stopping or silent. A
+    close would then wait for it and replace the error the caller must see (a cut, with what the session kept);
+    the daemon keeps such a session, as it keeps every one across a restart, until its session_timeout."""
+    if isinstance(exc, DaemonUnavailable | RequestTimeout):
+        return False
+    return not (isinstance(exc, KvpoolError) and exc.code == ErrorCode.SHUTTING_DOWN)
+
+
 def _subclass(name: str, code: ErrorCode) -> type[KvpoolError]:
     return type(name, (KvpoolError,), {"code": code, "__doc__": f"The daemon answered {code.value}."})
 

@@ -30,6 +30,7 @@ import openai
 import pytest
 
 from kvpool.client import Client
+from kvpool.client.errors import DaemonUnavailable, KvpoolError, NotConnected, ShuttingDown
 
 from .daemon_process import DaemonProcess, wait_until
 from .gateway_process import WAIT_S, GatewayProcess, client_of
@@ -351,3 +352,26 @@ def test_a_client_process_paused_beyond_the_patience_gets_a_cut_error(start_daem
     with daemon.client() as watcher:
         (listed,) = watcher.sessions()
     assert listed.context_tokens == answer["detail"]["context_tokens"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_session_left_on_a_cut_raises_the_cut_not_its_close(start_daemon: Start, sig: int) -> None:
+    """The documented idiom, ``with client.open_session() as s``, left on the error a stopped (or killed) daemon
+    gave: the caller gets that error (stopped: a cut, with what the session kept), not the close's on the way
+    out, which found no daemon and waited for one."""
+    daemon = start_daemon("--context-size", "4096", "--threads", "2")
+    assert daemon.proc is not None
+    tokens, signalled = 0, False
+    with pytest.raises(KvpoolError) as raised, Client(daemon.address) as client, client.open_session() as session:
+        for chunk in session.generate("Tell me a long story.", max_tokens=LONG, logit_bias={2: -100.0}):
+            tokens += len(chunk.tokens)
+            if tokens >= 8 and not signalled:
+                daemon.proc.send_signal(sig)
+                signalled = True
+    error = raised.value
+    assert not isinstance(error, NotConnected), error  # (the close's: "the request was not sent")
+    if sig == signal.SIGTERM:
+        assert isinstance(error, ShuttingDown) and error.cut, error
+        assert error.detail["completion_tokens"] >= tokens
+    else:
+        assert type(error) is DaemonUnavailable, error
