@@ -134,6 +134,25 @@ def test_prompt_longer_than_the_context(raw: RawConnection, daemon: DaemonProces
     assert_still_serving(daemon)
 
 
+def test_text_too_long_for_any_room_is_refused_before_it_is_tokenized(
+    raw: RawConnection, daemon: DaemonProcess
+) -> None:
+    """Text of more bytes than the room in tokens times the vocabulary's longest token is refused as it comes:
+    llama.cpp's tokenizer takes time that grows faster than the text on the test model's byte-level vocabulary
+    (23 s for 300k characters), while every other request waits. 1 MB here would take minutes."""
+    opened = raw.open()
+    long = "a" * 1_000_000
+    for request in (
+        p.Generate(id=25, session=opened.session, token=opened.token, prompt=long),
+        p.OpenSession(id=26, system_prompt=long),
+        p.Tokenize(id=27, text=long * 4),
+    ):
+        error = assert_error(raw.call(request), p.ErrorCode.CONTEXT_OVERFLOW, request.id)
+        assert error.detail is not None and error.detail["prompt_bytes"] > error.detail["room"], error
+        assert "bytes" in error.message
+    assert_still_serving(daemon)
+
+
 def test_busy_session_unknown_task_and_version(raw: RawConnection, daemon: DaemonProcess) -> None:
     opened = raw.open()
     raw.send(

@@ -175,6 +175,7 @@ class RequestHandlers:
                 ErrorCode.BAD_REQUEST,
                 "Send one of `system_prompt`, `system_prompt_tokens` and `system_parts`, not several.",
             )
+        limit = self.sessions.context_limit(r.task)
         if r.system_parts is not None:
             prompt = self._parts(client, r.system_parts, starts_session=True)
         elif r.system_prompt_tokens is not None:
@@ -183,9 +184,8 @@ class RequestHandlers:
             text = r.system_prompt
             if text is None:
                 text = self.config.tasks[r.task].system_prompt
-            prompt = MediaPrompt(self.model.tokenize(text, add_bos=True) if text else [])
+            prompt = MediaPrompt(self._tokenized(text, limit - 1, "system prompt", add_bos=True) if text else [])
         tokens = prompt.tokens
-        limit = self.sessions.context_limit(r.task)
         if len(tokens) >= limit:
             prompt.release()
             raise RequestRefused(
@@ -205,7 +205,9 @@ class RequestHandlers:
         return media_prompt(
             parts,
             self.media,
-            lambda text, bos: self.model.tokenize(text, add_bos=bos) if text or bos else [],
+            lambda text, bos: (
+                self._tokenized(text, self.model.context_size, "prompt", add_bos=bos) if text or bos else []
+            ),
             self._checked_tokens,
             area_bytes,
             starts_session,
@@ -245,7 +247,8 @@ class RequestHandlers:
         return p.Prefetched(id=r.id, session=s.id, tier=self.preloader.hint(s))
 
     def tokenize(self, client: bytes, r: p.Tokenize, received_at: float) -> p.Reply:
-        return p.TokensReply(id=r.id, tokens=self.model.tokenize(r.text, add_bos=r.add_bos, special=r.special))
+        tokens = self._tokenized(r.text, self.model.context_size, "text", add_bos=r.add_bos, special=r.special)
+        return p.TokensReply(id=r.id, tokens=tokens)
 
     def detokenize(self, client: bytes, r: p.Detokenize, received_at: float) -> p.Reply:
         return p.TextReply(id=r.id, text=self.model.detokenize(self._checked_tokens(r.tokens)))
@@ -459,7 +462,10 @@ class RequestHandlers:
             return self._parts(client, r.parts, starts_session=not s.tokens)
         if r.prompt_tokens is not None:
             return MediaPrompt(self._checked_tokens(r.prompt_tokens))
-        return MediaPrompt(self.model.tokenize(r.prompt, add_bos=not s.tokens))
+        room = s.context_limit - len(s.tokens) - 1
+        if self.config.max_prompt_tokens:
+            room = min(room, self.config.max_prompt_tokens)
+        return MediaPrompt(self._tokenized(r.prompt, room, "prompt", add_bos=not s.tokens))
 
     def _prediction(self, r: p.Generate, room: int) -> list[int]:
         """The tokens of the request's prediction ([] without one), or RequestRefused where it cannot be used:
@@ -483,7 +489,7 @@ class RequestHandlers:
         if r.prediction_tokens is not None:
             predicted = self._checked_tokens(r.prediction_tokens)
         else:
-            predicted = self.model.tokenize(r.prediction or "", add_bos=False)
+            predicted = self._tokenized(r.prediction or "", room, "prediction", add_bos=False)
         if len(predicted) > room:
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
@@ -492,6 +498,22 @@ class RequestHandlers:
                 {"prediction_tokens": len(predicted), "room": room},
             )
         return predicted
+
+    def _tokenized(self, text: str, room: int, what: str, *, add_bos: bool, special: bool = False) -> list[int]:
+        """``text`` as tokens; refused at once (CONTEXT_OVERFLOW) when its bytes could not be ``room`` tokens even
+        at the vocabulary's longest piece a token. llama.cpp's tokenizer takes time that grows faster than the text
+        on some vocabularies (23 s for 300k characters of the test model's byte-level one), and every session's
+        next step waits for it."""
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        longest = self.model.longest_piece
+        if size > (max(room, 0) + 1) * longest:
+            raise RequestRefused(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"The {what} is {size} bytes, more than {max(room, 0)} tokens can hold (this model's tokens stand for "
+                f"{longest} bytes at most); shorten it.",
+                {"prompt_bytes": size, "room": max(room, 0)},
+            )
+        return self.model.tokenize(text, add_bos=add_bos, special=special)
 
     def _checked_tokens(self, tokens: list[int]) -> list[int]:
         bad = [t for t in tokens if not self.model.valid_token(t)]

@@ -175,6 +175,10 @@ class Model:
     def grammar_first_bytes(self) -> np.ndarray:
         return self.text.grammar_first_bytes
 
+    @property
+    def longest_piece(self) -> int:
+        return self.text.longest_piece
+
     def valid_token(self, token: int) -> bool:
         return self.text.valid_token(token)
 

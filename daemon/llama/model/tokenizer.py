@@ -96,13 +96,20 @@ class Tokenizer:
         end-of-generation token (allowed where the grammar may end, whatever its text)."""
         return self._vocabulary_bytes[1]
 
+    @property
+    def longest_piece(self) -> int:
+        """The most bytes one token stands for (a control token as its text): a text of more bytes than n times
+        this cannot be n tokens or fewer, whatever the tokenizer does."""
+        return self._vocabulary_bytes[2]
+
     @cached_property
-    def _vocabulary_bytes(self) -> tuple[np.ndarray | None, np.ndarray]:
+    def _vocabulary_bytes(self) -> tuple[np.ndarray | None, np.ndarray, int]:
         """One pass over the vocabulary (0.4 s for 262k tokens), which the engine makes at start
-        (Engine._calibrate): byte_tokens and grammar_first_bytes."""
+        (Engine._calibrate): byte_tokens, grammar_first_bytes and longest_piece."""
         by_byte: dict[int, int] = {}
         ends: list[int] = []
         first = np.full(self.n_vocab, NO_BYTE, dtype=np.int16)
+        longest = 1
         for token in range(self.n_vocab):
             if self.is_end_of_generation(token):
                 ends.append(token)
@@ -114,8 +121,9 @@ class Tokenizer:
             read = piece or self._piece(token, special=True)  # (only a control token has no text without it)
             if read and read[0]:
                 first[token] = read[0]
+            longest = max(longest, len(read))
         table = np.array([*by_byte.values(), *ends], dtype=np.int32)
-        return (None if any(b not in by_byte for b in range(128)) else table), first
+        return (None if any(b not in by_byte for b in range(128)) else table), first, longest
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
