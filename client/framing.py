@@ -7,6 +7,8 @@ their replies. The daemon says its limit in its hello reply; a larger request is
 
 from __future__ import annotations
 
+import msgspec
+
 from kvpool import protocol as p
 
 from .errors import BadRequest
@@ -14,7 +16,10 @@ from .errors import BadRequest
 
 def encode_request(message: p.Request, max_bytes: int) -> bytes:
     """The request's frame; BadRequest when it exceeds ``max_bytes`` (0: no limit known, an older daemon)."""
-    frame = p.encode(message)
+    try:
+        frame = p.encode(message)
+    except (OverflowError, msgspec.EncodeError) as exc:  # (an integer past what msgpack carries: 2**64 and up)
+        raise BadRequest(f"This request cannot be encoded: {exc}; a value is out of range.") from None
     if max_bytes and len(frame) > max_bytes:
         raise BadRequest(
             f"This request is {len(frame)} bytes once encoded, more than the {max_bytes} bytes the daemon accepts "

@@ -58,8 +58,19 @@ def _in_parts(prompt: list[Any]) -> bool:
     return any(isinstance(x, str | list | p.Medium) for x in prompt)
 
 
+def _checked_prompt(prompt: object, what: str) -> None:
+    """BadRequest for a prompt of another type than text, a list (or tuple) of token ids, or a list of parts:
+    anything else would be read as one of them (a dict as its keys, bytes as token ids)."""
+    if not isinstance(prompt, str | list | tuple):
+        raise BadRequest(
+            f"The {what} is text, a list of token ids or a list of parts (text, token ids, media), "
+            f"not {type(prompt).__name__}."
+        )
+
+
 def generate_request(session: str, token: str, prompt: Prompt, params: dict[str, Any]) -> p.Generate:
     """Build a Generate message; bad parameter types or values raise BadRequest before anything is sent."""
+    _checked_prompt(prompt, "prompt")
     fields: dict[str, Any] = {"session": session, "token": token, **params}
     if isinstance(fields.get("json_schema"), dict):  # a schema as Python data travels as its JSON text
         fields["json_schema"] = json.dumps(fields["json_schema"])
@@ -92,6 +103,8 @@ def _converted(fields: dict[str, Any], kind: type[T], what: str, parts: list[Wir
 
 def open_request(task: str, system_prompt: Prompt | None) -> p.OpenSession:
     """Build an OpenSession message: a system prompt is text, token ids or parts; None leaves the task's own."""
+    if system_prompt is not None:
+        _checked_prompt(system_prompt, "system prompt")
     fields: dict[str, Any] = {"task": task}
     if isinstance(system_prompt, str):
         fields["system_prompt"] = system_prompt

@@ -95,6 +95,19 @@ def test_client_library_checks_sampler_values_before_sending(daemon: DaemonProce
         with pytest.raises(BadRequest, match="temperature"):
             s.generate("x", temperature=-0.5)
         assert s.complete("x", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
+        # A prompt of another type, or an integer past what the wire carries: refused here, never sent as
+        # something else (a dict's keys as text parts, bytes as token ids).
+        for prompt in ({"hello": 1}, b"abc", None, 5):
+            with pytest.raises(BadRequest, match="prompt is text"):
+                s.generate(prompt)  # type: ignore[arg-type]
+        with pytest.raises(BadRequest, match="prompt is text"):
+            client.open_session(system_prompt={"x": 1})  # type: ignore[arg-type]
+        for call in (lambda: s.complete([2**64]), lambda: s.complete("x", after=2**64), lambda: s.history(2**64)):
+            with pytest.raises(BadRequest, match="out of range"):
+                call()
+        with pytest.raises(BadRequest, match="out of range"):
+            client.detokenize([2**64])
+        assert s.complete("x", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
 
 
 def test_a_request_too_large_for_one_message_is_refused_before_sending(daemon: DaemonProcess) -> None:
