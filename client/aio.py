@@ -81,8 +81,9 @@ class AsyncClient:
         """Connect and say hello (None: $KVPOOL_ADDRESS, else the daemon's default address). ``curve``: (daemon
         public key, client public key, client secret key) for a tcp:// daemon. ``reconnect_wait`` and
         ``multiplexer``: see Client."""
+        address = address or default_address()
+        core.check_socket_exists(address, timeout, connect_timeout, reconnect_wait)  # (before a socket is made)
         client = cls(address, timeout=timeout, reconnect_wait=min(reconnect_wait, connect_timeout), curve=curve)
-        core.check_socket_exists(client.address)
         client._watcher = asyncio.get_running_loop().create_task(client._watch())
         client._sock.connect(client.address)
         client._reader = asyncio.get_running_loop().create_task(client._read())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -28,17 +29,46 @@ from kvpool.protocol.status import (
     TierSnapshots,
 )
 
+from .chat_template import TemplateError
 from .client import Client, Session
 from .curve import CurveKeyError, curve_from_files
 from .errors import DaemonUnavailable, KvpoolError, RequestTimeout
 
-EXIT_REFUSED, EXIT_UNAVAILABLE = 1, 3
+EXIT_REFUSED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+ADDRESS_SCHEMES = ("ipc://", "tcp://")
+
+
+def _number(kind: type[float] | type[int], least: float, above: bool = False) -> Any:
+    """An argparse type: a finite ``kind`` of at least ``least`` (above it, with ``above``); else a usage error
+    (exit 2) that says so, never a traceback or a wait that never ends (a NaN timeout)."""
+
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < least or (above and value == least):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number {'above' if above else 'of at least'} {least}")
+        return value
+
+    return parse
+
+
+SECONDS = _number(float, 0.0, above=True)
+COUNT = _number(int, 0)
+TEMPERATURE = _number(float, 0.0)
+
+
+def _stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string cannot be empty")
+    return text
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvpool", description="Talk to a running kvpoold.")
     ap.add_argument("--address", help="daemon address (default: $KVPOOL_ADDRESS or the daemon's default)")
-    ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer")
+    ap.add_argument("--timeout", type=SECONDS, default=30.0, help="seconds to wait for each answer")
     ap.add_argument(
         "--curve-server-key",
         default=os.environ.get("KVPOOL_CURVE_SERVER_KEY", ""),
@@ -57,26 +87,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sessions = sub.add_parser("sessions", help="list open sessions")
     sessions.add_argument("--json", action="store_true")
     health = sub.add_parser("health", help="exit 0 only when the daemon answers and its engine is stepping")
-    health.add_argument("--max-engine-silence", type=float, default=MAX_ENGINE_SILENCE_S, help="seconds")
+    health.add_argument("--max-engine-silence", type=SECONDS, default=MAX_ENGINE_SILENCE_S, help="seconds")
     top = sub.add_parser("top", help="a live view of slots, tiers, pool use and per-task latency")
-    top.add_argument("--interval", type=float, default=1.0)
-    top.add_argument("--iterations", type=int, default=0, help="stop after N views (0: until Ctrl-C)")
-    top.add_argument("--max-sessions", type=int, default=20, help="session rows to show")
+    top.add_argument("--interval", type=SECONDS, default=1.0)
+    top.add_argument("--iterations", type=COUNT, default=0, help="stop after N views (0: until Ctrl-C)")
+    top.add_argument("--max-sessions", type=COUNT, default=20, help="session rows to show")
     gen = sub.add_parser("generate", help="stream a completion of PROMPT to stdout (in a new session)")
     gen.add_argument("prompt", help="prompt text; '-' reads it from stdin")
     gen.add_argument("--task", default="default")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--max-tokens", type=COUNT, default=128)
+    gen.add_argument("--temperature", type=TEMPERATURE, default=0.8)
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--min-p", type=float, default=0.05)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop", type=_stop_string, action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print finish reason, usage and timings to stderr")
     constrained = gen.add_mutually_exclusive_group()
     constrained.add_argument("--json-schema", metavar="SCHEMA", help="the answer follows this JSON Schema (or @FILE)")
     constrained.add_argument("--grammar", metavar="GBNF", help="the answer follows this GBNF grammar (or @FILE)")
-    gen.add_argument("--logprobs", type=int, metavar="N", help="print each token's log-probability and its top N")
+    gen.add_argument("--logprobs", type=COUNT, metavar="N", help="print each token's log-probability and its top N")
     migrate = sub.add_parser(
         "migrate", help="hand a session over to another kvpoold through the remote tier (docs/remote.md)"
     )
@@ -86,9 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     chat.add_argument("--system", default="", help="a system message to start the conversation with")
     chat.add_argument("--task", default="default")
     chat.add_argument("--resume", metavar="ID:TOKEN", help="pick a conversation up again")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    chat.add_argument("--max-tokens", type=COUNT, default=256)
+    chat.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    chat.add_argument("--stop", type=_stop_string, action="append", default=[], help="stop string (repeatable)")
     chat.add_argument(
         "--chat-template", default="auto", help="auto (the GGUF's own, else a transcript), gemma3, chatml, transcript"
     )
@@ -117,7 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         curve = curve_from_files(args.curve_server_key, args.curve_client_key)
     except CurveKeyError as exc:
         print(f"kvpool: {exc.message}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    if args.address and not args.address.startswith(ADDRESS_SCHEMES):
+        print(f"kvpool: --address {args.address!r} is ipc://PATH or tcp://HOST:PORT.", file=sys.stderr)
+        return EXIT_USAGE
     try:
         with Client(args.address, timeout=args.timeout, name="kvpool-cli", curve=curve) as client:
             return COMMANDS[args.command](client, args)
@@ -127,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvpoolError as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    except TemplateError as exc:  # (kvpool chat --chat-template NAME it does not know)
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from pathlib import Path
 
 from kvpool import protocol as p
 
 from .address import ipc_path
-from .errors import DaemonUnavailable, NotConnected, RequestTimeout
+from .errors import BadRequest, DaemonUnavailable, NotConnected, RequestTimeout
 from .framing import encode_request
 from .restarts import RestartWatch
 
@@ -40,8 +41,14 @@ RETRIES = 3  # resends of a request that is safe to repeat, after the daemon fel
 RESEND_PAUSE_S = HEARTBEAT_S  # before a resend: time for ZeroMQ to reconnect to a restarted daemon
 
 
-def check_socket_exists(address: str) -> None:
-    """An ipc:// address whose socket file is missing has no daemon: say so before waiting for one."""
+def check_socket_exists(address: str, *waits: float) -> None:
+    """An address that is not ipc:// or tcp://, or a wait that is not a positive number of seconds (a NaN one
+    would never end), is BadRequest; an ipc:// address whose socket file is missing has no daemon: say so before
+    waiting for one."""
+    if not address.startswith(("ipc://", "tcp://")):
+        raise BadRequest(f"The address {address!r} is ipc://PATH or tcp://HOST:PORT.")
+    if not all(math.isfinite(wait) and wait > 0 for wait in waits):
+        raise BadRequest(f"Waits are positive numbers of seconds, not {', '.join(map(str, waits))}.")
     path: Path | None = ipc_path(address)
     if path is not None and not path.exists():
         raise DaemonUnavailable(

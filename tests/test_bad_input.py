@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 
 from kvpool import protocol as p
+from kvpool.client import Client
+from kvpool.client.aio import AsyncClient
 from kvpool.client.errors import BadRequest
 
 from .daemon_process import DaemonProcess
@@ -108,6 +111,18 @@ def test_client_library_checks_sampler_values_before_sending(daemon: DaemonProce
         with pytest.raises(BadRequest, match="out of range"):
             client.detokenize([2**64])
         assert s.complete("x", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
+
+
+def test_a_client_with_a_wrong_address_or_wait_is_refused_before_it_connects(daemon: DaemonProcess) -> None:
+    """Not ipc:// or tcp://, or a wait that is not a positive number of seconds (NaN never ends): BadRequest with a
+    sentence, from both clients, before a socket is made (none is left behind)."""
+    for address, waits in (("foo", {}), ("foo://bar", {}), (daemon.address, {"timeout": float("nan")})):
+        with pytest.raises(BadRequest, match=r"ipc://PATH|positive numbers of seconds"):
+            Client(address, **waits)
+        with pytest.raises(BadRequest, match=r"ipc://PATH|positive numbers of seconds"):
+            asyncio.run(AsyncClient.connect(address, **waits))
+    with Client(daemon.address) as client:  # (the daemon never saw them)
+        assert client.status().counters.errors == {}
 
 
 def test_a_request_too_large_for_one_message_is_refused_before_sending(daemon: DaemonProcess) -> None:

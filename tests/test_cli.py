@@ -51,3 +51,29 @@ def test_cli_exit_codes(daemon: DaemonProcess, short_tmp: Path) -> None:
     assert down.returncode == 3 and "No kvpoold" in down.stderr
     refused = kvpool("generate", "x", "--task", "nosuchtask", address=daemon.address)
     assert refused.returncode == 1 and "UNKNOWN_TASK" in refused.stderr
+
+
+def test_cli_usage_errors_exit_2_with_a_sentence(daemon: DaemonProcess) -> None:
+    """Bad usage is exit 2 and a line that says what to give, never a traceback, exit 1 ("the daemon refused"),
+    exit 3 ("no daemon") or a wait without end (a NaN timeout)."""
+    for args, says in (
+        (("--timeout", "nan", "status"), "--timeout"),
+        (("--timeout", "0", "status"), "--timeout"),
+        (("top", "--interval", "-1"), "--interval"),
+        (("top", "--iterations", "-1"), "--iterations"),
+        (("health", "--max-engine-silence", "-1"), "--max-engine-silence"),
+        (("generate", "x", "--max-tokens", "-5"), "--max-tokens"),
+        (("generate", "x", "--temperature", "nan"), "--temperature"),
+        (("generate", "x", "--stop", ""), "--stop"),
+        (("chat", "--chat-template", "nosuch"), "nosuch"),
+    ):
+        run = kvpool(*args, address=daemon.address)
+        assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, (args, run.stderr)
+    wrong = subprocess.run(
+        [sys.executable, "-m", "kvpool.client.cli", "--address", "foo", "status"],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+    assert wrong.returncode == 2 and "ipc://" in wrong.stderr and "Traceback" not in wrong.stderr, wrong.stderr
