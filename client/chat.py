@@ -15,6 +15,7 @@ from typing import TextIO
 
 from .chat_session import ChatSession, Reply, default_save_dir
 from .client import Client
+from .errors import DaemonUnavailable, KvpoolError, RequestTimeout, ShuttingDown
 
 
 def stats(reply: Reply | None) -> str:
@@ -46,22 +47,30 @@ def run(client: Client, args: argparse.Namespace, stdin: TextIO = sys.stdin, out
 
     last: Reply | None = None
     out.write(f"kvpool chat: session {chat.ids} (/reset, /stats, /quit)\n")
-    while True:
-        out.write("> ")
-        out.flush()
-        line = stdin.readline()
-        if not line:
-            break
-        text = line.strip()
-        if text in ("/quit", "/exit"):
-            break
-        if text == "/reset":
-            chat.reset()
-            out.write(f"new conversation: session {chat.ids}\n")
-        elif text == "/stats":
-            out.write(stats(last) + "\n")
-        elif text:
-            last = chat.say(text, on_text=show)
-            out.write("\n")
-    out.write(f"\nresume with: kvpool chat --resume {chat.ids}\n")
+    try:
+        while True:
+            out.write("> ")
+            out.flush()
+            line = stdin.readline()
+            if not line:
+                break
+            text = line.strip()
+            if text in ("/quit", "/exit"):
+                break
+            if text == "/reset":
+                chat.reset()
+                out.write(f"new conversation: session {chat.ids}\n")
+            elif text == "/stats":
+                out.write(stats(last) + "\n")
+            elif text:
+                try:
+                    last = chat.say(text, on_text=show)
+                except KvpoolError as exc:
+                    if exc.cut or isinstance(exc, DaemonUnavailable | RequestTimeout | ShuttingDown):
+                        raise  # (the answer was cut, or no daemon is there to say the next turn to)
+                    out.write(f"refused: {exc}; the conversation is as it was, say it otherwise\n")
+                    continue
+                out.write("\n")
+    finally:  # (also when the chat ends on an error: the conversation is kept, and this picks it up again)
+        out.write(f"\nresume with: kvpool chat --resume {chat.ids}\n")
     return 0

@@ -101,6 +101,29 @@ def test_a_chat_in_the_terminal_reuses_its_turns_and_resumes_after_a_restart(
         term.close()
 
 
+def test_a_refused_turn_in_the_terminal_is_said_and_the_chat_goes_on(
+    start_daemon: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    """A line longer than the context is refused (CONTEXT_OVERFLOW): the chat says so and asks again, with the
+    conversation as it was; it does not end on it (exit 1, the resume line unsaid)."""
+    daemon = start_daemon("--hot-slots", "2", "--context-size", "2048")
+    env = {**os.environ, "XDG_STATE_HOME": str(short_tmp / "state")}
+    term = Terminal(chat_command(daemon), env)
+    try:
+        term.read_until(r"\n> ")
+        term.type("hello there")
+        refused = term.type("x" * 3000)  # (under the terminal's 4,096-character line, over the 2,048-token context)
+        assert "refused: CONTEXT_OVERFLOW" in refused, refused
+        term.type("and again")
+        cached, total = map(int, re.search(r"(\d+) of (\d+) prompt tokens cached", term.type("/stats")).groups())
+        assert 0 < cached < total  # the turn after the refused one continued the conversation
+        os.write(term.master, b"/quit\n")
+        term.read_until(r"--resume \w+:\w+\s")
+        assert term.proc.wait(WAIT_S) == 0
+    finally:
+        term.close()
+
+
 def test_a_chat_session_turn_that_was_refused_can_be_sent_again(start_daemon: Callable[..., DaemonProcess]) -> None:
     from kvpool.client.chat_session import ChatSession
     from kvpool.client.errors import Overloaded
