@@ -59,6 +59,14 @@ COUNT = _number(int, 0)
 TEMPERATURE = _number(float, 0.0)
 
 
+def _session_ref(text: str) -> str:
+    """ID:TOKEN, a session and its owner's token."""
+    session_id, sep, token = text.partition(":")
+    if not (session_id and sep and token):
+        raise argparse.ArgumentTypeError(f"{text!r}: give the session as ID:TOKEN (its owner's token)")
+    return text
+
+
 def _stop_string(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("a stop string cannot be empty")
@@ -110,12 +118,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     migrate = sub.add_parser(
         "migrate", help="hand a session over to another kvpoold through the remote tier (docs/remote.md)"
     )
-    migrate.add_argument("session", metavar="ID:TOKEN", help="the session and its owner's token")
+    migrate.add_argument("session", type=_session_ref, metavar="ID:TOKEN", help="the session and its owner's token")
     migrate.add_argument("--to", required=True, metavar="ADDRESS", help="the daemon that takes it over")
     chat = sub.add_parser("chat", help="an interactive multi-turn chat on one session, in the model's chat format")
     chat.add_argument("--system", default="", help="a system message to start the conversation with")
     chat.add_argument("--task", default="default")
-    chat.add_argument("--resume", metavar="ID:TOKEN", help="pick a conversation up again")
+    chat.add_argument("--resume", type=_session_ref, metavar="ID:TOKEN", help="pick a conversation up again")
     chat.add_argument("--max-tokens", type=COUNT, default=256)
     chat.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     chat.add_argument("--stop", type=_stop_string, action="append", default=[], help="stop string (repeatable)")
@@ -383,10 +391,7 @@ def newest_copy(s: p.SessionInfo) -> str:
 
 
 def cmd_migrate(client: Client, args: argparse.Namespace) -> int:
-    session_id, sep, token = args.session.partition(":")
-    if not sep or not token:
-        print("kvpool: give the session as ID:TOKEN (its owner's token).", file=sys.stderr)
-        return 2
+    session_id, _, token = args.session.partition(":")
     moved = Session(client, session_id, token, "", 0).migrate(
         args.to, timeout=args.timeout, curve=curve_from_files(args.curve_server_key, args.curve_client_key)
     )

@@ -66,6 +66,8 @@ def test_cli_usage_errors_exit_2_with_a_sentence(daemon: DaemonProcess) -> None:
         (("generate", "x", "--temperature", "nan"), "--temperature"),
         (("generate", "x", "--stop", ""), "--stop"),
         (("chat", "--chat-template", "nosuch"), "nosuch"),
+        (("chat", "--resume", "nocolon"), "ID:TOKEN"),
+        (("migrate", "nocolon", "--to", "ipc:///nowhere"), "ID:TOKEN"),
     ):
         run = kvpool(*args, address=daemon.address)
         assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, (args, run.stderr)
