@@ -38,17 +38,21 @@ EXIT_REFUSED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 ADDRESS_SCHEMES = ("ipc://", "tcp://")
 
 
-def _number(kind: type[float] | type[int], least: float, above: bool = False) -> Any:
-    """An argparse type: a finite ``kind`` of at least ``least`` (above it, with ``above``); else a usage error
-    (exit 2) that says so, never a traceback or a wait that never ends (a NaN timeout)."""
+def _number(kind: type[float] | type[int], least: float, above: bool = False, most: float = math.inf) -> Any:
+    """An argparse type: a finite ``kind`` of at least ``least`` (above it, with ``above``) and at most ``most``;
+    else a usage error (exit 2) that says so, never a traceback, a refusal after a session was opened for it, or a
+    wait that never ends (a NaN timeout)."""
 
     def parse(text: str) -> float | int:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < least or (above and value == least):
-            raise argparse.ArgumentTypeError(f"{text!r}: give a number {'above' if above else 'of at least'} {least}")
+        if not math.isfinite(value) or value < least or (above and value == least) or value > most:
+            lower = f"{'above' if above else 'at least'} {least}"
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give a number {lower}{f' and at most {most}' * (most < math.inf)}"
+            )
         return value
 
     return parse
@@ -56,7 +60,14 @@ def _number(kind: type[float] | type[int], least: float, above: bool = False) ->
 
 SECONDS = _number(float, 0.0, above=True)
 COUNT = _number(int, 0)
-TEMPERATURE = _number(float, 0.0)
+# A generate's own bounds (protocol.Generate's), so that a value out of them is bad usage, not a refusal.
+MAX_TOKENS = _number(int, 0, most=1 << 20)
+TEMPERATURE = _number(float, 0.0, most=100.0)
+TOP_K = _number(int, 0, most=1 << 24)
+TOP_P = _number(float, 0.0, above=True, most=1.0)
+PROBABILITY = _number(float, 0.0, most=1.0)
+SEED = _number(int, 0, most=2**32 - 1)
+TOP_LOGPROBS = _number(int, 0, most=20)
 
 
 def _session_ref(text: str) -> str:
@@ -103,18 +114,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen = sub.add_parser("generate", help="stream a completion of PROMPT to stdout (in a new session)")
     gen.add_argument("prompt", help="prompt text; '-' reads it from stdin")
     gen.add_argument("--task", default="default")
-    gen.add_argument("--max-tokens", type=COUNT, default=128)
+    gen.add_argument("--max-tokens", type=MAX_TOKENS, default=128)
     gen.add_argument("--temperature", type=TEMPERATURE, default=0.8)
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--min-p", type=float, default=0.05)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--top-k", type=TOP_K, default=40)
+    gen.add_argument("--top-p", type=TOP_P, default=0.95)
+    gen.add_argument("--min-p", type=PROBABILITY, default=0.05)
+    gen.add_argument("--seed", type=SEED)
     gen.add_argument("--stop", type=_stop_string, action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print finish reason, usage and timings to stderr")
     constrained = gen.add_mutually_exclusive_group()
     constrained.add_argument("--json-schema", metavar="SCHEMA", help="the answer follows this JSON Schema (or @FILE)")
     constrained.add_argument("--grammar", metavar="GBNF", help="the answer follows this GBNF grammar (or @FILE)")
-    gen.add_argument("--logprobs", type=COUNT, metavar="N", help="print each token's log-probability and its top N")
+    gen.add_argument(
+        "--logprobs", type=TOP_LOGPROBS, metavar="N", help="print each token's log-probability and its top N"
+    )
     migrate = sub.add_parser(
         "migrate", help="hand a session over to another kvpoold through the remote tier (docs/remote.md)"
     )
@@ -124,7 +137,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     chat.add_argument("--system", default="", help="a system message to start the conversation with")
     chat.add_argument("--task", default="default")
     chat.add_argument("--resume", type=_session_ref, metavar="ID:TOKEN", help="pick a conversation up again")
-    chat.add_argument("--max-tokens", type=COUNT, default=256)
+    chat.add_argument("--max-tokens", type=MAX_TOKENS, default=256)
     chat.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     chat.add_argument("--stop", type=_stop_string, action="append", default=[], help="stop string (repeatable)")
     chat.add_argument(

@@ -65,6 +65,8 @@ def test_cli_usage_errors_exit_2_with_a_sentence(daemon: DaemonProcess) -> None:
         (("generate", "x", "--max-tokens", "-5"), "--max-tokens"),
         (("generate", "x", "--temperature", "nan"), "--temperature"),
         (("generate", "x", "--stop", ""), "--stop"),
+        (("generate", "x", "--logprobs", "50"), "at most 20"),
+        (("generate", "x", "--top-p", "1.5"), "--top-p"),
         (("chat", "--chat-template", "nosuch"), "nosuch"),
         (("chat", "--resume", "nocolon"), "ID:TOKEN"),
         (("migrate", "nocolon", "--to", "ipc:///nowhere"), "ID:TOKEN"),

@@ -14,6 +14,7 @@ is what shows the pause fell in the middle of the answer. Paused and unpaused an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -30,6 +31,7 @@ import openai
 import pytest
 
 from kvpool.client import Client
+from kvpool.client.aio import AsyncClient
 from kvpool.client.errors import DaemonUnavailable, KvpoolError, NotConnected, ShuttingDown
 
 from .daemon_process import DaemonProcess, wait_until
@@ -375,3 +377,27 @@ def test_a_session_left_on_a_cut_raises_the_cut_not_its_close(start_daemon: Star
         assert error.detail["completion_tokens"] >= tokens
     else:
         assert type(error) is DaemonUnavailable, error
+
+
+def test_an_asyncio_session_left_on_a_cut_raises_the_cut_not_its_close(start_daemon: Start) -> None:
+    """The same with the asyncio client's ``async with await client.open_session() as s``, the daemon stopped."""
+    daemon = start_daemon("--context-size", "4096", "--threads", "2")
+    assert daemon.proc is not None
+
+    async def answer() -> None:
+        tokens, signalled = 0, False
+        client = await AsyncClient.connect(daemon.address)
+        try:
+            async with await client.open_session() as session:
+                async for chunk in session.generate("Tell me a long story.", max_tokens=LONG, logit_bias={2: -100.0}):
+                    tokens += len(chunk.tokens)
+                    if tokens >= 8 and not signalled and daemon.proc is not None:
+                        daemon.proc.send_signal(signal.SIGTERM)
+                        signalled = True
+        finally:
+            await client.close()
+
+    with pytest.raises(KvpoolError) as raised:
+        asyncio.run(answer())
+    error = raised.value
+    assert isinstance(error, ShuttingDown) and error.cut and not isinstance(error, NotConnected), error
