@@ -82,7 +82,7 @@ class AsyncClient:
         public key, client public key, client secret key) for a tcp:// daemon. ``reconnect_wait`` and
         ``multiplexer``: see Client."""
         address = address or default_address()
-        core.check_socket_exists(address, timeout, connect_timeout, reconnect_wait)  # (before a socket is made)
+        core.check_before_connecting(address, timeout, connect_timeout, reconnect_wait)  # (before a socket is made)
         client = cls(address, timeout=timeout, reconnect_wait=min(reconnect_wait, connect_timeout), curve=curve)
         client._watcher = asyncio.get_running_loop().create_task(client._watch())
         client._sock.connect(client.address)

@@ -50,7 +50,7 @@ class Client:
         self.address = address or default_address()
         self.timeout = timeout
         self.reconnect_wait = min(reconnect_wait, connect_timeout)
-        core.check_socket_exists(self.address, timeout, connect_timeout, reconnect_wait)
+        core.check_before_connecting(self.address, timeout, connect_timeout, reconnect_wait)
         self._core = ClientCore(self.address)
         self._context = zmq.Context.instance()
         self._sock = self._context.socket(zmq.DEALER)

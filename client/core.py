@@ -41,7 +41,7 @@ RETRIES = 3  # resends of a request that is safe to repeat, after the daemon fel
 RESEND_PAUSE_S = HEARTBEAT_S  # before a resend: time for ZeroMQ to reconnect to a restarted daemon
 
 
-def check_socket_exists(address: str, *waits: float) -> None:
+def check_before_connecting(address: str, *waits: float) -> None:
     """An address that is not ipc:// or tcp://, or a wait that is not a positive number of seconds (a NaN one
     would never end), is BadRequest; an ipc:// address whose socket file is missing has no daemon: say so before
     waiting for one."""

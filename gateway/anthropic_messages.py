@@ -127,11 +127,13 @@ class CountTokensRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     thinking: dict[str, Any] | None = None
 
 
-def chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
-    """The chat completion request (as JSON) that asks for what ``request`` asks."""
+def chat_request(request: MessagesRequest | CountTokensRequest) -> tuple[dict[str, Any], dict[str, str]]:
+    """The chat completion request (as JSON) that asks for what ``request`` asks, and the chat route's fields and
+    message paths as ``request`` names them, for its errors (HttpError.renamed)."""
     if request.thinking is not None and request.thinking != {"type": "disabled"}:
         raise refuse("thinking", "`thinking` is not supported: the served model has no extended thinking.")
-    body: dict[str, Any] = {"model": request.model, "messages": chat_messages(request)}
+    messages, origins = _translated(request)
+    body: dict[str, Any] = {"model": request.model, "messages": messages}
     if request.tools:
         body["tools"] = [
             {
@@ -166,23 +168,13 @@ def chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
         if request.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
-    return _translated(request)[0]
-
-
-def chat_names(request: MessagesRequest | CountTokensRequest) -> dict[str, str]:
-    """The chat request's fields and message paths as this request names them, for its errors
-    (HttpError.renamed): ``system``, and each message or tool_result block a chat message came from."""
-    names = dict(CHAT_NAMES)
+    names = dict(CHAT_NAMES)  # (``system``, and each message or tool_result block a chat message came from)
     for i in range(len(request.tools or ())):
         names[f"tools[{i}].function.parameters"] = f"tools[{i}].input_schema"
         names[f"tools[{i}].function"] = f"tools[{i}]"
-    for message, suffix, theirs in _translated(request)[1]:
+    for message, suffix, theirs in origins:
         names[f"messages[{message}]{suffix}"] = theirs
-    return names
+    return body, names
 
 
 def _translated(

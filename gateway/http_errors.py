@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -51,6 +52,16 @@ OPENAI_CODES = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded", DaemonUna
 
 # A field a sentence names: in backquotes (`field`, `$.field.sub[2]`), or a path with an index (messages[3].name).
 _FIELD_IN_SENTENCE = re.compile(r"`(\$\.)?([A-Za-z_][A-Za-z0-9_.\[\]]*)`|\b([a-z_]+\[\d+\](?:\.[A-Za-z_]\w*|\[\d+\])*)")
+
+
+@contextlib.contextmanager
+def named_as(names: Mapping[str, str]) -> Iterator[None]:
+    """An HttpError raised inside, for a request translated into the chat route's, named as the client sent it
+    (HttpError.renamed)."""
+    try:
+        yield
+    except HttpError as exc:
+        raise exc.renamed(names) from None
 
 
 class Whole(str):

@@ -46,7 +46,7 @@ UNSERVED = {  # field -> why it is refused when set
     "prompt_cache_retention": "a chain's KV is kept until the daemon's session_timeout",
 }
 # The chat route's fields as a Responses request names them, for its errors (HttpError.renamed); its messages are
-# named by chat_names, since a chat message's index is not its input item's (instructions, the chain, merged calls).
+# named by chat_request, since a chat message's index is not its input item's (instructions, the chain, merged calls).
 CHAT_NAMES = {
     "response_format.json_schema.schema": "text.format.schema",
     "response_format.json_schema": "text.format",
@@ -137,27 +137,6 @@ def refuse_unserved(request: ResponsesRequest) -> None:
 def _no_effort(reasoning: Any) -> bool:
     """``reasoning`` that asks for nothing (an SDK's empty default)."""
     return isinstance(reasoning, dict) and all(v is None for v in reasoning.values())
-
-
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input items as chat messages (a 400 naming the item for what has no chat counterpart)."""
-    return _translated(items)[0]
-
-
-def chat_names(request: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, str]:
-    """The chat request's fields and message paths as this request names them, for its errors
-    (HttpError.renamed): the instructions, the stored chain before the input, each input item."""
-    names = dict(CHAT_NAMES)
-    for i in range(len(request.tools or ())):  # (a function tool is written flat here)
-        names[f"tools[{i}].function"] = f"tools[{i}]"
-    first = 1 if request.instructions else 0
-    if request.instructions:
-        names["messages[0]"] = "instructions"
-    for h in range(len(history)):
-        names[f"messages[{first + h}]"] = Whole("previous_response_id")
-    for message, suffix, theirs in _translated(request.input)[1]:
-        names[f"messages[{first + len(history) + message}]{suffix}"] = theirs
-    return names
 
 
 def _translated(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
@@ -256,14 +235,16 @@ def _text(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def chat_body(request: ResponsesRequest, history: list[dict[str, Any]], conversation: str) -> dict[str, Any]:
+def chat_request(
+    request: ResponsesRequest, history: list[dict[str, Any]], conversation: str
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The chat completion request (as JSON) that asks what ``request`` asks, after ``history`` (its previous
-    response's stored conversation), as conversation ``conversation`` ("": unnamed, continued by its history)."""
-    messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
-    body: dict[str, Any] = {
-        "model": request.model or "default",
-        "messages": [*messages, *history, *input_messages(request.input)],
-    }
+    response's stored conversation), as conversation ``conversation`` ("": unnamed, continued by its history);
+    and the chat route's fields and message paths as ``request`` names them, for its errors (HttpError.renamed):
+    the instructions, the stored chain before the input, each input item."""
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    inputs, origins = _translated(request.input)
+    body: dict[str, Any] = {"model": request.model or "default", "messages": [*system, *history, *inputs]}
     if conversation:
         body["prompt_cache_key"] = conversation
     if request.tools:
@@ -288,7 +269,16 @@ def chat_body(request: ResponsesRequest, history: list[dict[str, Any]], conversa
     if request.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    return body
+    names = dict(CHAT_NAMES)
+    for i in range(len(request.tools or ())):  # (a function tool is written flat here)
+        names[f"tools[{i}].function"] = f"tools[{i}]"
+    if request.instructions:
+        names["messages[0]"] = "instructions"
+    for h in range(len(history)):
+        names[f"messages[{len(system) + h}]"] = Whole("previous_response_id")
+    for message, suffix, theirs in origins:
+        names[f"messages[{len(system) + len(history) + message}]{suffix}"] = theirs
+    return body, names
 
 
 def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@ the status page and its JSON, the health check and /metrics. A completions route
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +18,7 @@ from kvpool.client.chat_template import TemplateError
 
 from . import anthropic_messages, fields, responses_api
 from .dispatch import Job, OtherAnswer, respond
-from .http_errors import HttpError
+from .http_errors import HttpError, named_as
 from .media_parts import RequestMedia, holds_media
 from .messages import answer_separator, template_messages
 from .middleware import FIELD_AT, decode, read_body, route
@@ -37,17 +37,15 @@ RESPONSES = "/v1/responses"
 API_ROUTES = {"chat": CHAT, "completions": COMPLETIONS, "responses": RESPONSES, "messages": MESSAGES}
 
 
-def as_chat_request(body: dict[str, Any], names: Mapping[str, str]) -> ChatCompletionRequest:
-    """A translated request as the chat route's (a field the translation cannot carry is a 400 naming it as the
-    client sent it: ``names``, chat field -> the client's)."""
+def as_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A translated request as the chat route's (a field the translation cannot carry is a 400 naming it)."""
     try:
         return msgspec.convert(body, ChatCompletionRequest)
     except msgspec.ValidationError as exc:
         at = FIELD_AT.search(str(exc))
-        error = HttpError(
+        raise HttpError(
             400, f"The request cannot be served: {exc}.", "invalid_value", param=at.group(1) if at else ""
-        )
-        raise error.renamed(names) from None
+        ) from None
 
 
 def fairness_key(request: Request, *identities: str | None) -> str:
@@ -159,25 +157,19 @@ def build_routes(gateway: Gateway) -> list[Route]:
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API, through the chat route (anthropic_messages.py)."""
         asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.MessagesRequest)
-        names = anthropic_messages.chat_names(asked)
-        body = as_chat_request(anthropic_messages.chat_body(asked), names)
-        model = await gateway.model()
-        try:
+        translated, names = anthropic_messages.chat_request(asked)
+        with named_as(names):
+            body = as_chat_request(translated)
+            model = await gateway.model()
             return await chat_answer(request, body, anthropic_messages.AnthropicAnswer(model.id, asked.stop_sequences))
-        except HttpError as exc:
-            raise exc.renamed(names) from None
 
     @anthropic(COUNT_TOKENS)
     async def count_tokens(request: Request) -> Response:
         """The tokens a Messages request's prompt comes to, as the chat route renders it."""
         asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.CountTokensRequest)
-        names = anthropic_messages.chat_names(asked)
-        try:
-            model, text, *_ = await chat_prompt(
-                as_chat_request(anthropic_messages.chat_body(asked), names), request_media()
-            )
-        except HttpError as exc:
-            raise exc.renamed(names) from None
+        translated, names = anthropic_messages.chat_request(asked)
+        with named_as(names):
+            model, text, *_ = await chat_prompt(as_chat_request(translated), request_media())
         if holds_media(text):  # (the daemon counts a medium's cells; a rendering without it would undercount)
             raise HttpError(
                 400, "count_tokens counts text only here: leave the images out, or send the message.", "invalid_value"
@@ -207,22 +199,20 @@ def build_routes(gateway: Gateway) -> list[Route]:
                     param="previous_response_id",
                 )
             history, chain = previous.messages, asked.prompt_cache_key or previous.chain
-        names = responses_api.chat_names(asked, history)
-        body = as_chat_request(responses_api.chat_body(asked, history, chain), names)
-        model = await gateway.model()
-        items = responses_api.input_items_of(asked)
+        translated, names = responses_api.chat_request(asked, history, chain)
+        with named_as(names):
+            body = as_chat_request(translated)
+            model = await gateway.model()
+            items = responses_api.input_items_of(asked)
 
-        def store(response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-            gateway.responses.put(response, chain, messages, items)
+            def store(response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+                gateway.responses.put(response, chain, messages, items)
 
-        conversation = [*history, *responses_api.input_messages(asked.input)]
-        answer = responses_api.ResponsesAnswer(
-            asked, model.id, conversation, store if asked.store is not False else None
-        )
-        try:
+            conversation = translated["messages"][1 if asked.instructions else 0 :]  # (the chain, then the input)
+            answer = responses_api.ResponsesAnswer(
+                asked, model.id, conversation, store if asked.store is not False else None
+            )
             return await chat_answer(request, body, answer)
-        except HttpError as exc:
-            raise exc.renamed(names) from None
 
     def stored(request: Request) -> StoredResponse:
         found = gateway.responses.get(request.path_params["response_id"])

@@ -204,9 +204,9 @@ def test_each_chat_message_is_named_by_the_message_or_block_it_came_from() -> No
         },
         anthropic_messages.MessagesRequest,
     )
-    chat = anthropic_messages.chat_messages(request)
+    body, names = anthropic_messages.chat_request(request)
+    chat = body["messages"]
     assert [m["role"] for m in chat] == ["system", "user", "assistant", "tool", "user"]
-    names = anthropic_messages.chat_names(request)
     assert names["messages[0]"] == "system" and names["messages[1]"] == "messages[0]"
     assert (
         names["messages[2]"] == "messages[1]" and names["messages[2].tool_calls[0].id"] == "messages[1].content[1].id"

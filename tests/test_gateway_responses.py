@@ -232,9 +232,9 @@ def test_each_chat_message_is_named_by_the_input_item_it_came_from() -> None:
         responses_api.ResponsesRequest,
     )
     history = [{"role": "user", "content": "before"}, {"role": "assistant", "content": "ok"}]
-    chat = responses_api.chat_body(request, history, "")["messages"]
+    body, names = responses_api.chat_request(request, history, "")
+    chat = body["messages"]
     assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant", "tool"]
-    names = responses_api.chat_names(request, history)
     assert names["messages[0]"] == "instructions" and names["messages[3]"] == "input[0]"
     assert names["messages[4].tool_calls[1].id"] == "input[2].call_id" and names["messages[4]"] == "input[1]"
     assert names["messages[5].tool_call_id"] == "input[3].call_id" and names["tools[0].function"] == "tools[0]"
