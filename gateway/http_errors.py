@@ -35,6 +35,7 @@ STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),
     ErrorCode.WORKER_LOST: (503, "server_error"),
     ErrorCode.REMOTE_UNAVAILABLE: (503, "server_error"),
+    ErrorCode.SPILL_UNAVAILABLE: (503, "server_error"),
     # An answer cut short: the gateway's own connection went quiet past the daemon's client_patience, the KV
     # filled up, or someone else cancelled it. Sending it again is the remedy.
     ErrorCode.CLIENT_UNRESPONSIVE: (503, "server_error"),

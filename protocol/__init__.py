@@ -51,6 +51,8 @@ class ErrorCode(StrEnum):
     # An RPC worker holding part of the model was lost: the daemon restarts, its sessions stay in the pool
     WORKER_LOST = "WORKER_LOST"
     REMOTE_UNAVAILABLE = "REMOTE_UNAVAILABLE"  # the remote tier (Redis) did not answer; local sessions still work
+    # The spill directory failed a read or write (not a full disk): the session is kept, nothing was dropped.
+    SPILL_UNAVAILABLE = "SPILL_UNAVAILABLE"
     # The client sent nothing (not even heartbeats), or read nothing, for the daemon's client_patience: its
     # generation was stopped; the session keeps what was generated.
     CLIENT_UNRESPONSIVE = "CLIENT_UNRESPONSIVE"

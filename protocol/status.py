@@ -193,6 +193,7 @@ class MoveCounts(Struct, kw_only=True):
     spills: int = 0
     evictions: int = 0
     checksum_failures: int = 0
+    spill_failures: int = 0  # spill-directory reads and writes that failed (not for lack of room)
     restores_without_room: int = 0  # llama.cpp had no cells for a restore: idle sessions made room
     compressions: int = 0  # snapshots written at a smaller KV type (pool or spill, docs/kv-compression.md)
     restores_decompressed: int = 0  # restores that wrote a compressed snapshot back at the hot types

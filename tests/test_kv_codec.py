@@ -245,14 +245,15 @@ def test_a_store_type_no_smaller_than_the_hot_one_stores_the_hot_one() -> None:
 def test_a_spill_file_of_another_kv_layout_is_refused(tmp_path: Path) -> None:
     payload = memoryview(bytes(range(64)) * 4)
     writer = SpillDir(tmp_path, 1 << 20, "m" * 32, "k=f16,v=f16,fa=1,rot=00,swa_full=0")
-    writer.write("s1", 1, payload, 256 - 8, 2, 2, checksum(payload))
-    assert writer.read("s1", 1) == payload.tobytes()
+    digest = checksum(payload)
+    writer.write("s1", 1, payload, 256 - 8, 2, 2, digest)
+    assert writer.read("s1", 1, digest) == payload.tobytes()
     other = SpillDir(tmp_path, 1 << 20, "m" * 32, "k=f16,v=f16,fa=0,rot=00,swa_full=0")
     with pytest.raises(SnapshotCorrupt, match=r"fa=1.*fa=0"):
-        other.read("s1", 1)
+        other.read("s1", 1, digest)
     foreign = SpillDir(tmp_path, 1 << 20, "n" * 32, "k=f16,v=f16,fa=1,rot=00,swa_full=0")
     with pytest.raises(SnapshotCorrupt, match="another model"):
-        foreign.read("s1", 1)
+        foreign.read("s1", 1, digest)
     assert os.path.exists(tmp_path / "s1.1.snap")  # refused, not deleted: the right daemon can still read it
 
 

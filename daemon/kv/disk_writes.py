@@ -4,6 +4,8 @@ session. Engine thread only."""
 
 from __future__ import annotations
 
+import errno
+import logging
 from collections.abc import Callable
 
 from kvpool.daemon.kv import place, policy
@@ -14,6 +16,14 @@ from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.refusals import RequestRefused
 from kvpool.protocol import ErrorCode
+
+log = logging.getLogger("kvpool.kv")
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the directory's disk is full: a write fails for room, like a full pool
+
+
+class SpillFailed(RequestRefused):
+    """A write to the spill directory failed for another reason than room (not a directory, permissions, an I/O
+    error, a file size limit): no session is dropped to make room the directory could not take anyway."""
 
 
 class DiskWrites:
@@ -84,10 +94,18 @@ class DiskWrites:
         try:
             self.spill.write(s.id, version, payload, state_bytes, n_tokens, n_kv, digest, kv_type)
         except OSError as exc:
-            raise RequestRefused(
-                ErrorCode.POOL_FULL,
-                f"Writing a snapshot to the spill directory {self.spill.path} failed ({exc.strerror}); free space "
-                "there or raise cache_pool_size.",
+            if exc.errno in NO_ROOM:
+                raise RequestRefused(
+                    ErrorCode.POOL_FULL,
+                    f"The disk of the spill directory {self.spill.path} is full ({exc.strerror}); free space there "
+                    "or raise cache_pool_size.",
+                ) from None
+            self.counts.spill_failures += 1
+            log.warning("writing session %s's snapshot to %s failed: %s", s.id, self.spill.path, exc)
+            raise SpillFailed(
+                ErrorCode.SPILL_UNAVAILABLE,
+                f"Writing a snapshot to the spill directory {self.spill.path} failed ({exc.strerror}); no session "
+                "was dropped for it: mend the directory (its path, permissions, the disk) or set spill_dir.",
             ) from None
         committed = self.pool.commit(
             s.entry, TIER_DISK, None, state_bytes, n_tokens, n_kv, digest, len(payload), *prefix_ref, kv_type, raw_bytes

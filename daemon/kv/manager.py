@@ -46,9 +46,11 @@ from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.prefix.cache import PrefixCache, PrefixCorrupt
 from kvpool.daemon.kv.prefix.index import shareable_length
 from kvpool.daemon.kv.sessions import Session, SessionCorrupt, SessionTable
-from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
+from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir, SpillError
 from kvpool.daemon.kv.stores import Stores
 from kvpool.daemon.llama.model import Model
+from kvpool.daemon.refusals import RequestRefused
+from kvpool.protocol import ErrorCode
 from kvpool.protocol.status import PoolStatus, PrefixStatus, SpillStatus
 
 if TYPE_CHECKING:
@@ -369,11 +371,8 @@ class KvManager:
         if snap.tier == TIER_POOL:
             intact = self.pool.in_bounds(snap) and self.pool.verify(snap)
         else:
-            try:
-                self.spill.read(s.id, snap.version)
-                intact = True
-            except SnapshotCorrupt:
-                intact = False
+            self._spill_payload(s, snap)
+            intact = True
         if not intact:
             self.counts.checksum_failures += 1
             raise SessionCorrupt(s, "its saved tokens fail their checksum")
@@ -406,11 +405,7 @@ class KvManager:
             self.counts.restores_pool += 1
             self.counts.restore_pool.add(snap.state_bytes, time.perf_counter() - started)
         else:
-            try:
-                payload = self.spill.read(s.id, snap.version)
-            except SnapshotCorrupt as exc:
-                self.counts.checksum_failures += 1
-                raise SessionCorrupt(s, str(exc)) from None
+            payload = self._spill_payload(s, snap)
             if snap.compressed:
                 stored = memoryview(payload)[: snap.state_bytes]
                 ok = self.model.load_state(slot, self._decompress(s, stored), first, cells)
@@ -419,6 +414,23 @@ class KvManager:
                 ok = self.model.load_state(slot, state, first, cells)
             self.counts.restores_disk += 1
         return ok
+
+    def _spill_payload(self, s: Session, snap: Snapshot) -> bytes:
+        """A spilled snapshot's bytes: a damaged or foreign file closes the session (SESSION_CORRUPT); one that
+        cannot be read now refuses this request alone, and the session stays for when the directory is mended."""
+        try:
+            return self.spill.read(s.id, snap.version, snap.checksum)
+        except SnapshotCorrupt as exc:
+            self.counts.checksum_failures += 1
+            raise SessionCorrupt(s, str(exc)) from None
+        except SpillError as exc:
+            self.counts.spill_failures += 1
+            log.warning("session %s: %s", s.id, exc)
+            raise RequestRefused(
+                ErrorCode.SPILL_UNAVAILABLE,
+                f"Session {s.id}'s saved state could not be read ({exc}); the session is kept: retry once the "
+                "spill directory is readable again (its path and permissions, the disk).",
+            ) from None
 
     def _decompress(self, s: Session, stored: memoryview) -> ctypes.Array[ctypes.c_uint8]:
         """A compressed snapshot's state at the hot types, for llama.cpp to load."""

@@ -1,7 +1,8 @@
 """Rebuilding the sessions and shared prefixes from the pool after a restart (or a crash).
 
-A damaged record or spill file must not stop the start: its session comes back with placeholder tokens and its
-restore reports SESSION_CORRUPT (the checksum cannot match). Runs once, before the engine starts.
+A damaged record or spill file must not stop the start: its session is closed (its owner gets SESSION_CORRUPT, with
+what was wrong), never brought back with a history it does not have. A record whose bytes fail only their checksum
+is found at its restore, which reports SESSION_CORRUPT the same way. Runs once, before the engine starts.
 """
 
 from __future__ import annotations
@@ -42,15 +43,24 @@ def recover(kv: KvManager) -> int:
             continue
         snap = e.snapshot
         tokens: list[int] = []
-        placeholder = [0] * min(snap.n_tokens if snap else 0, kv.model.context_size)
+        damaged = ""
         if snap is not None and snap.tier == TIER_POOL:
-            tokens = kv.pool.tokens(snap) if kv.pool.intact(e.index, snap) else placeholder
+            if kv.pool.intact(e.index, snap):
+                tokens = kv.pool.tokens(snap)
+            else:
+                damaged = "its pool record does not fit the pool"
         elif snap is not None:
-            live_files.add(kv.spill.name(e.session, snap.version))
             try:
-                tokens = kv.spill.read_tokens(e.session, snap.version)
-            except SnapshotCorrupt:
-                tokens = placeholder
+                tokens = kv.spill.read_tokens(e.session, snap.version, snap.checksum)
+                live_files.add(kv.spill.name(e.session, snap.version))
+            except SnapshotCorrupt as exc:
+                damaged = str(exc)  # (its file, if any, is removed below with the leftovers)
+        if damaged:
+            log.warning("session %s: %s; it is closed, its owner is told SESSION_CORRUPT", e.session, damaged)
+            kv.counts.checksum_failures += 1
+            kv.pool.release(e.index)
+            kv.sessions.remember_damaged(e.session, e.token, damaged)
+            continue
         n_kv = snap.n_kv if snap else 0
         kept = place.without_lost_media(tokens, n_kv)
         if len(kept) < len(tokens):

@@ -1,7 +1,8 @@
 """Making room in the pool for a snapshot: compressing (pool_kv_policy "when_full"), then spilling the least
 recently used snapshots that may move (an unused shared prefix goes before any session's), and only when nothing
-can go to disk, dropping one: a resident session loses just its checkpoint (its KV is still hot), an idle one is
-evicted. Engine thread only."""
+can go to disk for room, dropping one: a resident session loses just its checkpoint (its KV is still hot), an idle
+one is evicted. A spill directory that fails (an I/O error, not a full disk) drops nothing: the snapshot that needed
+the room is refused instead. Engine thread only."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import contextlib
 
 from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.compression import PoolCompressor
-from kvpool.daemon.kv.disk_writes import DiskWrites
+from kvpool.daemon.kv.disk_writes import DiskWrites, SpillFailed
 from kvpool.daemon.kv.pool.allocator import Extent, ExtentAllocator
 from kvpool.daemon.kv.pool.layout import TIER_DISK, TIER_POOL
 from kvpool.daemon.kv.prefix.cache import PrefixCache
@@ -62,6 +63,8 @@ class PoolRoom:
         try:
             self.disk_writes.spill_out(victim)
             return
+        except SpillFailed:
+            raise  # the directory failed rather than filled: dropping a session would make no room on it
         except RequestRefused:
             if victim.slot is None and victim.busy:
                 raise  # it waits for a slot: its snapshot is all it has

@@ -27,7 +27,8 @@ SUFFIX = ".snap"
 
 
 class SpillError(Exception):
-    """The spill directory cannot be used; the message says what to do."""
+    """The spill directory cannot be used (at start), or a file in it cannot be read now (an I/O error, not a
+    damaged file: the snapshot may read again once the directory is mended); the message says what failed."""
 
 
 class SnapshotCorrupt(Exception):
@@ -103,28 +104,37 @@ class SpillDir:
             os.close(dir_fd)
         self._sizes[name] = HEADER.size + len(payload)
 
-    def read(self, session: str, version: int) -> bytes:
-        """The payload (state bytes then int32 tokens), checked against the header's checksum."""
+    def read(self, session: str, version: int, digest: int) -> bytes:
+        """The payload (state bytes then int32 tokens), checked against the header's checksum, which must be
+        ``digest``, the one the session's record holds: a file of another session or snapshot put in its place
+        checks against its own header, and would otherwise be loaded as this session's KV."""
         name = self.name(session, version)
         try:
             data = (self.path / name).read_bytes()
         except FileNotFoundError:
             raise SnapshotCorrupt(f"spill file {name} is missing") from None
+        except OSError as exc:
+            raise SpillError(f"spill file {self.path / name} cannot be read: {exc.strerror}") from None
         if len(data) < HEADER.size:
             raise SnapshotCorrupt(f"spill file {name} is truncated")
-        magic, file_version, state_bytes, n_tokens, _n_kv, digest, _kv_type, fingerprint, layout = HEADER.unpack_from(
+        magic, file_version, state_bytes, n_tokens, _n_kv, stored, _kv_type, fingerprint, layout = HEADER.unpack_from(
             data
         )
         payload = data[HEADER.size :]
-        if magic != MAGIC or file_version != version or len(payload) != payload_bytes(state_bytes, n_tokens):
+        if magic != MAGIC or file_version != version:
             raise SnapshotCorrupt(f"spill file {name} has a damaged header")
+        if len(payload) != payload_bytes(state_bytes, n_tokens):
+            raise SnapshotCorrupt(f"spill file {name} is truncated")
         self._check_identity(name, fingerprint, layout)
+        if stored != digest:
+            raise SnapshotCorrupt(f"spill file {name} holds another snapshot than the one its session's record names")
         if checksum(payload) != digest:
             raise SnapshotCorrupt(f"spill file {name} fails its checksum")
         return payload
 
-    def read_tokens(self, session: str, version: int) -> list[int]:
-        """Only the token history of a spilled snapshot (at start, to rebuild the session table cheaply)."""
+    def read_tokens(self, session: str, version: int, digest: int) -> list[int]:
+        """Only the token history of a spilled snapshot (at start, to rebuild the session table cheaply), from a
+        file whose header holds ``digest`` (see read)."""
         name = self.name(session, version)
         try:
             with (self.path / name).open("rb") as f:
@@ -134,6 +144,10 @@ class SpillDir:
                 data = f.read(TOKEN_BYTES * n_tokens)
         except (OSError, struct.error) as exc:
             raise SnapshotCorrupt(f"spill file {name} cannot be read ({exc})") from None
+        if fields[0] != MAGIC or fields[1] != version:
+            raise SnapshotCorrupt(f"spill file {name} has a damaged header")
+        if fields[5] != digest:
+            raise SnapshotCorrupt(f"spill file {name} holds another snapshot than the one its session's record names")
         if len(data) != TOKEN_BYTES * n_tokens:
             raise SnapshotCorrupt(f"spill file {name} is truncated")
         return np.frombuffer(data, dtype="<i4").tolist()

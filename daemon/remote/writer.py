@@ -30,7 +30,7 @@ import msgspec
 
 from kvpool.daemon.kv.pool.checksum import checksum
 from kvpool.daemon.kv.pool.pool import Pool
-from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir
+from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillDir, SpillError
 from kvpool.daemon.remote import record as rec
 from kvpool.daemon.remote.lease import Lease, LeaseHeld
 from kvpool.daemon.remote.store import RemoteStore, RemoteUnavailable
@@ -298,7 +298,7 @@ class RemoteWriter:
         record = msgspec.structs.replace(
             job.record, generation=held.generation, written_at=time.time(), node=self.store.node
         )
-        payload = self._payload(job.session, job.source)
+        payload = self._payload(job.session, job.source, record.checksum)
         try:
             if payload is not None:
                 self.store.stage(job.session, held, payload)
@@ -341,13 +341,14 @@ class RemoteWriter:
             return True
         return checksum(payload) == digest
 
-    def _payload(self, session: str, source: Source) -> memoryview | None:
-        """The checkpoint's bytes: a view of the pool extent (no copy), or the spill file's contents."""
+    def _payload(self, session: str, source: Source, digest: int) -> memoryview | None:
+        """The checkpoint's bytes: a view of the pool extent (no copy), or the spill file's contents (None when
+        they cannot be read: the job then ends as stale)."""
         if source.pool_offset is not None:
             return self.pool.view(source.pool_offset, source.length)
         try:
-            return memoryview(self.spill.read(session, source.spill_version))
-        except SnapshotCorrupt:
+            return memoryview(self.spill.read(session, source.spill_version, digest))
+        except (SnapshotCorrupt, SpillError):
             return None
 
     @staticmethod
