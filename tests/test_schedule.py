@@ -208,6 +208,18 @@ def test_a_best_effort_medium_waits_for_deadline_bound_work_and_a_deadline_bound
     assert work_of(schedule(view([], running=[chatter, urgent]))) == [("urgent", 16)]
 
 
+def test_a_medium_goes_beside_answers_without_deadlines() -> None:
+    """The default task has no budgets: a medium is not held back until an older answer without a deadline ends
+    (it waited for all of it, a turn with an image behind a 25,000-token answer)."""
+    chat = Gen("chat", 0.0, session=hot(0), pending_tokens=1)
+    image = Gen("image", 1.0, session=hot(1), pending_tokens=40, feeds_medium=True)
+    assert work_of(schedule(view([], running=[chat, image]))) == [("image", 16)]
+    assert work_of(schedule(view([], running=[chat, image], time_cap=0.2))) == [("image", 16)]
+    # A prompt that came before it still goes first.
+    older = Gen("older", 0.5, session=hot(2), pending_tokens=30)
+    assert work_of(schedule(view([], running=[chat, image, older]))) == [("chat", 1), ("older", 30)]
+
+
 def test_fcfs_feeds_a_medium_when_it_is_the_oldest_prompt() -> None:
     image = Gen("image", 1.0, session=hot(0), pending_tokens=40, feeds_medium=True)
     text = Gen("text", 2.0, session=hot(1), pending_tokens=30)

@@ -13,14 +13,15 @@ at first, then exactly one (the token it just sampled).
 A medium's cells (an image, audio) are fed whole, from its embeddings, in a decode of their own (llama.cpp takes
 tokens or embeddings in one batch, not both; a non-causal image's cells attend to each other both ways), after its
 encode: such a step feeds that medium alone. Under "budgets" it goes when it is more urgent than all the text work,
-or when it is the oldest prompt waiting and either no deadline-bound generation is in flight or its step (its
-encode and its rows) stays within the step's time cap; it cannot be cut to fit that cap, so a deadline-bound
+or when it is the oldest prompt waiting and either no generation with a deadline is in flight (a task without
+budgets has none) or its step (its encode and its rows) stays within the step's time cap; it cannot be cut to fit that cap, so a deadline-bound
 request that arrives during a longer one waits for it (docs/multimodal.md says how long).
 Under "fcfs" it goes when it is the oldest prompt.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -121,7 +122,9 @@ class StepPolicy:
             return True
         if first.arrival >= oldest:
             return False
-        if not any(not w.item.best_effort for w in step_work):
+        # Deadline-bound work is what has a deadline: a task without budgets (the default's) has none, and a medium
+        # that waited for its answer would wait for all of it.
+        if not any(math.isfinite(w.item.deadline) for w in step_work):
             return True
         # Deadline-bound work is in flight: the medium goes only in a step that stays within the cap it keeps.
         n = first.feedable_tokens
