@@ -39,6 +39,41 @@ def png(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
+def jpeg(width: int, height: int, fill: bool = False) -> bytes:
+    """A minimal baseline grayscale JPEG (all-zero entropy data: a gray picture); ``fill``: a 0xFF fill byte
+    before its first segment, which decoders skip."""
+
+    def segment(marker: int, body: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+    tables = segment(0xDB, b"\x00" + bytes([1]) * 64)
+    frame = segment(0xC0, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00")
+    counts = bytes([1] + [0] * 15)
+    huffman = segment(0xC4, b"\x00" + counts + b"\x00") + segment(0xC4, b"\x10" + counts + b"\x00")
+    scan = segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+    return b"\xff\xd8" + (b"\xff" if fill else b"") + tables + frame + huffman + scan + bytes(16) + b"\xff\xd9"
+
+
+def os2_bmp(width: int, height: int) -> bytes:
+    """A 24-bit BMP with the 12-byte OS/2 header, whose sizes are 16-bit."""
+    stride = (width * 3 + 3) // 4 * 4
+    pixels = bytes(stride * height)
+    header = struct.pack("<IHHHH", 12, width, height, 1, 24)
+    return b"BM" + struct.pack("<IHHI", 14 + 12 + len(pixels), 0, 0, 26) + header + pixels
+
+
+def test_an_image_files_size_is_read_from_its_header_as_its_decoder_reads_it() -> None:
+    from kvpool.daemon.llama.model.mtmd import image_size
+
+    assert image_size(png(5, 3)) == (5, 3)
+    assert image_size(jpeg(4200, 4100)) == (4200, 4100)
+    assert image_size(jpeg(4200, 4100, fill=True)) == (4200, 4100)  # (a fill byte hid it: decoded unchecked)
+    assert image_size(os2_bmp(8, 6)) == (8, 6)  # (read as 32-bit sizes: 524296x1572865, refused)
+    apple = bytearray(png(1, 1))
+    apple[12:16] = b"CgBI"  # a chunk before IHDR: what lies at IHDR's offset is not the size
+    assert image_size(bytes(apple)) is None
+
+
 def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
     out = io.BytesIO()
     with wave.open(out, "wb") as w:
@@ -361,10 +396,14 @@ def test_bad_media_leave_the_session_and_the_daemon_intact(media_daemon: Callabl
     daemon = media_daemon()
     with Client(daemon.address) as client, client.open_session() as s:
         kept = s.complete(["Look: ", Image(FRAME)], max_tokens=2, **GREEDY).usage.context_tokens
-        jpeg = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01" + bytes(40)  # a JPEG cut off after its header
+        cut = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01" + bytes(40)  # a JPEG cut off after its header
         huge = p.Medium(kind="image", format="rgb", width=1 << 15, height=1 << 15, data=b"\x00" * 12)
+        apple = bytearray(png(4, 4))
+        apple[12:16] = b"CgBI"
         cases = [
-            (p.Medium(kind="image", format="encoded", data=jpeg), "no file llama.cpp"),
+            (p.Medium(kind="image", format="encoded", data=cut), "does not say its size"),
+            (p.Medium(kind="image", format="encoded", data=bytes(apple)), "does not say its size"),
+            (p.Medium(kind="image", format="encoded", data=jpeg(4200, 4200, fill=True)), "4200x4200"),
             (p.Medium(kind="image", format="encoded", data=png(4, 4)[:30]), "no file llama.cpp"),
             (p.Medium(kind="image", format="rgb", width=0, height=4, data=b""), "0x4 rgb frame"),
             (huge, "32768x32768 rgb frame"),

@@ -14,8 +14,9 @@ A medium's cells (an image, audio) are fed whole, from its embeddings, in a deco
 tokens or embeddings in one batch, not both; a non-causal image's cells attend to each other both ways), after its
 encode: such a step feeds that medium alone. Under "budgets" it goes when it is more urgent than all the text work,
 or when it is the oldest prompt waiting and either no generation with a deadline is in flight (a task without
-budgets has none) or its step (its encode and its rows) stays within the step's time cap; it cannot be cut to fit that cap, so a deadline-bound
-request that arrives during a longer one waits for it (docs/multimodal.md says how long).
+budgets has none) or its step (its encode and its rows) stays within the step's time cap; it cannot be cut to fit
+that cap, so a deadline-bound request that arrives during a longer one waits for it (docs/multimodal.md says how
+long).
 Under "fcfs" it goes when it is the oldest prompt.
 """
 

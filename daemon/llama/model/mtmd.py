@@ -35,22 +35,39 @@ MAX_DECODED_PIXELS = 1 << 24  # a file that decodes to more (4096 x 4096) is ref
 
 def image_size(data: bytes) -> tuple[int, int] | None:
     """An image file's width and height from its header (PNG, GIF, BMP, JPEG), None when it does not say: checked
-    before decoding, so that a small file that would decode to gigabytes is refused."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) >= 24:
+    before decoding, so that a small file that would decode to gigabytes is refused (a file that does not say is
+    refused too: the decoder reads layouts this does not, and would decode it whatever its size)."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) >= 24 and data[12:16] == b"IHDR":
         return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
         return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
     if data.startswith(b"BM") and len(data) >= 26:
+        if int.from_bytes(data[14:18], "little") == 12:  # an OS/2 header: 16-bit sizes
+            return int.from_bytes(data[18:20], "little"), int.from_bytes(data[20:22], "little")
         return abs(int.from_bytes(data[18:22], "little", signed=True)), abs(
             int.from_bytes(data[22:26], "little", signed=True)
         )
     if data.startswith(b"\xff\xd8"):
-        at = 2
-        while at + 9 <= len(data) and data[at] == 0xFF:
-            marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4], "big")
-            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame: its size
-                return int.from_bytes(data[at + 7 : at + 9], "big"), int.from_bytes(data[at + 5 : at + 7], "big")
-            at += 2 + length
+        return _jpeg_size(data)
+    return None
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The size in a JPEG's start-of-frame segment, walking the segments before it (fill bytes and markers without
+    a length included, as the decoder does)."""
+    at = 2
+    while at + 1 < len(data) and data[at] == 0xFF:
+        marker = data[at + 1]
+        if marker == 0xFF:  # a fill byte
+            at += 1
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD7:  # TEM, RSTn: no length
+            at += 2
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame: its size
+            if at + 9 > len(data):
+                return None
+            return int.from_bytes(data[at + 7 : at + 9], "big"), int.from_bytes(data[at + 5 : at + 7], "big")
+        else:
+            at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
     return None
 
 
@@ -225,6 +242,11 @@ class MediaEncoder:
                     f"({'JPEG, PNG, BMP, GIF' if kind == IMAGE else 'WAV, MP3, FLAC'})"
                 )
             size = image_size(data) if kind == IMAGE else None
+            if kind == IMAGE and size is None:
+                raise MediaError(
+                    "the image's header does not say its size where a PNG, GIF, BMP or JPEG says it (a damaged or "
+                    "unusual file); send it as a plain PNG or JPEG"
+                )
             if size is not None and size[0] * size[1] > MAX_DECODED_PIXELS:
                 raise MediaError(
                     f"the image is {size[0]}x{size[1]} pixels, more than {MAX_DECODED_PIXELS} once decoded; send a "
