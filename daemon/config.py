@@ -43,6 +43,9 @@ def one_of(*values: str) -> Any:
     ]
 
 
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+
+
 def sequence_count(hot_slots: int, prefix_slots: int, extra: int = 0) -> int:
     """llama.cpp sequence ids the daemon uses: the hot slots, one per shared prefix, one scratch sequence when
     sharing is on, and the pad row's and the graveyard's of deterministic decoding (docs/determinism.md). The model
@@ -174,8 +177,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     http: Annotated[
         str,
         Meta(
-            pattern=r"^((127\.0\.0\.1|localhost|\[::1\]):\d{1,5})?$",
-            description="must be a loopback address and port, e.g. 127.0.0.1:9101 (or be empty)",
+            pattern=r"^((127\.0\.0\.1|localhost|\[::1\]):"
+            r"(6553[0-5]|655[0-2]\d|65[0-4]\d{2}|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3}))?$",
+            description="must be a loopback address and a port from 1 to 65535, e.g. 127.0.0.1:9101 (or be empty)",
         ),
         Flag("serve /health and /metrics on 127.0.0.1:PORT"),
     ] = ""
@@ -361,20 +365,30 @@ def load_config(
             raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"Config file {path} does not exist; pass an existing file to --config.") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"Config file {path} is not UTF-8 text; save it as UTF-8 TOML.") from None
+        except OSError as exc:
+            raise ConfigError(f"Config file {path} cannot be read ({exc.strerror}); pass a readable file.") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from None
     from_env = _from_environment(environ or {})
-    raw.update(from_env)
     flagged = {key: value for key, value in (overrides or {}).items() if value is not None}
-    raw.update(flagged)
-    try:
+    try:  # (each layer's sizes apart, so that a bad one is blamed on where it was written)
+        where = source
         _parse_sizes(raw, SIZE_KEYS, "")
         tasks_raw = raw.pop("tasks", {"default": {}})
         for name, table in tasks_raw.items() if isinstance(tasks_raw, dict) else ():
             if isinstance(table, dict):
                 _parse_sizes(table, ("pool_quota",), f"tasks.{name}.")
+        for key in SIZE_KEYS:
+            where = f"{ENV_PREFIX}{key.upper()}"
+            _parse_sizes(from_env, (key,), "")
+            where = f"--{key.replace('_', '-')}"
+            _parse_sizes(flagged, (key,), "")
     except ValueError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
+    raw.update(from_env)
+    raw.update(flagged)
     try:
         config = msgspec.convert(raw | {"tasks": {}}, Config)
     except msgspec.ValidationError as exc:
@@ -399,6 +413,13 @@ def load_config(
             f'{source}: {profiled[0]} = "profile" goes with the f16 hot KV the profile was measured on, not '
             f"cache_type_k = {config.cache_type_k!r} / cache_type_v = {config.cache_type_v!r}; choose a store type "
             "smaller than the hot types (docs/kv-compression.md), or the f16 hot KV."
+        )
+    sequences = sequence_count(config.hot_slots, config.prefix_slots, config.determinism.extra_sequences)
+    if sequences > MAX_SEQUENCES:
+        raise ConfigError(
+            f"{source}: hot_slots = {config.hot_slots} and prefix_slots = {config.prefix_slots} take {sequences} of "
+            f"llama.cpp's sequences (the hot slots, one per shared prefix, one scratch sequence while sharing is "
+            f"on, two more in deterministic mode), more than its {MAX_SEQUENCES}; lower one of them."
         )
     if config.draft_min_tokens > config.draft_tokens:
         raise ConfigError(
@@ -469,7 +490,10 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"{text!r} is not a size; write e.g. 512MiB, 2GiB or a number of bytes")
     number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "")[:1].upper()])
+    scale = _UNITS[(unit or "")[:1].upper()]
+    if scale == 1 and "." in number:
+        raise ValueError(f"{text!r} is not a whole number of bytes; write e.g. 512MiB or 1.5GiB")
+    return int(float(number) * scale)
 
 
 def _parse_sizes(table: dict[str, Any], keys: tuple[str, ...], prefix: str) -> None:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from kvpool.daemon.remote.tier import RemoteTier
 
 MAX_FRAME_AREAS = 64  # connections with a frame area at once (a device's task processes, and the gateway)
+THREADS_STOP_S = 60.0  # the bound on the engine and I/O threads' orderly end (systemd's TimeoutStopSec is the same)
 log = logging.getLogger("kvpool.daemon")
 
 
@@ -291,37 +292,49 @@ def serve(d: Daemon, stack: contextlib.ExitStack) -> None:
         notifier.stopping()
         engine.stopping.set()
 
+    def refuse_reload(signum: int, _frame: object) -> None:
+        # (Python's default for SIGHUP ends the process at once: no cut said to the answers in flight, and no
+        # checkpoint; systemd would even count it a clean exit and not restart it.)
+        log.warning("received SIGHUP: ignored, kvpoold reads its settings at start only; restart it to apply new ones")
+
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGHUP, refuse_reload)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
-    engine_thread = threading.Thread(target=run_engine, name="engine")
-    io_thread = threading.Thread(target=server.serve, args=(engine.submit, engine_done), name="io")
-    engine_thread.start()
-    io_thread.start()
-    if config.http:
+    if config.http:  # (bound before the threads start: nothing below may unwind the stack under them)
         try:
             http = HttpListener(config.http, d.address)
             http.start()
             stack.callback(http.close)
             log.info("serving /health and /metrics on http://%s", config.http)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, OverflowError) as exc:
             log.error("no HTTP listener on %s: %s", config.http, exc)
     stack.callback(notifier.close)
-    # Ready only now: the socket is bound, the model loaded, the sessions recovered, the engine running.
-    notifier.ready(engine.summary())
-    notifier.start_watchdog(lambda: engine.heartbeat, engine.summary)
-    log.info(
-        "kvpoold %s ready on %s: %s, %d hot slots, %d KV cells, %d threads",
-        __version__,
-        d.address,
-        d.model.description,
-        config.hot_slots,
-        d.model.context_size,
-        decode_threads(config),
-    )
-    while engine_thread.is_alive():
-        engine_thread.join(0.5)  # a timed join keeps the main thread responsive to signals
-    io_thread.join()
+    engine_thread = threading.Thread(target=run_engine, name="engine")
+    io_thread = threading.Thread(target=server.serve, args=(engine.submit, engine_done), name="io")
+    engine_thread.start()
+    io_thread.start()
+    try:
+        # Ready only now: the socket is bound, the model loaded, the sessions recovered, the engine running.
+        notifier.ready(engine.summary())
+        notifier.start_watchdog(lambda: engine.heartbeat, engine.summary)
+        log.info(
+            "kvpoold %s ready on %s: %s, %d hot slots, %d KV cells, %d threads",
+            __version__,
+            d.address,
+            d.model.description,
+            config.hot_slots,
+            d.model.context_size,
+            decode_threads(config),
+        )
+        while engine_thread.is_alive():
+            engine_thread.join(0.5)  # a timed join keeps the main thread responsive to signals
+    finally:
+        # Whatever ends this (a stop, or an error here), the threads end before the stack closes their sockets
+        # and the model under them.
+        engine.stopping.set()
+        engine_thread.join(THREADS_STOP_S)
+        io_thread.join(THREADS_STOP_S)
 
 
 if __name__ == "__main__":

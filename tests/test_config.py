@@ -47,7 +47,16 @@ def test_bad_config_names_key_and_value(tmp_path: Path, text: str, expected: str
     ("overrides", "environ", "sentence"),
     [
         ({"pool_name": "kvh-1"}, {}, "--pool-name: `pool_name` = 'kvh-1' is not allowed: it must start with '/'"),
-        ({"http": "0.0.0.0:80"}, {}, "it must be a loopback address and port, e.g. 127.0.0.1:9101"),
+        ({"http": "0.0.0.0:80"}, {}, "it must be a loopback address and a port from 1 to 65535, e.g. 127.0.0.1:9101"),
+        # (a port past 65535 passed, and the daemon died of the listener's OverflowError under its running threads)
+        ({"http": "127.0.0.1:99999"}, {}, "`http` = '127.0.0.1:99999' is not allowed: it must be a loopback address"),
+        ({"http": "127.0.0.1:0"}, {}, "`http` = '127.0.0.1:0' is not allowed"),
+        # A size is blamed on where it was written: a variable, a flag (the file's name was given for both).
+        ({}, {"KVPOOL_CACHE_POOL_SIZE": "banana"}, "KVPOOL_CACHE_POOL_SIZE: `cache_pool_size`: 'banana' is not a size"),
+        ({"cache_pool_size": "banana"}, {}, "--cache-pool-size: `cache_pool_size`: 'banana' is not a size"),
+        ({"cache_pool_size": "1.5"}, {}, "'1.5' is not a whole number of bytes"),  # (it was read as 1 byte)
+        # hot_slots and prefix_slots each within bounds, together past llama.cpp's 256 sequences: it could not start.
+        ({"hot_slots": 256}, {}, "hot_slots = 256 and prefix_slots = 2 take 259 of llama.cpp's sequences"),
         (
             {},
             {"KVPOOL_CHECKPOINT": "never"},
@@ -76,6 +85,12 @@ def test_flags_override_the_file_and_are_named_in_errors(tmp_path: Path) -> None
         load_config(path, {"max_sessions": 0})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+    utf16 = tmp_path / "utf16.toml"
+    utf16.write_text("hot_slots = 2\n", encoding="utf-16")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):  # (a UnicodeDecodeError's traceback)
+        load_config(utf16)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path)  # a directory
 
 
 def test_config_reference_documents_every_key_and_flag() -> None:

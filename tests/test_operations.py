@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from kvpool.daemon.config import load_config
 from kvpool.daemon.main import default_pool_name
 from kvpool.daemon.serve.notify import Notifier
 
-from .daemon_process import DaemonProcess, free_port, kvpoold_command, run_until_exit
+from .daemon_process import DaemonProcess, free_port, kvpoold_command, run_until_exit, wait_until
 from .system_packages import need
 
 Start = Callable[..., DaemonProcess]
@@ -265,6 +266,27 @@ def test_systemd_unit_verifies_and_is_hardened(tmp_path: Path, name: str) -> Non
     assert exposure <= 2.0, security.stdout  # "OK" or better
     settings = [line.split("=", 1)[0] for line in unit.splitlines() if line and not line.startswith("#")]
     assert "RemoveIPC" not in settings and "DynamicUser" not in settings  # they would delete the pool at stop
+
+
+def test_sighup_is_refused_in_the_log_and_cuts_nothing(start_daemon: Start) -> None:
+    """`kill -HUP` (what a reload sends) ended the daemon at once: the answer in flight lost without a word, no
+    checkpoint, and a unit that systemd would not restart. Settings are read at start only: it is said, and ignored."""
+    daemon = start_daemon()
+    assert "ExecReload" not in [
+        line.split("=", 1)[0] for line in (ROOT / "systemd" / "kvpoold.service").read_text().splitlines()
+    ]
+    with daemon.client() as client, client.open_session() as s:
+        stream = s.generate("a long answer", max_tokens=200, temperature=0.0)
+        first = next(iter(stream))
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "received SIGHUP: ignored" in daemon.log(), "the SIGHUP's log line", 20.0)
+        rest = [chunk for chunk in stream]
+        assert stream.final is not None and stream.final.usage.completion_tokens == len(first.tokens) + sum(
+            len(c.tokens) for c in rest
+        )
+        assert s.complete(" and on", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
+    assert daemon.proc.poll() is None
 
 
 def test_memory_high_water_refuses_new_sessions(start_daemon: Start) -> None:
