@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -265,7 +266,7 @@ def format_status(status: DaemonStatus) -> str:
         ("sessions", f"{sessions.open} open (max {sessions.max}), {sessions.generating} generating"),
         ("tokens", f"{c.generated_tokens} generated, {c.prompt_tokens} prompt, {c.decode_calls} decodes"),
         ("requests", _counts(c.requests)),
-        ("errors", _counts(c.errors | c.frame_errors)),
+        ("errors", _counts(dict(Counter(c.errors) + Counter(c.frame_errors)))),
     ]
     if status.remote is not None:
         r = status.remote

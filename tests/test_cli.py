@@ -7,7 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from kvpool import protocol as p
+from kvpool.client.errors import BadRequest
+
 from .daemon_process import DaemonProcess
+from .raw import RawConnection
 
 CLI_TIMEOUT_S = 60
 
@@ -37,8 +43,24 @@ def test_cli_generate_status_sessions(daemon: DaemonProcess) -> None:
         data = json.loads(status.stdout)
         assert data["counters"]["generated_tokens"] >= 24 and data["slots"]["total"] == 4
 
+        # Refusals counted by the engine and by the I/O thread (a frame it could not read) add up in the table
+        # (the second count replaced the first).
+        for _ in range(2):
+            with pytest.raises(BadRequest):
+                client.detokenize([10**9])
+        raw = RawConnection(daemon.address)
+        try:
+            raw.send_frames(b"\xc1 not msgpack")
+            assert isinstance(raw.recv(), p.Error)
+        finally:
+            raw.close()
+        counters = client.status().counters
+        assert counters.errors["BAD_REQUEST"] >= 2 and counters.frame_errors["BAD_REQUEST"] >= 1
+        both = counters.errors["BAD_REQUEST"] + counters.frame_errors["BAD_REQUEST"]
+
         table = kvpool("status", address=daemon.address)
         assert table.returncode == 0 and "slots" in table.stdout and "1/4 used" in table.stdout
+        assert f"BAD_REQUEST {both}" in table.stdout
 
         sessions = kvpool("sessions", "--json", address=daemon.address)
         listed = json.loads(sessions.stdout)

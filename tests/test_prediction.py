@@ -78,6 +78,7 @@ def test_an_answer_a_stop_string_ends_inside_a_guess_counts_only_the_predicted_t
     prediction's tokens the answer kept, and those after the stop as refused (computed and thrown away)."""
     step_log = tmp_path / "steps.jsonl"
     cut_inside = 0
+    thrown_away = 0  # guessed tokens sampling took after a stop: computed, never in an answer
     with start_daemon("--hot-slots", "2", *SPECULATE, "--step-log", str(step_log), name="fast").client() as client:
         with client.open_session() as session:
             plain = session.complete(PROMPTS[1], max_tokens=TOKENS, **GREEDY)
@@ -99,7 +100,12 @@ def test_an_answer_a_stop_string_ends_inside_a_guess_counts_only_the_predicted_t
             fed = sum(i.guessed for i in runs if i.predicted)
             assert (usage.accepted_prediction_tokens, usage.rejected_prediction_tokens) == (taken, fed - taken)
             assert usage.accepted_prediction_tokens < usage.completion_tokens == len(got)
-    assert cut_inside  # (a stop came inside a run of the prediction's tokens that sampling took)
+            thrown_away += (runs[-1].sampled - kept_last) if runs[-1].guessed else 0
+        # The daemon's counters count what the answers kept too (they counted the guesses after a stop as taken:
+        # more tokens "accepted" than generated).
+        guessed = [i for step in step_records(step_log) for i in step.items if i.guessed and i.sampled]
+        assert client.status().counters.accepted_tokens == sum(i.sampled - 1 for i in guessed) - thrown_away
+    assert thrown_away and cut_inside  # (a stop came inside a run of the prediction's tokens that sampling took)
 
 
 def test_a_prediction_that_cannot_be_used_is_refused_with_a_sentence(start_daemon: Start) -> None:

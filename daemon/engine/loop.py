@@ -364,11 +364,12 @@ class Engine:
             if work.draft:
                 self.kv.trim(g.session)
         if work.draft and g.drafter is not None:  # (before the final message: its usage counts this run)
+            # (the counters count what the answer kept: guesses sampling took after a stop are thrown away)
             if g.drafter.matched == FORCED:
-                self.counters.jumped_tokens += len(run) - 1
+                self.counters.jumped_tokens += kept - 1
             g.drafter.observe(len(work.draft), len(run) - 1, kept=kept - 1)
             self.counters.drafted_tokens += len(work.draft)
-            self.counters.accepted_tokens += len(run) - 1
+            self.counters.accepted_tokens += kept - 1
         if ended is not None:
             self.finish(g, ended, now, flushed=True)
         elif g.jumps == "append":
