@@ -29,7 +29,17 @@ from .address import default_address
 from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
 from .errors import BadRequest, DaemonUnavailable, KvpoolError, NotConnected, RequestTimeout, closes_after
 from .media import AREA_BYTES, FrameArea, Part, Placing, is_parts, wire_parts
-from .results import Collector, Completion, WirePart, expect, generate_request, open_request, raise_if_error
+from .results import (
+    Collector,
+    Completion,
+    WirePart,
+    check_migration_target,
+    expect,
+    generate_request,
+    left_for_the_remote_tier,
+    open_request,
+    raise_if_error,
+)
 
 
 class AsyncClient:
@@ -456,10 +466,14 @@ class AsyncSession:
     async def migrate(self, to: str | AsyncClient, **client_options: Any) -> AsyncSession:
         """See Session.migrate: hand the session over to the daemon at ``to`` (an address, or an AsyncClient); a
         client connected here for an address is the caller's to close (``session.client``)."""
-        expect(await self.client._call(p.Migrate(session=self.id, token=self.token)), p.Migrated)
         target = to if isinstance(to, AsyncClient) else await AsyncClient.connect(to, **client_options)
         try:
-            return await target.resume_session(self.id, self.token, prefetch=True)
+            check_migration_target(await target.status(), target.address)  # (before the session leaves here)
+            expect(await self.client._call(p.Migrate(session=self.id, token=self.token)), p.Migrated)
+            try:
+                return await target.resume_session(self.id, self.token, prefetch=True)
+            except KvpoolError as exc:
+                raise left_for_the_remote_tier(exc, self.id) from exc
         except BaseException:
             if target is not to:
                 await target.close()

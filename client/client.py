@@ -25,7 +25,17 @@ from .address import default_address
 from .core import HEARTBEAT_S, RECONNECT_WAIT_S, ClientCore
 from .errors import BadRequest, DaemonUnavailable, KvpoolError, RequestTimeout, closes_after
 from .media import AREA_BYTES, FrameArea, Part, Placing, is_parts, wire_parts
-from .results import Collector, Completion, WirePart, expect, generate_request, open_request, raise_if_error
+from .results import (
+    Collector,
+    Completion,
+    WirePart,
+    check_migration_target,
+    expect,
+    generate_request,
+    left_for_the_remote_tier,
+    open_request,
+    raise_if_error,
+)
 
 POLL_SLICE_MS = 10  # the lock is released between poll slices so other threads can send and receive
 
@@ -423,10 +433,14 @@ class Session:
         """Hand this session over to the daemon at ``to`` (an address, or a Client): this daemon writes its newest
         checkpoint to the remote tier and lets it go, then the other resumes it (prefetched). Returns the session
         on the new daemon; a Client made here for an address is the caller's to close (``session.client``)."""
-        expect(self.client._call(p.Migrate(session=self.id, token=self.token)), p.Migrated)
         target = to if isinstance(to, Client) else Client(to, **client_options)
         try:
-            return target.resume_session(self.id, self.token, prefetch=True)
+            check_migration_target(target.status(), target.address)  # (before the session leaves here)
+            expect(self.client._call(p.Migrate(session=self.id, token=self.token)), p.Migrated)
+            try:
+                return target.resume_session(self.id, self.token, prefetch=True)
+            except KvpoolError as exc:
+                raise left_for_the_remote_tier(exc, self.id) from exc
         except BaseException:
             if target is not to:
                 target.close()

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvpool import protocol as p
+from kvpool.protocol.status import DaemonStatus
 
 from .errors import BadRequest, KvpoolError, error_from_code
 
@@ -116,6 +117,25 @@ def open_request(task: str, system_prompt: Prompt | None) -> p.OpenSession:
         return msgspec.convert(fields, p.OpenSession)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"Invalid open_session parameters: {exc}.") from None
+
+
+def check_migration_target(status: DaemonStatus, address: str) -> None:
+    """BadRequest before a session is let go, when the daemon it would move to could not take it over."""
+    if status.remote is None:
+        raise BadRequest(
+            f"The daemon at {address} has no remote tier (`remote` is not set there): a session moves only between "
+            "daemons that share one; it stays where it is."
+        )
+
+
+def left_for_the_remote_tier(exc: KvpoolError, session: str) -> KvpoolError:
+    """The error of a resume that failed after the session was handed over, saying where the session is now."""
+    return error_from_code(
+        exc.code,
+        f"{exc.message} Session {session} has left the daemon it was on and waits in the remote tier: resume it on "
+        "any daemon that shares that tier.",
+        exc.detail,
+    )
 
 
 def raise_if_error(reply: p.AnyReply) -> p.AnyReply:

@@ -239,6 +239,44 @@ def test_redis_killed_and_restarted_mid_run(start_daemon: Start, redis_server: R
         assert moved.history() == final[0]
 
 
+def test_a_redis_restarted_empty_gets_every_copy_written_again(start_daemon: Start, redis_server: RedisServer) -> None:
+    """With nothing pending, a Redis that comes back empty lost the copies while the node took their leases again and
+    said "current": a node that then died had nothing to roam from."""
+    a, b, s = two_nodes_and_a_synced_session(start_daemon, redis_server)
+    with a.client() as client:
+        history = client.resume_session(s.id, s.token).history()
+        redis_server.kill()
+        redis_server.start()  # the same port, empty
+        raw = redis_server.client()
+        wait_until(lambda: raw.keys(f"kvpool:*:rec:{s.id}"), "the copy to be written again", 30.0)
+        wait_synced(client, s.id)
+    a.stop(signal.SIGKILL)
+    with b.client() as other:
+        assert resume_when_free(other, s.id, s.token).history() == history
+
+
+def test_a_migrate_refused_before_the_session_leaves(start_daemon: Start, redis_server: RedisServer) -> None:
+    """A migrate while Redis is down is refused at once and the session stays (it hung until the client's timeout,
+    was refused CONFLICT meanwhile, and moved once Redis came back); one to a daemon without a remote tier is
+    refused before the session leaves (it left, and the sentence said the session was gone)."""
+    a, b, s = two_nodes_and_a_synced_session(start_daemon, redis_server)
+    lone = start_daemon(*NODE_ARGS, name="lone")
+    with a.client() as client:
+        session = client.resume_session(s.id, s.token)
+        with pytest.raises(BadRequest, match="has no remote tier"):
+            session.migrate(lone.address)
+        assert [i.session for i in client.sessions()] == [s.id]
+        redis_server.kill()
+        with pytest.raises(RemoteTierUnavailable, match="it stays here"):  # (not RequestTimeout)
+            session.migrate(b.address)
+        assert session.complete(TURNS[1], max_tokens=4, **GREEDY).usage.completion_tokens == 4
+        redis_server.start()
+        wait_synced(client, s.id)  # written again under its lease, and kept here
+        assert [i.session for i in client.sessions()] == [s.id] and client.status().remote.migrations == 0
+        moved = session.migrate(b.address)
+        moved.client.close()
+
+
 def corrupt_copy(redis_server: RedisServer, source: str, target: str, damage: Callable[[bytes], bytes]) -> None:
     """Copy a session's record and payload to another session id, damaged: ``damage`` gets both as one string
     (so it can fall on either), which is split again where the good record ends."""

@@ -237,7 +237,8 @@ class RemoteTier:
         naming that node)."""
         for event in self._events():
             s = sessions.get(event.session)
-            if s is not None and event.kind == "stale" and s.snapshot is not None and s.id not in self.lost:
+            rewrite = event.kind in ("stale", "vanished")
+            if s is not None and rewrite and s.snapshot is not None and s.id not in self.lost:
                 self.saved(s)
         taken = []
         for session in list(self.lost):
@@ -261,6 +262,8 @@ class RemoteTier:
                 owner = event.detail
                 self.lost[event.session] = owner.node if isinstance(owner, Lease) else "another node"
                 self.synced.pop(event.session, None)
+            elif event.kind == "vanished":
+                self.synced.pop(event.session, None)  # behind until its copy is written again
             out.append(event)
         return out
 

@@ -67,7 +67,8 @@ class Job:
 
 @dataclass(frozen=True)
 class Event:
-    """What the writer tells the engine: "written" (n_tokens, n_kv), "lost" (the owner), "stale", "dropped"."""
+    """What the writer tells the engine: "written" (n_tokens, n_kv), "lost" (the owner), "stale", "dropped",
+    "vanished" (its lease was gone, and may be its copy with it)."""
 
     kind: str
     session: str
@@ -203,6 +204,9 @@ class RemoteWriter:
             except RemoteUnavailable as exc:
                 if job is not None:
                     self.counts.write_failures += 1
+                    if job.waiters:  # (a migrate) told now, not once Redis is back: the session stays here
+                        self._notify(job, False, f"the remote tier did not answer: {exc}")
+                        job.waiters, job.then = [], "keep"
                     self._requeue(job)
                 self._went_down(exc)
                 backoff = min(MAX_BACKOFF_S, max(0.05, backoff * 2))
@@ -249,6 +253,8 @@ class RemoteWriter:
                 with self._cond:
                     if session in self._leases:
                         self._leases[session] = held
+                # Its copy may have gone with the lease (a Redis restarted empty): the engine writes it again.
+                self.events.put(Event("vanished", session))
                 continue
             self._lost(session)
 
