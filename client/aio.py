@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -349,14 +349,17 @@ class AsyncStream:
         self._client = session.client
         self._id = request_id
         self._sending: asyncio.Future[int] | None = None  # a send under way (media: their frame area first)
+        # Sends the request again, once, when the daemon took back the frame area of its media (see Stream).
+        self._resend: Callable[[], Awaitable[int]] | None = None
         self._closed = False
         self.final: p.Final | None = None
 
     @classmethod
-    def _sent_later(cls, session: AsyncSession, sending: asyncio.Future[int]) -> AsyncStream:
+    def _sent_later(cls, session: AsyncSession, send: Callable[[], Awaitable[int]]) -> AsyncStream:
         """The stream of a request whose send is under way: the first read waits for it."""
         stream = cls(session, -1)
-        stream._sending = sending
+        stream._sending = asyncio.ensure_future(send())
+        stream._resend = send
         return stream
 
     def __aiter__(self) -> AsyncStream:
@@ -382,9 +385,14 @@ class AsyncStream:
                 raise
             try:
                 raise_if_error(reply)
-            except KvpoolError:
+            except KvpoolError as exc:
+                if self._resend is not None and "frame_area" in exc.detail:
+                    self._client._done(self._id)
+                    self._id, self._resend = await self._resend(), None
+                    continue
                 await self.aclose(cancel=False)  # the daemon ended it with this error: nothing left to cancel
                 raise
+            self._resend = None  # (begun: nothing is sent twice)
             if isinstance(reply, p.Final):
                 self.final = self._session.final = reply
                 await self.aclose()
@@ -439,7 +447,7 @@ class AsyncSession:
         as the sync Session.generate()."""
         if is_parts(prompt):
             build = lambda parts: generate_request(self.id, self.token, parts, params)  # noqa: E731
-            return AsyncStream._sent_later(self, asyncio.ensure_future(self.client._send_parts(build, prompt)))  # type: ignore[arg-type]
+            return AsyncStream._sent_later(self, lambda: self.client._send_parts(build, prompt))  # type: ignore[arg-type]
         request = generate_request(self.id, self.token, prompt, params)  # type: ignore[arg-type]
         return AsyncStream(self, self.client._send(request))
 

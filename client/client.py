@@ -324,10 +324,13 @@ class Stream:
     came (so does the session's ``final``). Closing it early (``close()``, leaving a ``with`` block, or dropping
     it) stops the generation, so the session is free again."""
 
-    def __init__(self, session: Session, request_id: int):
+    def __init__(self, session: Session, request_id: int, resend: Callable[[], int] | None = None):
+        """``resend``: sends the request again (media: through a new frame area), once, when the daemon refused it
+        because it had taken back the area its media were in (nothing was applied)."""
         self._session = session
         self._client = session.client
         self._id = request_id
+        self._resend = resend
         self._closed = False
         self.final: p.Final | None = None
 
@@ -346,9 +349,14 @@ class Stream:
                 raise
             try:
                 raise_if_error(reply)
-            except KvpoolError:
+            except KvpoolError as exc:
+                if self._resend is not None and "frame_area" in exc.detail:
+                    self._client._done(self._id)
+                    self._id, self._resend = self._resend(), None
+                    continue
                 self.close(cancel=False)  # the daemon ended it with this error: nothing left to cancel
                 raise
+            self._resend = None  # (begun: nothing is sent twice)
             if isinstance(reply, p.Final):
                 self.final = self._session.final = reply
                 self.close()
@@ -401,7 +409,8 @@ class Session:
         """
         if is_parts(prompt):
             build = lambda parts: generate_request(self.id, self.token, parts, params)  # noqa: E731
-            return Stream(self, self.client._send_parts(build, prompt))  # type: ignore[arg-type]
+            send = lambda: self.client._send_parts(build, prompt)  # type: ignore[arg-type]  # noqa: E731
+            return Stream(self, send(), resend=send)
         request = generate_request(self.id, self.token, prompt, params)  # type: ignore[arg-type]
         return Stream(self, self.client._send(request))
 

@@ -51,6 +51,8 @@ def medium_bytes(part: Image | Audio) -> tuple[dict[str, Any], bytes | memoryvie
     source = part.source
     kind = "image" if isinstance(part, Image) else "audio"
     if isinstance(source, bytes | bytearray | memoryview):
+        if not len(source):
+            raise BadRequest(f"An {type(part).__name__} of no bytes: give the file's bytes or a numpy array.")
         return {"kind": kind, "format": "encoded"}, memoryview(source)
     if not isinstance(source, np.ndarray):
         raise BadRequest(f"An {type(part).__name__}'s source is a numpy array or a file's bytes, not {type(source)}.")
@@ -61,10 +63,16 @@ def medium_bytes(part: Image | Audio) -> tuple[dict[str, Any], bytes | memoryvie
                 f"{source.shape}."
             )
         height, width, channels = source.shape
+        if not height or not width:
+            raise BadRequest(
+                f"An Image frame of {width}x{height} pixels has nothing to see; send a frame of at least 1x1."
+            )
         fields = {"kind": kind, "format": "rgb" if channels == 3 else "rgba", "width": width, "height": height}
         return fields, memoryview(np.ascontiguousarray(source)).cast("B")
     if source.dtype != np.float32 or source.ndim != 1:
         raise BadRequest(f"Audio PCM is a one-dimensional float32 array (mono), not {source.dtype} {source.shape}.")
+    if not source.size:
+        raise BadRequest("Audio PCM of no samples has nothing to hear; send at least one sample.")
     return {"kind": kind, "format": "pcm_f32"}, memoryview(np.ascontiguousarray(source)).cast("B")
 
 

@@ -122,6 +122,8 @@ class RequestMedia:
             data = base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError):
             raise refuse(where, f"{where}: not valid base64.") from None
+        if not data:
+            raise refuse(where, f"{where}: the file is empty.")
         if len(data) > self.max_bytes:
             raise HttpError(413, f"{where}: the file is larger than {self.max_bytes} bytes.", "too_large", param=where)
         return data

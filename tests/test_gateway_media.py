@@ -109,6 +109,7 @@ def test_urls_and_files_are_read_only_as_the_flags_allow(
         (str(folder / "kitchen.png"), "--media-dir"),
         ("ftp://127.0.0.1/cat.png", "ftp"),
         ("data:image/png;base64,@@@", "base64"),
+        ("data:image/png;base64,", "the file is empty"),  # (it named the daemon's frame area)
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             ask(plain, url)

@@ -412,6 +412,14 @@ def test_bad_media_leave_the_session_and_the_daemon_intact(media_daemon: Callabl
             with pytest.raises(BadRequest) as refused:
                 s.complete(["Look: ", medium], max_tokens=2)
             assert said in refused.value.message, refused.value.message
+        # Empty media are refused by the client with a sentence (a TypeError, or the daemon's frame area named).
+        for empty, said in (
+            (Image(b""), "of no bytes"),
+            (Image(np.zeros((0, 5, 3), dtype=np.uint8)), "5x0 pixels"),
+            (Audio(np.zeros(0, dtype=np.float32)), "no samples"),
+        ):
+            with pytest.raises(BadRequest, match=said):
+                s.complete(["Look: ", empty], max_tokens=2)
         with pytest.raises(BadRequest) as refused:  # 100 MB: more than any message or frame area carries
             s.complete([Image(np.zeros((5000, 7000, 3), dtype=np.uint8))], max_tokens=2)
         assert "more than a message" in refused.value.message
@@ -464,6 +472,47 @@ def test_a_client_gets_a_new_frame_area_from_a_restarted_daemon(media_daemon: Ca
         area = client._frame_area()
         assert area is not None and area.name != old.name  # the old one went with the old daemon
         assert after.usage.completion_tokens == 2 and media_of(client).frame_areas == 1
+
+
+def test_a_frame_area_taken_back_for_other_connections_costs_the_client_nothing(
+    media_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Past 64 connections with areas the least recently used area goes: its client's next frame was refused as if
+    it had named another's area (BAD_REQUEST; through the gateway, a 400 for a valid image). The daemon says the area
+    was taken back, and the clients send once more, through a new area."""
+    daemon = media_daemon()
+
+    async def later(client: AsyncClient, session: str, token: str) -> str:
+        s = await client.resume_session(session, token)
+        return (await s.complete([" and: ", Image(OTHER)], max_tokens=2, **GREEDY)).finish_reason
+
+    with Client(daemon.address) as first, first.open_session() as s:
+        s.complete(["Look: ", Image(FRAME)], max_tokens=2, **GREEDY)
+        old = first._frame_area()
+        aio_session: list[tuple[str, str]] = []
+
+        async def aio_first(client: AsyncClient) -> None:
+            t = await client.open_session()
+            await t.complete(["Look: ", Image(FRAME)], max_tokens=1, **GREEDY)
+            aio_session.append((t.id, t.token))
+
+        async def scenario() -> str:
+            async with await AsyncClient.connect(daemon.address) as aio:
+                await aio_first(aio)
+                others = [Client(daemon.address) for _ in range(64)]
+                try:
+                    for other in others:  # each asks for an area: the two oldest are taken back
+                        with other.open_session() as t:
+                            t.complete(["x", Image(FRAME)], max_tokens=1, **GREEDY)
+                    assert media_of(first).frame_areas == 64
+                    reason = s.complete([" and: ", Image(OTHER)], max_tokens=2, **GREEDY).finish_reason
+                    assert reason == "length" and first._frame_area() is not old
+                    return await later(aio, *aio_session[0])
+                finally:
+                    for other in others:
+                        other.close()
+
+        assert asyncio.run(scenario()) == "length"
 
 
 def test_threads_sharing_a_client_each_get_the_answer_to_their_own_frame(

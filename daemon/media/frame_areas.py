@@ -42,6 +42,7 @@ class FrameAreas:
         self._tag = secrets.token_hex(4)  # a daemon's areas never meet another's, nor an earlier start's
         self._count = 0
         self._by_client: dict[bytes, Area] = {}
+        self._reclaimed: dict[str, None] = {}  # names of areas taken back for another connection (the newest)
         self.left_behind = remove_left_behind()
 
     def area_for(self, client: bytes, size: int) -> Area:
@@ -59,7 +60,11 @@ class FrameAreas:
         if area is not None:
             self.release(client)
         if len(self._by_client) >= self.max_areas:  # the one least recently used goes (its task asks again)
-            self.release(min(self._by_client, key=lambda c: self._by_client[c].used))
+            oldest = min(self._by_client, key=lambda c: self._by_client[c].used)
+            self._reclaimed[self._by_client[oldest].name] = None
+            if len(self._reclaimed) > self.max_areas:
+                del self._reclaimed[next(iter(self._reclaimed))]
+            self.release(oldest)
         self._count += 1
         name = f"{PREFIX}{os.getpid()}-{self._tag}-{self._count}"
         mode = 0o660 if self.gid is not None else 0o600
@@ -79,6 +84,14 @@ class FrameAreas:
     def read(self, client: bytes, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of the connection's own area."""
         area = self._by_client.get(client)
+        if area is None and name in self._reclaimed:
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                f"Frame area {name!r} was taken back for another connection before this request was read (more than "
+                f"{self.max_areas} connections asked for one, and this one's was the least recently used); nothing "
+                "was applied: send it again (the client library does, once, through a new area).",
+                {"frame_area": name},
+            )
         if area is None or area.name != name:
             raise RequestRefused(
                 ErrorCode.BAD_REQUEST,
@@ -87,7 +100,9 @@ class FrameAreas:
                 {"frame_area": name},
             )
         area.used = time.monotonic()
-        if length <= 0 or offset + length > area.size:
+        if length <= 0:
+            raise RequestRefused(ErrorCode.BAD_REQUEST, "A medium of no bytes has nothing to see or hear; send one.")
+        if offset + length > area.size:
             raise RequestRefused(
                 ErrorCode.BAD_REQUEST,
                 f"{length} bytes at offset {offset} do not lie inside frame area {name} ({area.size} bytes).",

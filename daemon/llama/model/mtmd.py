@@ -215,7 +215,9 @@ class MediaEncoder:
             if kind != IMAGE:
                 raise MediaError(f"{fmt} frames are images, not {kind}")
             channels = 3 if fmt == RGB else 4
-            if width <= 0 or height <= 0 or len(data) != width * height * channels:
+            if width <= 0 or height <= 0:
+                raise MediaError(f"a {width}x{height} {fmt} frame has no pixels; send one of at least 1x1")
+            if len(data) != width * height * channels:
                 raise MediaError(
                     f"a {width}x{height} {fmt} frame is {max(width, 0) * max(height, 0) * channels} bytes, "
                     f"not {len(data)}"
