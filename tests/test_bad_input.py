@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+import zmq
 
 from kvpool import protocol as p
 from kvpool.client import Client
@@ -179,6 +180,32 @@ def test_text_too_long_for_any_room_is_refused_before_it_is_tokenized(
         assert error.detail is not None and error.detail["prompt_bytes"] > error.detail["room"], error
         assert "bytes" in error.message
     assert_still_serving(daemon)
+
+
+def test_a_connection_that_floods_the_daemon_holds_nobody_else_up(raw: RawConnection, daemon: DaemonProcess) -> None:
+    """Requests were handled in arrival order, all of them between two steps: a connection that sent many held
+    every other connection's answers, and every running answer's next step, until its last was handled. Now
+    connections take turns: another's request is answered while the flood is still being worked through."""
+    flood = 600
+    tokens = [i % 256 + 3 for i in range(2048)]  # (a context's worth of byte tokens: more is refused)
+    error = assert_error(raw.call(p.Detokenize(id=1, tokens=tokens * 2)), p.ErrorCode.BAD_REQUEST, 1)
+    assert "in pieces" in error.message
+    for i in range(flood):
+        raw.send(p.Tokenize(id=100 + i, text="ab c" * 1500))  # (never read until the end)
+    with daemon.client() as other, other.open_session() as s:
+        streamed = s.complete("meanwhile", max_tokens=8, temperature=0.0)
+    answered = 0
+    while True:
+        try:
+            raw.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        answered += 1
+    assert streamed.usage.completion_tokens == 8
+    assert answered < flood // 2, f"{answered} of the flood's {flood} were answered before the other connection's"
+    raw.sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    for _ in range(flood - answered):  # the flood is answered too, in full
+        assert isinstance(raw.recv(), p.TokensReply)
 
 
 def test_busy_session_unknown_task_and_version(raw: RawConnection, daemon: DaemonProcess) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from kvpool.daemon.engine.cpu_share import IdleSampler, process_cpu_seconds
 from kvpool.daemon.engine.drafts import FORCED, with_drafts
 from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.housekeeping import Housekeeping
+from kvpool.daemon.engine.intake import Intake
 from kvpool.daemon.engine.moves import next_work
 from kvpool.daemon.engine.requests import RequestHandlers
 from kvpool.daemon.engine.runner import Runner, StepOutcome
@@ -104,13 +104,11 @@ class Engine:
         self.last_step_seconds = 0.0
         self.heartbeat = time.monotonic()
         self.frame_errors = frame_errors if frame_errors is not None else Counter()  # counted by the I/O thread
-        # (client, request, when the I/O thread received it): a request's clock starts at its arrival, not
-        # when the engine gets to it after the step in flight.
-        self.inbox: queue.Queue[tuple[bytes, p.AnyRequest, float]] = queue.Queue()
+        # A request's clock starts at its arrival (the I/O thread's), not when the engine gets to it after the step
+        # in flight; connections are served in turns (engine/intake.py).
+        self.intake = Intake()
         self.stopping = threading.Event()
         self.started = time.monotonic()
-        self._inbox_lock = threading.Lock()
-        self._inbox_closed = False
         self.preloader = preloader if preloader is not None else Preloader(kv, "off", 0.0)
         self.remote: CrossNode = (
             RemoteRequests(remote, kv, self.preloader, self.submit) if remote is not None else NoRemote()
@@ -143,11 +141,7 @@ class Engine:
     def submit(self, client: bytes, request: p.AnyRequest) -> bool:
         """Called by the I/O thread: queue a request for the next step; False once the engine has stopped
         taking requests (the I/O thread then answers SHUTTING_DOWN itself)."""
-        with self._inbox_lock:
-            if self._inbox_closed:
-                return False
-            self.inbox.put((client, request, time.monotonic()))
-            return True
+        return self.intake.put(client, request)
 
     def run(self) -> None:
         """Thread target: step until asked to stop; then end every generation and checkpoint every session."""
@@ -290,16 +284,8 @@ class Engine:
         self.calibrated = self.scheduler.cost.calibrated()
 
     def _take_requests(self, wait: float) -> None:
-        try:
-            item = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
+        for item in self.intake.take(wait, sliced=lambda: not self.scheduler.idle):
             self._handle(*item)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _handle(self, client: bytes, request: p.AnyRequest, received_at: float) -> None:
         op = type(request).__struct_config__.tag
@@ -551,13 +537,7 @@ class Engine:
                     self.kv.checkpoint(s)
                 except (RequestRefused, OSError) as exc:
                     log.error("could not checkpoint session %s at stop: %s", s.id, exc)
-        with self._inbox_lock:  # from here on the I/O thread answers new requests itself
-            self._inbox_closed = True
-        while True:
-            try:
-                client, request, _ = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+        for client, request, _ in self.intake.close():  # from here on the I/O thread answers new requests itself
             self.reply_error(
                 client, request.id, ErrorCode.SHUTTING_DOWN, "The daemon is stopping; retry after it restarts."
             )

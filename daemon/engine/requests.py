@@ -251,6 +251,12 @@ class RequestHandlers:
         return p.TokensReply(id=r.id, tokens=tokens)
 
     def detokenize(self, client: bytes, r: p.Detokenize, received_at: float) -> p.Reply:
+        if len(r.tokens) > self.model.context_size:  # (no session holds more; and the engine waits for it)
+            raise RequestRefused(
+                ErrorCode.BAD_REQUEST,
+                f"{len(r.tokens)} tokens are more than a context holds ({self.model.context_size}); detokenize them "
+                "in pieces.",
+            )
         return p.TextReply(id=r.id, text=self.model.detokenize(self._checked_tokens(r.tokens)))
 
     def history(self, client: bytes, r: p.History, received_at: float) -> p.Reply:
