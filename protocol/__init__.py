@@ -513,6 +513,10 @@ def decode_request(frame: bytes) -> AnyRequest:
             raise RequestDecodeError(
                 ErrorCode.BAD_REQUEST, f"The frame is not valid msgpack ({exc}); send protocol messages."
             ) from None
+        except RecursionError:  # (a traceback in the log for every such frame, and no sentence for its sender)
+            raise RequestDecodeError(
+                ErrorCode.BAD_REQUEST, "The frame nests maps or arrays too deeply; send protocol messages."
+            ) from None
         request_id = raw.get("id", 0) if isinstance(raw, dict) else 0
         # bool is an int in Python, but not on the wire: echoing True back would make the reply undecodable.
         valid_id = isinstance(request_id, int) and not isinstance(request_id, bool) and 0 <= request_id < 2**63

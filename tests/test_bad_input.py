@@ -208,6 +208,23 @@ def test_a_connection_that_floods_the_daemon_holds_nobody_else_up(raw: RawConnec
         assert isinstance(raw.recv(), p.TokensReply)
 
 
+def test_a_request_id_in_flight_is_not_taken_again(raw: RawConnection, daemon: DaemonProcess) -> None:
+    """Two generations with one id on one connection were both run: their chunks, which carry only the id, came
+    interleaved, and no client could tell them apart."""
+    first, second = raw.open(), raw.open()
+    raw.send(p.Generate(id=7, session=first.session, token=first.token, prompt="one", max_tokens=400))
+    raw.send(p.Generate(id=7, session=second.session, token=second.token, prompt="two", max_tokens=4))
+    replies = [raw.recv()]
+    while not isinstance(replies[-1], p.Final):  # the first one's chunks, its final, and the refusal among them
+        replies.append(raw.recv())
+        assert len(replies) < 1000
+    (error,) = [r for r in replies if isinstance(r, p.Error)]
+    assert error.code == p.ErrorCode.BAD_REQUEST and error.id == 7
+    assert "already a generation in flight" in error.message
+    assert sum(len(r.tokens) for r in replies if isinstance(r, p.Chunk)) == replies[-1].usage.completion_tokens
+    assert_still_serving(daemon)
+
+
 def test_busy_session_unknown_task_and_version(raw: RawConnection, daemon: DaemonProcess) -> None:
     opened = raw.open()
     raw.send(

@@ -38,6 +38,8 @@ def test_decode_errors_are_classified() -> None:
     with pytest.raises(p.RequestDecodeError) as wrong:
         p.decode_request(msgspec.msgpack.encode({"op": "generate", "id": 9, "session": "s", "token": "t", "top_k": -1}))
     assert wrong.value.code == p.ErrorCode.BAD_REQUEST and "top_k" in wrong.value.message
+    with pytest.raises(p.RequestDecodeError, match="nests maps or arrays too deeply"):  # (a RecursionError)
+        p.decode_request(b"\x91" * 100_000 + b"\xc0")
 
 
 def test_a_bool_request_id_is_not_echoed() -> None:

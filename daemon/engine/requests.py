@@ -297,6 +297,12 @@ class RequestHandlers:
                 {"context_tokens": len(s.tokens), "after": r.after},
             )
         self._check_quota(s)
+        if r.id and any(g.client == client and g.request.id == r.id for g in self.scheduler.generations()):
+            raise RequestRefused(  # (their chunks would carry one id, and the client could not tell them apart)
+                ErrorCode.BAD_REQUEST,
+                f"Request id {r.id} is already a generation in flight on this connection; give each request its "
+                "own id.",
+            )
         in_flight = self.scheduler.in_flight_for(client)
         limit = self._inflight_limit(client)
         if in_flight >= limit:
