@@ -12,7 +12,7 @@ import zmq
 from kvpool import protocol as p
 from kvpool.client import Client
 from kvpool.client.aio import AsyncClient
-from kvpool.client.errors import BadRequest
+from kvpool.client.errors import BadRequest, ContextOverflow
 
 from .daemon_process import DaemonProcess
 from .raw import RawConnection
@@ -161,6 +161,16 @@ def test_prompt_longer_than_the_context(raw: RawConnection, daemon: DaemonProces
     error = assert_error(reply, p.ErrorCode.CONTEXT_OVERFLOW, 21)
     assert error.detail is not None and error.detail["prompt_tokens"] > error.detail["room"]
     assert_still_serving(daemon)
+
+
+def test_a_full_session_says_it_is_full(daemon: DaemonProcess) -> None:
+    """(An empty prompt on it was refused as "0 tokens but the session has room for 0 more".)"""
+    with daemon.client() as client, client.open_session() as s:
+        done = s.complete("x" * 2000, max_tokens=200, temperature=0.0)
+        assert done.finish_reason == "length" and done.usage.context_tokens == 2048
+        for prompt in ("", "more"):
+            with pytest.raises(ContextOverflow, match="is full: it holds 2048 tokens"):
+                s.complete(prompt, max_tokens=4)
 
 
 def test_text_too_long_for_any_room_is_refused_before_it_is_tokenized(

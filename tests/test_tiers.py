@@ -14,7 +14,7 @@ import pytest
 
 from kvpool import protocol as p
 from kvpool.client import Client
-from kvpool.client.errors import NotOwner, QuotaExceeded, SessionCorrupt, SessionEvicted
+from kvpool.client.errors import NotOwner, PoolFull, QuotaExceeded, SessionCorrupt, SessionEvicted
 from kvpool.daemon.kv.pool.layout import ENTRY, HEADER
 
 from .daemon_process import DaemonProcess, run_until_exit
@@ -296,6 +296,21 @@ def test_a_snapshot_that_cannot_fit_beside_its_predecessor_spills_nobody_else(st
         assert after.moves.spills == before.moves.spills == 0  # nobody else was moved for it
         small = {i.session: i for i in client.sessions() if i.session in (b.id, c.id)}
         assert all(i.snapshot_bytes > 0 for i in small.values()) and len(small) == 2
+
+
+def test_a_turn_refused_for_another_sessions_unsaveable_state_says_so(start_daemon: Start) -> None:
+    """One slot, held by an idle session too large to save anywhere: another session's turn is refused, and the
+    sentence says whose state could not move (it read as if this turn's own snapshot did not fit)."""
+    daemon = start_daemon(
+        "--hot-slots", "1", "--context-size", "8192", "--cache-pool-size", "1MiB", "--spill-max-bytes", "0"
+    )
+    with daemon.client() as client:
+        large, small = client.open_session(), client.open_session()
+        large.complete("x" * 5000, max_tokens=2, **GREEDY)
+        with pytest.raises(PoolFull, match="the idle session holding one could not be saved to leave it") as refused:
+            small.complete("hello", max_tokens=2, **GREEDY)
+        assert "more hot_slots" in refused.value.message
+        assert large.complete(" more", max_tokens=2, **GREEDY).usage.completion_tokens == 2  # (it stays hot)
 
 
 def test_pool_quota_of_a_task(start_daemon: Start) -> None:

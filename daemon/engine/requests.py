@@ -336,6 +336,13 @@ class RequestHandlers:
                 "The prompt is empty and the session has nothing to continue from; send some text.",
             )
         room = s.context_limit - len(s.tokens) - 1  # one place is kept for at least one generated token
+        if room < 0:
+            raise RequestRefused(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"Session {s.id} is full: it holds {len(s.tokens)} tokens, its context limit "
+                f"({s.context_limit}); nothing more can be generated in it, open a new session.",
+                {"prompt_tokens": len(new), "room": 0, "context_limit": s.context_limit},
+            )
         if len(new) > room:
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
