@@ -484,6 +484,28 @@ def _from_environment(environ: dict[str, str]) -> dict[str, Any]:
     return values
 
 
+# KVPOOL_* variables that are not the daemon's settings: the clients', the gateway's, the build's, the tests'.
+OTHERS_VARIABLES = (
+    "KVPOOL_ADDRESS",
+    "KVPOOL_CURVE_",
+    "KVPOOL_GATEWAY_",
+    "KVPOOL_WHEELHOUSE",
+    "KVPOOL_FIND_ONLY",
+    "KVPOOL_REQUIRE_ALL",
+)
+
+
+def unknown_environment(environ: dict[str, str]) -> list[str]:
+    """KVPOOL_* variables that name no setting (a typo such as KVPOOL_HOT_SLOT), nor another part's variable."""
+    return sorted(
+        name
+        for name in environ
+        if name.startswith(ENV_PREFIX)
+        and not name.startswith(OTHERS_VARIABLES)
+        and (name[len(ENV_PREFIX) :].lower() not in Config.__struct_fields__ or name == "KVPOOL_TASKS")
+    )
+
+
 def parse_size(text: str) -> int:
     """ "512MiB", "2GiB", "1.5G", "4096" -> bytes (binary units; "MB" is read as MiB too)."""
     match = _SIZE.match(text)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.daemon.config import Config, ConfigError, load_config
+from kvpool.daemon.config import Config, ConfigError, load_config, unknown_environment
 from kvpool.daemon.engine.cpu_share import describe_cores
 from kvpool.daemon.kv.codec.kv_types import PROFILE
 from kvpool.daemon.kv.codec.precision_profile import PrecisionProfile, ProfileError, find_profile
@@ -61,7 +61,21 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
     """The configuration and what follows from it (exit 2 for a bad one, or a plan over memory_limit)."""
     try:
         config = load_config(config_file, overrides, dict(os.environ))
-        setup_logging(config.log_level, config.log_format, config.log_file, config.log_max_bytes)
+        try:
+            setup_logging(config.log_level, config.log_format, config.log_file, config.log_max_bytes)
+        except OSError as exc:
+            raise ConfigError(
+                f"log_file = {config.log_file!r} cannot be opened to append to ({exc.strerror}); create its "
+                "directory, or set another log_file."
+            ) from None
+        step_log_dir = Path(config.step_log).parent if config.step_log else None
+        if step_log_dir is not None and not (step_log_dir.is_dir() and os.access(step_log_dir, os.W_OK)):
+            raise ConfigError(
+                f"step_log = {config.step_log!r}: its directory does not exist or is not writable; create it, or "
+                "set another step_log."
+            )
+        for name in unknown_environment(dict(os.environ)):
+            log.warning("%s is not a setting (check its spelling against docs/config.md): it is ignored", name)
         model_path = resolve_model_path(config.model)
         memory = plan_memory(model_path, config)
         shape = model_shape(model_path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.daemon.config import Config, ConfigError, load_config
+from kvpool.daemon.config import Config, ConfigError, load_config, unknown_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,6 +74,12 @@ def test_config_errors_say_what_is_expected_in_words(
         load_config(None, overrides, environ)
     assert sentence in str(err.value)
     assert "Expected" not in str(err.value) and "regex" not in str(err.value)
+
+
+def test_a_kvpool_variable_that_names_no_setting_is_found() -> None:
+    environ = {"KVPOOL_HOT_SLOT": "0", "KVPOOL_HOT_SLOTS": "2", "KVPOOL_ADDRESS": "ipc:///x", "KVPOOL_TASKS": "x"}
+    environ |= {"KVPOOL_GATEWAY_PORT": "1", "KVPOOL_CURVE_SERVER_KEY": "k", "HOME": "/root"}
+    assert unknown_environment(environ) == ["KVPOOL_HOT_SLOT", "KVPOOL_TASKS"]  # (said at start, not dropped silently)
 
 
 def test_flags_override_the_file_and_are_named_in_errors(tmp_path: Path) -> None:

@@ -171,6 +171,9 @@ def test_second_daemon_on_the_same_address_is_refused(start_daemon: Start, tiny_
     ("args", "message"),
     [
         (["--model", "/nonexistent/model.gguf"], "does not exist"),
+        (["--model", "/tmp"], "is a directory; pass the GGUF file itself"),  # (it said "does not exist")
+        (["--log-file", "/nonexistent/dir/k.log"], "log_file = '/nonexistent/dir/k.log' cannot be opened"),
+        (["--step-log", "/nonexistent/dir/steps.jsonl", "--check-config"], "step_log = '/nonexistent/dir/steps"),
         (["--hot-slots", "0"], "hot_slots"),
         (["--address", "tcp://127.0.0.1:5555"], "ipc://"),
     ],
@@ -192,6 +195,10 @@ def test_damaged_model_file_is_refused(short_tmp: Path, tiny_model: Path) -> Non
     garbage.write_bytes(b"GGUF" + b"\0" * 64)  # its header is already wrong: the memory plan cannot read it
     done = start(garbage)
     assert done.returncode == 2 and "bad.gguf is GGUF version 0" in done.stderr
+    short = short_tmp / "short.gguf"
+    short.write_bytes(tiny_model.read_bytes()[:200])  # cut inside its metadata: the file is named
+    done = start(short)
+    assert done.returncode == 2 and "short.gguf: the file ends inside its metadata" in done.stderr
     cut = short_tmp / "cut.gguf"
     cut.write_bytes(tiny_model.read_bytes()[:50_000])  # metadata intact, tensors cut off: llama.cpp refuses it
     done = start(cut)

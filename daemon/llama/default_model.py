@@ -24,6 +24,8 @@ def resolve_model_path(configured: str) -> Path:
     """The GGUF file to load. An empty setting means the default Gemma 3 270M, assembled once into the cache."""
     if configured:
         path = Path(configured).expanduser()
+        if path.is_dir():
+            raise ModelNotFound(f"Model {path} is a directory; pass the GGUF file itself with --model.")
         if not path.is_file():
             raise ModelNotFound(f"Model file {path} does not exist; pass an existing GGUF file with --model.")
         return path

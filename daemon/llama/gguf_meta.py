@@ -3,7 +3,9 @@ is loaded or allocated. Format: magic "GGUF", version, tensor count, metadata co
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -64,14 +66,25 @@ def _header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int]:
 
 def read_metadata(path: Path) -> dict[str, Any]:
     """Every metadata key; arrays longer than 4096 items are given as their length."""
-    with path.open("rb") as f:
+    with _named(path), path.open("rb") as f:
         return _header(f, path)[0]
+
+
+@contextlib.contextmanager
+def _named(path: Path) -> Iterator[None]:
+    """A GgufError that names the file it is about."""
+    try:
+        yield
+    except GgufError as exc:
+        if str(path) in str(exc):
+            raise
+        raise GgufError(f"{path}: {exc}; is it a whole GGUF file?") from None
 
 
 def read_tensor_sizes(path: Path) -> dict[str, int]:
     """Bytes of every tensor in the file, by name: the distance from its data offset to the next tensor's (the
     last one runs to the end of the file), so no table of quantisation block sizes is needed."""
-    with path.open("rb") as f:
+    with _named(path), path.open("rb") as f:
         meta, count = _header(f, path)
         offsets: list[tuple[int, str]] = []
         for _ in range(count):
