@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ import msgspec
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession, AsyncStream
 from kvpool.client.conversation import REFUSALS, Held
-from kvpool.client.errors import KvpoolError
+from kvpool.client.errors import KvpoolError, error_from_code
 
 from .continuation import RESUMABLE, rest_of, resume_and_generate
 from .http_errors import CANCELLED
@@ -56,6 +57,19 @@ async def _next(stream: AsyncStream) -> p.Chunk | p.Final:
                 detail=p.cut_detail(final.usage.completion_tokens, final.usage.context_tokens),
             ) from None
         return final
+
+
+_PART = re.compile(r"\bparts\[(\d+)\]")
+
+
+def with_part_names(exc: KvpoolError, names: dict[int, str]) -> KvpoolError:
+    """The daemon's refusal of a medium (``parts[3]: ...``) naming the request field it came from instead."""
+
+    def field(match: re.Match[str]) -> str:
+        name = names.get(int(match.group(1)))
+        return f"`{name}`" if name is not None else match.group(0)
+
+    return error_from_code(exc.code, _PART.sub(field, exc.message), exc.detail)
 
 
 class Generations:
@@ -126,6 +140,8 @@ class ConversationGenerations(Generations):
             if continued is None:
                 # A refusal (over budget, overloaded) comes before anything was applied to the session.
                 self._turn.refused = exc.code in REFUSALS and not exc.cut
+                if self._turn.part_names:
+                    raise with_part_names(exc, self._turn.part_names) from None
                 raise
             item = continued
         if isinstance(item, p.Chunk):

@@ -37,6 +37,7 @@ class RequestMedia:
     fetch_urls: bool = False
     max_bytes: int = 32 << 20
     by_digest: dict[str, Image | Audio] = field(default_factory=dict)
+    where: dict[int, str] = field(default_factory=dict)  # id() of a medium -> the request field it came from
 
     def image(self, part: Any, where: str) -> str:
         """An ``image_url`` part's marker (its bytes kept), or a 400 naming the part."""
@@ -49,7 +50,7 @@ class RequestMedia:
             )
         if spec.get("detail", "auto") not in ("auto", "low", "high"):
             raise refuse(f"{where}.image_url.detail", f"{where}.image_url.detail is auto, low or high.")
-        return self._add(Image(self._read_url(url, f"{where}.image_url.url")))
+        return self._add(Image(self._read_url(url, f"{where}.image_url.url")), f"{where}.image_url")
 
     def audio(self, part: Any, where: str) -> str:
         """An ``input_audio`` part's marker (its bytes kept), or a 400 naming the part."""
@@ -61,12 +62,18 @@ class RequestMedia:
         data = spec.get("data")
         if not isinstance(data, str):
             raise refuse(f"{where}.input_audio.data", f"{where}.input_audio needs `data`: the file's bytes in base64.")
-        return self._add(Audio(self._base64(data, f"{where}.input_audio.data")))
+        return self._add(Audio(self._base64(data, f"{where}.input_audio.data")), f"{where}.input_audio")
 
-    def _add(self, medium: Image | Audio) -> str:
+    def _add(self, medium: Image | Audio, where: str) -> str:
         digest = hashlib.sha256(bytes(medium.source)).hexdigest()
-        self.by_digest[digest] = medium
+        medium = self.by_digest.setdefault(digest, medium)  # (the same bytes twice: named where they came first)
+        self.where.setdefault(id(medium), where)
         return MARK.format(digest)
+
+    def part_names(self, parts: list[list[int] | Image | Audio]) -> dict[int, str]:
+        """The request field each medium of a turn's parts came from, by its index there (the daemon's refusals
+        name a part by its index: ``parts[3]``)."""
+        return {i: self.where[id(x)] for i, x in enumerate(parts) if not isinstance(x, list) and id(x) in self.where}
 
     def _read_url(self, url: str, where: str) -> bytes:
         if url.startswith("data:"):

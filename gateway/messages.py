@@ -40,11 +40,12 @@ def message_text(message: ChatMessage, where: str, media: RequestMedia | None = 
                 media.image(part.image_url, at) if part.type == "image_url" else media.audio(part.input_audio, at)
             )
         elif part.type != "text":
-            raise refuse(
-                f"{where}.content[{k}]",
-                f"{where}.content[{k}]: only text content is supported here, not "
-                f"{part.type} (the served model reads text).",
+            why = (
+                f"only user and system messages carry {part.type} parts"
+                if media is not None and part.type in ("image_url", "input_audio")
+                else f"only text content is supported here, not {part.type} (the served model reads text)"
             )
+            raise refuse(f"{where}.content[{k}]", f"{where}.content[{k}]: {why}.")
         elif part.prompt_cache_breakpoint is not None:
             raise refuse(
                 f"{where}.content[{k}].prompt_cache_breakpoint",

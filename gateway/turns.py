@@ -69,6 +69,7 @@ class Turn:
     # A turn with images or audio: what it sends in order (token ids of its text pieces, then each medium), which
     # ``tokens`` then counts only the text of.
     parts: list[list[int] | Image | Audio] | None = None
+    part_names: dict[int, str] = field(default_factory=dict)  # a medium's index in ``parts`` -> its request field
 
     def record(self, chunk: p.Chunk) -> None:
         self.generated.extend(chunk.tokens)
@@ -245,7 +246,17 @@ class Turns:
             tokens, parts = await pieces(client, rest, False, special, mapping.held.trim, media)
             if tokens or parts:
                 self.metrics.reused.labels("continued").inc()
-                return Turn(session, tokens, mapping.held.tokens, rendered, special, before=mapping.held, parts=parts)
+                names = media.part_names(parts) if media is not None and parts else {}
+                return Turn(
+                    session,
+                    tokens,
+                    mapping.held.tokens,
+                    rendered,
+                    special,
+                    before=mapping.held,
+                    parts=parts,
+                    part_names=names,
+                )
         self.metrics.reused.labels("edited").inc()
         await self._close(client, mapping)
         return None
@@ -262,7 +273,8 @@ class Turns:
         tokens, parts = await pieces(client, rendered, add_bos, special, lambda tokens: tokens, media)
         session = await self.open_session(client, task, "")
         self.metrics.reused.labels("new").inc()
-        return Turn(session, tokens, 0, rendered, special, parts=parts)
+        names = media.part_names(parts) if media is not None and parts else {}
+        return Turn(session, tokens, 0, rendered, special, parts=parts, part_names=names)
 
     async def open_session(self, client: AsyncClient, task: str, system_prompt: str | list[int]) -> AsyncSession:
         """A new session; when the daemon holds as many sessions as it may, the least recently used anonymous one

@@ -119,3 +119,29 @@ def test_urls_and_files_are_read_only_as_the_flags_allow(
     with pytest.raises(openai.BadRequestError) as refused:
         ask(allowed, "../kitchen.png")
     assert "no file" in refused.value.body["message"]  # type: ignore[index]
+
+
+def test_a_refused_medium_is_named_as_the_request_names_it(media_gateway: Callable[..., GatewayProcess]) -> None:
+    """The daemon names a medium by its index among the parts it was sent (`parts[3]`), which no client sent: the
+    gateway names the request's field. An image in an assistant message is refused for what it is."""
+    client = client_of(media_gateway())
+    good, bad = data_url(png(8, 8)), data_url(png(8, 8)[:30])  # (a PNG cut inside its pixels: no decoder reads it)
+    content = [{"type": "text", "text": "two pictures: "}, image_part(good), {"type": "text", "text": " and "}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [*content, image_part(bad)]}], max_tokens=2
+        )
+    message = refused.value.body["message"]  # type: ignore[index]
+    assert "`messages[0].content[3].image_url`" in message and "parts[" not in message, message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {"role": "user", "content": "look"},
+                {"role": "assistant", "content": [image_part(good)]},
+                {"role": "user", "content": "and?"},
+            ],
+            max_tokens=2,
+        )
+    message = refused.value.body["message"]  # type: ignore[index]
+    assert "only user and system messages carry image_url parts" in message, message

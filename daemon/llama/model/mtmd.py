@@ -258,7 +258,8 @@ class MediaEncoder:
             bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buffer, len(data), False)
             if not bitmap:
                 raise MediaError(
-                    f"the {kind}'s bytes are no file llama.cpp decodes (JPEG, PNG, BMP, GIF; WAV, MP3, FLAC)"
+                    f"the {kind}'s bytes are no file llama.cpp decodes "
+                    f"({'JPEG, PNG, BMP, GIF' if kind == IMAGE else 'WAV, MP3, FLAC'}): damaged or cut short?"
                 )
             if bool(mtmd.mtmd_bitmap_is_audio(bitmap)) != (kind == AUDIO):
                 mtmd.mtmd_bitmap_free(bitmap)
