@@ -27,6 +27,37 @@ MARK = "\u2063kvpool-medium:{}\u2063"
 _MARKS = re.compile("\u2063kvpool-medium:([0-9a-f]{64})\u2063")
 FETCH_TIMEOUT_S = 10.0
 AUDIO_FORMATS = ("wav", "mp3", "flac")
+# What a file's first bytes say it is: a declared type (a data: URL's, input_audio.format) that names another is
+# refused rather than passed over (the bytes decide what the daemon reads either way).
+_SIGNATURES = {
+    "png": (b"\x89PNG\r\n\x1a\n",),
+    "jpeg": (b"\xff\xd8\xff",),
+    "gif": (b"GIF87a", b"GIF89a"),
+    "bmp": (b"BM",),
+    "webp": (),  # RIFF, as WAV: told apart below (llama.cpp reads no WebP; the daemon says so)
+    "wav": (),
+    "mp3": (b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"),
+    "flac": (b"fLaC",),
+}
+_NAMES = {"jpg": "jpeg", "x-ms-bmp": "bmp", "x-wav": "wav", "wave": "wav", "mpeg": "mp3", "x-flac": "flac"}
+
+
+def file_kind(data: bytes) -> str | None:
+    """png, jpeg, gif, bmp, webp, wav, mp3 or flac, from the first bytes; None for anything else."""
+    if data.startswith(b"RIFF"):
+        return {b"WAVE": "wav", b"WEBP": "webp"}.get(data[8:12])
+    return next((name for name, marks in _SIGNATURES.items() if marks and data.startswith(marks)), None)
+
+
+def check_declared(declared: str, data: bytes, where: str, what: str) -> None:
+    """A 400 when ``declared`` (a subtype such as png, or a MIME type) names another kind of file than ``data``."""
+    subtype = declared.lower().partition("/")[2] or declared.lower()
+    named = _NAMES.get(subtype, subtype)
+    found = file_kind(data)
+    if named in _SIGNATURES and found is not None and found != named:
+        raise refuse(
+            where, f"{where}: {what} says {declared}, but the bytes are a {found.upper()} file.", "invalid_value"
+        )
 
 
 @dataclass
@@ -50,7 +81,17 @@ class RequestMedia:
             )
         if spec.get("detail", "auto") not in ("auto", "low", "high"):
             raise refuse(f"{where}.image_url.detail", f"{where}.image_url.detail is auto, low or high.")
-        return self._add(Image(self._read_url(url, f"{where}.image_url.url")), f"{where}.image_url")
+        data = self._read_url(url, f"{where}.image_url.url")
+        mime = url[5:].partition(";")[0].partition(",")[0] if url.startswith("data:") else ""
+        if mime and not mime.lower().startswith(("image/", "application/octet-stream")):
+            raise refuse(
+                f"{where}.image_url.url",
+                f"{where}.image_url.url: the data: URL says {mime}; an image_url carries an image (image/png, ...).",
+                "invalid_value",
+            )
+        if mime:
+            check_declared(mime, data, f"{where}.image_url.url", "its data: URL")
+        return self._add(Image(data), f"{where}.image_url")
 
     def audio(self, part: Any, where: str) -> str:
         """An ``input_audio`` part's marker (its bytes kept), or a 400 naming the part."""
@@ -62,7 +103,9 @@ class RequestMedia:
         data = spec.get("data")
         if not isinstance(data, str):
             raise refuse(f"{where}.input_audio.data", f"{where}.input_audio needs `data`: the file's bytes in base64.")
-        return self._add(Audio(self._base64(data, f"{where}.input_audio.data")), f"{where}.input_audio")
+        audio = self._base64(data, f"{where}.input_audio.data")
+        check_declared(spec["format"], audio, f"{where}.input_audio.format", "input_audio.format")
+        return self._add(Audio(audio), f"{where}.input_audio")
 
     def _add(self, medium: Image | Audio, where: str) -> str:
         digest = hashlib.sha256(bytes(medium.source)).hexdigest()

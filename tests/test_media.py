@@ -515,6 +515,17 @@ def test_a_frame_area_taken_back_for_other_connections_costs_the_client_nothing(
         assert asyncio.run(scenario()) == "length"
 
 
+def test_a_media_cache_of_no_bytes_keeps_nothing_once_its_session_lets_go(
+    media_daemon: Callable[..., DaemonProcess],
+) -> None:
+    daemon = media_daemon("--media-cache-size", "0")
+    with Client(daemon.address) as client:
+        with client.open_session() as s:
+            s.complete(["Look: ", Image(FRAME)], max_tokens=1, **GREEDY)
+        media = media_of(client)  # (it said 1 medium of 4096 bytes past a cache of 0, until the next request)
+        assert (media.cached, media.cached_bytes, media.cache_max_bytes) == (0, 0, 0)
+
+
 def test_threads_sharing_a_client_each_get_the_answer_to_their_own_frame(
     media_daemon: Callable[..., DaemonProcess],
 ) -> None:

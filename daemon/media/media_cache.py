@@ -268,6 +268,7 @@ class MediaCache:
             self._drop(digest)
 
     def status(self) -> MediaStatus:
+        self.trim()  # (what sessions let go of since the last request: the figures never pass cache_max_bytes)
         encoder = self.encoder
         return MediaStatus(
             projector=encoder.path.name,
