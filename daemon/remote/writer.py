@@ -204,10 +204,8 @@ class RemoteWriter:
             except RemoteUnavailable as exc:
                 if job is not None:
                     self.counts.write_failures += 1
-                    if job.waiters:  # (a migrate) told now, not once Redis is back: the session stays here
-                        self._notify(job, False, f"the remote tier did not answer: {exc}")
-                        job.waiters, job.then = [], "keep"
                     self._requeue(job)
+                self._tell_waiters(f"the remote tier did not answer: {exc}")
                 self._went_down(exc)
                 backoff = min(MAX_BACKOFF_S, max(0.05, backoff * 2))
             except Exception:  # a bug costs this job, never the thread
@@ -218,6 +216,20 @@ class RemoteWriter:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _tell_waiters(self, why: str) -> None:
+        """Redis does not answer: whoever waits for a queued job (a migrate) is told now, not once Redis is back,
+        and its session stays here (its hand-over becomes a plain write; a close's delete stays a delete)."""
+        told: list[Callable[[bool, str], None]] = []
+        with self._cond:
+            for job in self._jobs.values():
+                if job.waiters:
+                    told += job.waiters
+                    job.waiters = []
+                    if job.then == "release":
+                        job.then = "keep"
+        for waiter in told:
+            waiter(False, why)
 
     def _requeue(self, job: Job) -> None:
         with self._cond:
@@ -304,7 +316,12 @@ class RemoteWriter:
         record = msgspec.structs.replace(
             job.record, generation=held.generation, written_at=time.time(), node=self.store.node
         )
-        payload = self._payload(job.session, job.source, record.checksum)
+        try:
+            payload = self._payload(job.session, job.source, record.checksum)
+        except SpillError as exc:  # (not "stale": the engine would hand over the same file, read again in vain)
+            log.warning("remote write of session %s skipped: %s", job.session, exc)
+            self._notify(job, False, "its checkpoint cannot be read from the spill directory")
+            return False
         try:
             if payload is not None:
                 self.store.stage(job.session, held, payload)
@@ -349,12 +366,13 @@ class RemoteWriter:
 
     def _payload(self, session: str, source: Source, digest: int) -> memoryview | None:
         """The checkpoint's bytes: a view of the pool extent (no copy), or the spill file's contents (None when
-        they cannot be read: the job then ends as stale)."""
+        the file is gone or not this checkpoint's any more: the job then ends as stale; SpillError when the
+        directory cannot be read)."""
         if source.pool_offset is not None:
             return self.pool.view(source.pool_offset, source.length)
         try:
             return memoryview(self.spill.read(session, source.spill_version, digest))
-        except (SnapshotCorrupt, SpillError):
+        except SnapshotCorrupt:
             return None
 
     @staticmethod
