@@ -19,7 +19,15 @@ from kvpool import protocol as p
 # Daemon error codes that come before a turn applied anything to its session, unless the error is a cut
 # (KvpoolError.cut: SHUTTING_DOWN mid-answer): such a turn can be sent again as it was.
 REFUSALS = frozenset(
-    {"BUDGET_UNMEETABLE", "OVERLOADED", "QUOTA_EXCEEDED", "CONTEXT_OVERFLOW", "BAD_REQUEST", "SHUTTING_DOWN"}
+    {
+        "BUDGET_UNMEETABLE",
+        "OVERLOADED",
+        "QUOTA_EXCEEDED",
+        "CONTEXT_OVERFLOW",
+        "BAD_REQUEST",
+        "SHUTTING_DOWN",
+        "SPILL_UNAVAILABLE",  # (the session is kept: its state could not be read or moved, nothing was applied)
+    }
 )
 
 

@@ -25,8 +25,8 @@ SPILLING = ("--context-size", "2048", "--cache-pool-size", "1MiB", "--spill-max-
 def spilled_sessions(client: Client, count: int = 8) -> tuple[list[Session], list[Session]]:
     """``count`` sessions with a long turn each: those whose snapshot went to disk, and the others."""
     sessions = [client.open_session() for _ in range(count)]
-    for s in sessions:
-        s.complete(LONG, max_tokens=2, **GREEDY)
+    for i, s in enumerate(sessions):  # (each its own text: two alike would hold the same KV, and swap harmlessly)
+        s.complete(f"{i} {LONG}", max_tokens=2, **GREEDY)
     on_disk = {i.session for i in client.sessions() if i.tier == "disk"}
     assert on_disk, "the pool should have overflowed onto disk"
     return [s for s in sessions if s.id in on_disk], [s for s in sessions if s.id not in on_disk]
@@ -149,3 +149,33 @@ def test_a_spill_directory_that_fails_writes_evicts_nobody(start_daemon: Start) 
         for s in everyone + newcomers:  # every session still answers once the directory is back
             assert s.complete(" ok", max_tokens=2, **GREEDY).usage.completion_tokens == 2
         assert client.status().moves.evictions == 0
+
+
+def test_a_spill_file_unreadable_at_start_keeps_its_session_for_a_start_that_can_read_it(
+    start_daemon: Start,
+) -> None:
+    """An I/O error is not damage: the session is neither closed nor its file removed (a permissions slip after a
+    restore from backup, a disk that was slow to come up); its owner is told, and the next start brings it back."""
+    daemon = start_daemon("--hot-slots", "1", *SPILLING)
+    with daemon.client() as client:
+        on_disk, _ = spilled_sessions(client)
+        victim = on_disk[0]
+        saved, history = (victim.id, victim.token), victim.history()
+    daemon.stop(signal.SIGKILL)
+    (path,) = daemon.spill_dir.glob(f"{saved[0]}.*.snap")
+    aside = path.with_name("aside")
+    os.rename(path, aside)
+    path.mkdir()  # reading it fails (EISDIR): not missing, not damaged
+    daemon.start()
+    with daemon.client() as client:
+        with pytest.raises(SpillUnavailable, match="could not be read when the daemon started"):
+            client.resume_session(*saved)
+        assert client.status().moves.spill_failures == 1
+    daemon.stop()
+    path.rmdir()
+    os.rename(aside, path)
+    daemon.start()
+    with daemon.client() as client:
+        back = client.resume_session(*saved)
+        assert back.history() == history
+        assert back.complete(" again", max_tokens=2, **GREEDY).usage.completion_tokens == 2

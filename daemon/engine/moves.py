@@ -13,7 +13,7 @@ from kvpool.daemon.engine.generation import Generation
 from kvpool.daemon.engine.schedule import Hibernate, Move, Preempt, Restore, SharePrefix, Start, schedule
 from kvpool.daemon.engine.scheduler import Scheduler
 from kvpool.daemon.engine.step_work import Work
-from kvpool.daemon.kv.manager import KvManager
+from kvpool.daemon.kv.manager import KvManager, held_slot
 from kvpool.daemon.kv.sessions import Session
 from kvpool.daemon.refusals import RequestRefused
 
@@ -52,15 +52,6 @@ def next_work(scheduler: Scheduler, kv: KvManager, turn_away: TurnAway) -> list[
     return list(schedule(replace(scheduler.view(kv, frozenset(no_room), True), waiting=())).work)
 
 
-def held_slot(why: str) -> str:
-    """The refusal of a turn that needed the slot of an idle session that could not be saved to give it up: what
-    stopped that session's checkpoint is not this turn's doing."""
-    return (
-        f"Every hot slot is taken, and the idle session holding one could not be saved to leave it: {why} "
-        "Retry once that session is closed or has ended, or give the daemon more hot_slots."
-    )
-
-
 def apply(
     moves: Sequence[Move[Generation, Session]], scheduler: Scheduler, kv: KvManager, turn_away: TurnAway
 ) -> Generation | Stop | None:
@@ -85,7 +76,7 @@ def apply(
             try:
                 kv.hibernate(move.session)
             except RequestRefused as refused:  # no room to checkpoint it: the generation it was for cannot start
-                turn_away(move.g, RequestRefused(refused.code, held_slot(refused.message), refused.detail))
+                turn_away(move.g, held_slot(refused))
                 return Stop.REFUSED
             finally:
                 move.g.session.restore_seconds += time.perf_counter() - started

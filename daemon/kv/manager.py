@@ -75,6 +75,17 @@ class Mirror(Protocol):
         ...
 
 
+def held_slot(refused: RequestRefused) -> RequestRefused:
+    """The refusal of a turn that needed the slot of an idle session that could not be saved to give it up: what
+    stopped that session's checkpoint is not this turn's doing."""
+    return RequestRefused(
+        refused.code,
+        f"Every hot slot is taken, and the idle session holding one could not be saved to leave it: {refused.message} "
+        "Retry once that session is closed or has ended, or give the daemon more hot_slots.",
+        refused.detail,
+    )
+
+
 class KvManager:
     def __init__(
         self,
@@ -179,7 +190,10 @@ class KvManager:
             victim = policy.first_to_go(policy.idle_resident(self.resident.values()))
             if victim is None:
                 return False
-            self.hibernate(victim)
+            try:
+                self.hibernate(victim)
+            except RequestRefused as refused:
+                raise held_slot(refused) from None
         slot = self.free_slots.pop()
         try:
             # llama.cpp refuses a state it has no free cells for: free cells until it fits (each round takes out

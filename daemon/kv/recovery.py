@@ -1,8 +1,10 @@
 """Rebuilding the sessions and shared prefixes from the pool after a restart (or a crash).
 
 A damaged record or spill file must not stop the start: its session is closed (its owner gets SESSION_CORRUPT, with
-what was wrong), never brought back with a history it does not have. A record whose bytes fail only their checksum
-is found at its restore, which reports SESSION_CORRUPT the same way. Runs once, before the engine starts.
+what was wrong), never brought back with a history it does not have. A spill file that cannot be read (permissions,
+an I/O error: not damage) keeps its session's entry and file for a start that can read it, its owner told
+SPILL_UNAVAILABLE meanwhile. A record whose bytes fail only their checksum is found at its restore, which reports
+SESSION_CORRUPT the same way. Runs once, before the engine starts.
 """
 
 from __future__ import annotations
@@ -15,9 +17,27 @@ from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.place import SessionPlace
 from kvpool.daemon.kv.pool.layout import LIVE, NO_PREFIX, SESSION, TIER_POOL
 from kvpool.daemon.kv.pool.segment import PoolError
-from kvpool.daemon.kv.spill_dir import SnapshotCorrupt
+from kvpool.daemon.kv.spill_dir import SnapshotCorrupt, SpillError
+from kvpool.daemon.refusals import RequestRefused
+from kvpool.protocol import ErrorCode
 
 log = logging.getLogger("kvpool.kv")
+
+
+def damaged_at_start(session: str, why: str) -> RequestRefused:
+    return RequestRefused(
+        ErrorCode.SESSION_CORRUPT,
+        f"Session {session!r}'s saved state was found damaged when the daemon started ({why}); it was closed, open "
+        "a new one.",
+    )
+
+
+def unreadable_at_start(session: str, why: str) -> RequestRefused:
+    return RequestRefused(
+        ErrorCode.SPILL_UNAVAILABLE,
+        f"Session {session!r}'s saved state could not be read when the daemon started ({why}); it is kept: mend the "
+        "spill directory (its permissions, the disk) and restart the daemon.",
+    )
 
 
 def recover(kv: KvManager) -> int:
@@ -55,11 +75,17 @@ def recover(kv: KvManager) -> int:
                 live_files.add(kv.spill.name(e.session, snap.version))
             except SnapshotCorrupt as exc:
                 damaged = str(exc)  # (its file, if any, is removed below with the leftovers)
+            except SpillError as exc:  # not damage: its entry and its file stay for a start that can read it
+                live_files.add(kv.spill.name(e.session, snap.version))
+                log.warning("session %s: %s; it is kept, and comes back at a start that can read it", e.session, exc)
+                kv.counts.spill_failures += 1
+                kv.sessions.not_restored_at_start(e.session, e.token, unreadable_at_start(e.session, str(exc)))
+                continue
         if damaged:
             log.warning("session %s: %s; it is closed, its owner is told SESSION_CORRUPT", e.session, damaged)
             kv.counts.checksum_failures += 1
             kv.pool.release(e.index)
-            kv.sessions.remember_damaged(e.session, e.token, damaged)
+            kv.sessions.not_restored_at_start(e.session, e.token, damaged_at_start(e.session, damaged))
             continue
         n_kv = snap.n_kv if snap else 0
         kept = place.without_lost_media(tokens, n_kv)
@@ -95,5 +121,5 @@ def recover(kv: KvManager) -> int:
     kv.prefixes.forget_unused_after_recovery()
     stale = kv.spill.keep_only(live_files)
     if stale:
-        log.info("removed %d spill files left by an interrupted write", stale)
+        log.info("removed %d spill files no session names (an interrupted write's, or a damaged session's)", stale)
     return len(kv.sessions.by_id)

@@ -6,8 +6,6 @@ the room is refused instead. Engine thread only."""
 
 from __future__ import annotations
 
-import contextlib
-
 from kvpool.daemon.kv import place, policy
 from kvpool.daemon.kv.compression import PoolCompressor
 from kvpool.daemon.kv.disk_writes import DiskWrites, SpillFailed
@@ -81,7 +79,4 @@ class PoolRoom:
         self.pool.discard(s.entry)
         place.lose_snapshot(s)
         if previous is not None and previous.tier == TIER_DISK:
-            # A spill directory that fails (read-only, I/O errors) may be why the checkpoint failed at all: the
-            # file stays then, and the next start removes it (no entry names it any more).
-            with contextlib.suppress(OSError):
-                self.spill.remove(s.id, previous.version)
+            self.spill.remove(s.id, previous.version)  # (a failing directory leaves it for the next start)

@@ -157,9 +157,10 @@ class SessionTable:
         self._per_task: Counter[str] = Counter()
         # Sessions dropped when both tiers were full, id -> token: their owners (only) get SESSION_EVICTED.
         self.evicted: dict[str, str] = {}
-        # Sessions whose saved state was found damaged at start, id -> (token, what was wrong): their owners get
-        # SESSION_CORRUPT, never a history of placeholders.
-        self.damaged: dict[str, tuple[str, str]] = {}
+        # Sessions whose saved state could not be read at start, id -> (token, the refusal their owners get):
+        # SESSION_CORRUPT when it is damaged (never a history of placeholders), SPILL_UNAVAILABLE when its file
+        # could not be read then (kept for a start that can).
+        self.not_restored: dict[str, tuple[str, RequestRefused]] = {}
 
     def check_can_open(self, task: str) -> None:
         profile = self._config.tasks.get(task)
@@ -198,7 +199,7 @@ class SessionTable:
         self.by_id[session.id] = session
         self._per_task[session.task] += 1
         self.evicted.pop(session.id, None)
-        self.damaged.pop(session.id, None)
+        self.not_restored.pop(session.id, None)
 
     def get(self, session_id: str, token: str) -> Session:
         """The session, if ``token`` is its capability token; the error says nothing about other sessions."""
@@ -213,17 +214,13 @@ class SessionTable:
                 f"Session {session_id!r} was evicted because the pool and the spill directory were full; "
                 "open a new session (or give the daemon a larger cache_pool_size or spill_max_bytes).",
             )
-        if session is None and session_id in self.damaged:
-            owner, why = self.damaged[session_id]
+        if session is None and session_id in self.not_restored:
+            owner, refusal = self.not_restored[session_id]
             if not hmac.compare_digest(owner.encode(), token.encode()):
                 raise RequestRefused(
                     ErrorCode.NOT_OWNER, f"Session {session_id!r} belongs to another client; use your own session."
                 )
-            raise RequestRefused(
-                ErrorCode.SESSION_CORRUPT,
-                f"Session {session_id!r}'s saved state was found damaged when the daemon started ({why}); it was "
-                "closed, open a new one.",
-            )
+            raise refusal
         if session is None:
             raise RequestRefused(
                 ErrorCode.UNKNOWN_SESSION,
@@ -243,10 +240,10 @@ class SessionTable:
             if len(self.evicted) > MAX_EVICTED_REMEMBERED:  # oldest first (dicts keep insertion order)
                 del self.evicted[next(iter(self.evicted))]
 
-    def remember_damaged(self, session_id: str, token: str, why: str) -> None:
-        self.damaged[session_id] = (token, why)
-        if len(self.damaged) > MAX_EVICTED_REMEMBERED:
-            del self.damaged[next(iter(self.damaged))]
+    def not_restored_at_start(self, session_id: str, token: str, refusal: RequestRefused) -> None:
+        self.not_restored[session_id] = (token, refusal)
+        if len(self.not_restored) > MAX_EVICTED_REMEMBERED:
+            del self.not_restored[next(iter(self.not_restored))]
 
     def count(self, task: str) -> int:
         return self._per_task[task]

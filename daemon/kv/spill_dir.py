@@ -10,6 +10,7 @@ and are removed at start.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from pathlib import Path
@@ -24,6 +25,7 @@ MAGIC = b"KVSPILL3"  # 3: the checksum is XXH3
 # to), model fingerprint, KV layout
 HEADER = struct.Struct("<8sQQIIQi32s64s")
 SUFFIX = ".snap"
+log = logging.getLogger("kvpool.kv")
 
 
 class SpillError(Exception):
@@ -142,8 +144,12 @@ class SpillDir:
                 state_bytes, n_tokens = fields[2], fields[3]
                 f.seek(HEADER.size + state_bytes)
                 data = f.read(TOKEN_BYTES * n_tokens)
-        except (OSError, struct.error) as exc:
-            raise SnapshotCorrupt(f"spill file {name} cannot be read ({exc})") from None
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"spill file {name} is missing") from None
+        except struct.error:
+            raise SnapshotCorrupt(f"spill file {name} is truncated") from None
+        except OSError as exc:
+            raise SpillError(f"spill file {self.path / name} cannot be read: {exc.strerror}") from None
         if fields[0] != MAGIC or fields[1] != version:
             raise SnapshotCorrupt(f"spill file {name} has a damaged header")
         if fields[5] != digest:
@@ -153,7 +159,8 @@ class SpillDir:
         return np.frombuffer(data, dtype="<i4").tolist()
 
     def _check_identity(self, name: str, fingerprint: bytes, layout: bytes) -> None:
-        theirs_model, theirs_layout = fingerprint.rstrip(b"\0").decode(), layout.rstrip(b"\0").decode()
+        theirs_model = fingerprint.rstrip(b"\0").decode(errors="replace")  # (a damaged header's bytes too)
+        theirs_layout = layout.rstrip(b"\0").decode(errors="replace")
         if self.fingerprint and theirs_model != self.fingerprint:
             raise SnapshotCorrupt(f"spill file {name} holds a state of another model ({theirs_model})")
         if self.kv_layout and theirs_layout != self.kv_layout:
@@ -162,8 +169,13 @@ class SpillDir:
             )
 
     def remove(self, session: str, version: int) -> None:
+        """Remove a file no record names any more; a directory that fails leaves it for the next start to remove
+        (what called this has committed already: its session must not pay for the directory)."""
         name = self.name(session, version)
-        (self.path / name).unlink(missing_ok=True)
+        try:
+            (self.path / name).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("spill file %s could not be removed (%s); the next start removes it", name, exc.strerror)
         self._sizes.pop(name, None)
 
     def keep_only(self, live: set[str]) -> int:
