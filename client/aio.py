@@ -199,7 +199,7 @@ class AsyncClient:
             if self._area is not None and self._area.busy:
                 self._area.answered(reply.id)  # the daemon has read its media by the time it answers
                 self._area_freed.set()
-                if isinstance(reply, p.Error) and reply.detail and "frame_area" in reply.detail:
+                if isinstance(reply, p.Error) and (reply.detail or {}).get("frame_area") == self._area.name:
                     self._drop_area()  # the daemon freed it (its connection went, or too many were given)
             queue = self._queues.get(reply.id)
             if queue is not None:  # replies to abandoned requests are dropped

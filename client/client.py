@@ -288,7 +288,7 @@ class Client:
                 continue
             if self._area is not None:
                 self._area.answered(reply.id)  # the daemon has read its media by the time it answers
-                if isinstance(reply, p.Error) and reply.detail and "frame_area" in reply.detail:
+                if isinstance(reply, p.Error) and (reply.detail or {}).get("frame_area") == self._area.name:
                     self._drop_area()  # the daemon freed it (its connection went, or too many were given)
             inbox = self._inboxes.get(reply.id)
             if inbox is not None:  # replies to abandoned requests (after a timeout) are dropped
@@ -324,15 +324,21 @@ class Stream:
     came (so does the session's ``final``). Closing it early (``close()``, leaving a ``with`` block, or dropping
     it) stops the generation, so the session is free again."""
 
-    def __init__(self, session: Session, request_id: int, resend: Callable[[], int] | None = None):
-        """``resend``: sends the request again (media: through a new frame area), once, when the daemon refused it
-        because it had taken back the area its media were in (nothing was applied)."""
+    def __init__(self, session: Session, request_id: int):
         self._session = session
         self._client = session.client
         self._id = request_id
-        self._resend = resend
+        # Sends the request again (its media through a new frame area), once, when the daemon refused it because
+        # it had taken back the area its media were in (nothing was applied).
+        self._resend: Callable[[], int] | None = None
         self._closed = False
         self.final: p.Final | None = None
+
+    @classmethod
+    def _with_media(cls, session: Session, send: Callable[[], int]) -> Stream:
+        stream = cls(session, send())
+        stream._resend = send
+        return stream
 
     def __iter__(self) -> Stream:
         return self
@@ -409,8 +415,7 @@ class Session:
         """
         if is_parts(prompt):
             build = lambda parts: generate_request(self.id, self.token, parts, params)  # noqa: E731
-            send = lambda: self.client._send_parts(build, prompt)  # type: ignore[arg-type]  # noqa: E731
-            return Stream(self, send(), resend=send)
+            return Stream._with_media(self, lambda: self.client._send_parts(build, prompt))  # type: ignore[arg-type]
         request = generate_request(self.id, self.token, prompt, params)  # type: ignore[arg-type]
         return Stream(self, self.client._send(request))
 

@@ -22,6 +22,10 @@ class KvpoolError(Exception):
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
 
+    def reworded(self, message: str) -> KvpoolError:
+        """The same error (its class, code and detail) with another sentence."""
+        return type(self)(message, code=self.code, detail=self.detail)
+
     @property
     def cut(self) -> bool:
         """True when this error ended a generation that had begun: the session keeps its prompt and the

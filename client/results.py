@@ -130,11 +130,9 @@ def check_migration_target(status: DaemonStatus, address: str) -> None:
 
 def left_for_the_remote_tier(exc: KvpoolError, session: str) -> KvpoolError:
     """The error of a resume that failed after the session was handed over, saying where the session is now."""
-    return error_from_code(
-        exc.code,
+    return exc.reworded(
         f"{exc.message} Session {session} has left the daemon it was on and waits in the remote tier: resume it on "
-        "any daemon that shares that tier.",
-        exc.detail,
+        "any daemon that shares that tier."
     )
 
 

@@ -263,7 +263,7 @@ def image_part(block: ImageBlock, where: str, role: str) -> dict[str, Any]:
         raise refuse(where, f"{where}: only user messages carry images.")
     source = block.source
     if source.get("type") == "base64" and isinstance(source.get("data"), str):
-        media_type = source.get("media_type", "image/png")
+        media_type = source.get("media_type", "application/octet-stream")  # (none declared: the bytes decide)
         return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{source['data']}"}}
     if source.get("type") == "url" and isinstance(source.get("url"), str):
         return {"type": "image_url", "image_url": {"url": source["url"]}}

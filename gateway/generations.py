@@ -28,7 +28,7 @@ import msgspec
 from kvpool import protocol as p
 from kvpool.client.aio import AsyncClient, AsyncSession, AsyncStream
 from kvpool.client.conversation import REFUSALS, Held
-from kvpool.client.errors import KvpoolError, error_from_code
+from kvpool.client.errors import KvpoolError
 
 from .continuation import RESUMABLE, rest_of, resume_and_generate
 from .http_errors import CANCELLED
@@ -69,7 +69,7 @@ def with_part_names(exc: KvpoolError, names: dict[int, str]) -> KvpoolError:
         name = names.get(int(match.group(1)))
         return f"`{name}`" if name is not None else match.group(0)
 
-    return error_from_code(exc.code, _PART.sub(field, exc.message), exc.detail)
+    return exc.reworded(_PART.sub(field, exc.message))
 
 
 class Generations:
@@ -140,7 +140,7 @@ class ConversationGenerations(Generations):
             if continued is None:
                 # A refusal (over budget, overloaded) comes before anything was applied to the session.
                 self._turn.refused = exc.code in REFUSALS and not exc.cut
-                if self._turn.part_names:
+                if self._turn.part_names and _PART.search(exc.message):
                     raise with_part_names(exc, self._turn.part_names) from None
                 raise
             item = continued

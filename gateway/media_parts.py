@@ -56,7 +56,7 @@ def check_declared(declared: str, data: bytes, where: str, what: str) -> None:
     found = file_kind(data)
     if named in _SIGNATURES and found is not None and found != named:
         raise refuse(
-            where, f"{where}: {what} says {declared}, but the bytes are a {found.upper()} file.", "invalid_value"
+            where, f"{where}: {what} is {declared}, but the bytes are a {found.upper()} file.", "invalid_value"
         )
 
 
@@ -86,11 +86,12 @@ class RequestMedia:
         if mime and not mime.lower().startswith(("image/", "application/octet-stream")):
             raise refuse(
                 f"{where}.image_url.url",
-                f"{where}.image_url.url: the data: URL says {mime}; an image_url carries an image (image/png, ...).",
+                f"{where}.image_url.url: the image is declared {mime}; an image part carries an image (image/png, "
+                "image/jpeg, ...).",
                 "invalid_value",
             )
         if mime:
-            check_declared(mime, data, f"{where}.image_url.url", "its data: URL")
+            check_declared(mime, data, f"{where}.image_url.url", "its declared type")
         return self._add(Image(data), f"{where}.image_url")
 
     def audio(self, part: Any, where: str) -> str:

@@ -111,8 +111,8 @@ def test_urls_and_files_are_read_only_as_the_flags_allow(
         ("data:image/png;base64,@@@", "base64"),
         ("data:image/png;base64,", "the file is empty"),  # (it named the daemon's frame area)
         # A declared type that contradicts the bytes is refused, not passed over.
-        (data_url(png(4, 4), "audio/wav"), "the data: URL says audio/wav; an image_url carries an image"),
-        (data_url(png(4, 4), "image/gif"), "its data: URL says image/gif, but the bytes are a PNG file"),
+        (data_url(png(4, 4), "audio/wav"), "the image is declared audio/wav; an image part carries an image"),
+        (data_url(png(4, 4), "image/gif"), "its declared type is image/gif, but the bytes are a PNG file"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             ask(plain, url)
@@ -155,4 +155,4 @@ def test_a_refused_medium_is_named_as_the_request_names_it(media_gateway: Callab
             messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": mislabelled}]}],
             max_tokens=2,
         )
-    assert "input_audio.format says mp3, but the bytes are a WAV file" in refused.value.body["message"]  # type: ignore[index]
+    assert "input_audio.format is mp3, but the bytes are a WAV file" in refused.value.body["message"]  # type: ignore[index]

@@ -69,9 +69,14 @@ def test_an_image_files_size_is_read_from_its_header_as_its_decoder_reads_it() -
     assert image_size(jpeg(4200, 4100)) == (4200, 4100)
     assert image_size(jpeg(4200, 4100, fill=True)) == (4200, 4100)  # (a fill byte hid it: decoded unchecked)
     assert image_size(os2_bmp(8, 6)) == (8, 6)  # (read as 32-bit sizes: 524296x1572865, refused)
-    apple = bytearray(png(1, 1))
-    apple[12:16] = b"CgBI"  # a chunk before IHDR: what lies at IHDR's offset is not the size
-    assert image_size(bytes(apple)) is None
+    odd = bytearray(png(1, 1))
+    odd[12:16] = b"CgBI"  # a chunk before IHDR, then no IHDR: what lies at IHDR's offset is not the size
+    assert image_size(bytes(odd)) is None
+    # An Apple PNG (a CgBI chunk first, which the decoder reads) is sized by the IHDR after it, not its own bytes.
+    cgbi = png(4200, 1)[:8] + struct.pack(">I", 4) + b"CgBI" + b"\x50\x00\x20\x06" + b"\x00" * 4 + png(4200, 1)[8:33]
+    assert image_size(cgbi) == (4200, 1)
+    padded = jpeg(64, 32).replace(b"\xff\xc0", b"\x00\x00\xff\xc0", 1)  # padding between segments: scanned past
+    assert image_size(padded) == (64, 32)
 
 
 def wav(samples: np.ndarray, rate: int = 16000) -> bytes:

@@ -218,6 +218,10 @@ def test_a_medium_goes_beside_answers_without_deadlines() -> None:
     # A prompt that came before it still goes first.
     older = Gen("older", 0.5, session=hot(2), pending_tokens=30)
     assert work_of(schedule(view([], running=[chat, image, older]))) == [("chat", 1), ("older", 30)]
+    # A best-effort answer's own budget does not hold a best-effort medium back either (no cap is kept for it).
+    paced = Gen("paced", 0.0, session=hot(0), pending_tokens=1, best_effort=True, deadline=5.0)
+    later = Gen("later", 1.0, session=hot(1), pending_tokens=40, feeds_medium=True, best_effort=True)
+    assert work_of(schedule(view([], running=[paced, later]))) == [("later", 16)]
 
 
 def test_fcfs_feeds_a_medium_when_it_is_the_oldest_prompt() -> None:

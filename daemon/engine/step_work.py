@@ -123,9 +123,9 @@ class StepPolicy:
             return True
         if first.arrival >= oldest:
             return False
-        # Deadline-bound work is what has a deadline: a task without budgets (the default's) has none, and a medium
-        # that waited for its answer would wait for all of it.
-        if not any(math.isfinite(w.item.deadline) for w in step_work):
+        # Deadline-bound work is what has a deadline and is not best-effort: a task without budgets (the default's)
+        # has none, and a medium that waited for its answer would wait for all of it.
+        if not any(not w.item.best_effort and math.isfinite(w.item.deadline) for w in step_work):
             return True
         # Deadline-bound work is in flight: the medium goes only in a step that stays within the cap it keeps.
         n = first.feedable_tokens

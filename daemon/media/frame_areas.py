@@ -89,7 +89,7 @@ class FrameAreas:
                 ErrorCode.BAD_REQUEST,
                 f"Frame area {name!r} was taken back for another connection before this request was read (more than "
                 f"{self.max_areas} connections asked for one, and this one's was the least recently used); nothing "
-                "was applied: send it again (the client library does, once, through a new area).",
+                "was applied: send it again through a new area (the client libraries resend a generate once).",
                 {"frame_area": name},
             )
         if area is None or area.name != name:

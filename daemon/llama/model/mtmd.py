@@ -37,8 +37,8 @@ def image_size(data: bytes) -> tuple[int, int] | None:
     """An image file's width and height from its header (PNG, GIF, BMP, JPEG), None when it does not say: checked
     before decoding, so that a small file that would decode to gigabytes is refused (a file that does not say is
     refused too: the decoder reads layouts this does not, and would decode it whatever its size)."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) >= 24 and data[12:16] == b"IHDR":
-        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return _png_size(data)
     if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
         return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
     if data.startswith(b"BM") and len(data) >= 26:
@@ -52,11 +52,29 @@ def image_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def _png_size(data: bytes) -> tuple[int, int] | None:
+    """The size in a PNG's IHDR chunk: the first, or the one after an Apple CgBI chunk (which the decoder reads)."""
+    at = 8
+    for _ in range(2):
+        if at + 16 > len(data):
+            return None
+        length, kind = int.from_bytes(data[at : at + 4], "big"), data[at + 4 : at + 8]
+        if kind == b"IHDR":
+            return int.from_bytes(data[at + 8 : at + 12], "big"), int.from_bytes(data[at + 12 : at + 16], "big")
+        if kind != b"CgBI":
+            return None
+        at += 12 + length
+    return None
+
+
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """The size in a JPEG's start-of-frame segment, walking the segments before it (fill bytes and markers without
-    a length included, as the decoder does)."""
+    """The size in a JPEG's start-of-frame segment, walking the segments before it as the decoder does: fill bytes,
+    markers without a length, and padding between segments (bytes up to the next 0xFF) included."""
     at = 2
-    while at + 1 < len(data) and data[at] == 0xFF:
+    while at + 1 < len(data):
+        if data[at] != 0xFF:  # padding after a segment: the decoder scans on to the next marker
+            at += 1
+            continue
         marker = data[at + 1]
         if marker == 0xFF:  # a fill byte
             at += 1
