@@ -376,19 +376,20 @@ def load_config(
     try:  # (each layer's sizes apart, so that a bad one is blamed on where it was written)
         where = source
         _parse_sizes(raw, SIZE_KEYS, "")
-        tasks_raw = raw.pop("tasks", {"default": {}})
-        for name, table in tasks_raw.items() if isinstance(tasks_raw, dict) else ():
-            if isinstance(table, dict):
-                _parse_sizes(table, ("pool_quota",), f"tasks.{name}.")
         for key in SIZE_KEYS:
             where = f"{ENV_PREFIX}{key.upper()}"
             _parse_sizes(from_env, (key,), "")
             where = f"--{key.replace('_', '-')}"
             _parse_sizes(flagged, (key,), "")
+        raw.update(from_env)
+        raw.update(flagged)
+        where = source
+        tasks_raw = raw.pop("tasks", {"default": {}})
+        for name, table in tasks_raw.items() if isinstance(tasks_raw, dict) else ():
+            if isinstance(table, dict):
+                _parse_sizes(table, ("pool_quota",), f"tasks.{name}.")
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    raw.update(from_env)
-    raw.update(flagged)
     try:
         config = msgspec.convert(raw | {"tasks": {}}, Config)
     except msgspec.ValidationError as exc:

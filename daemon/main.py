@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         overrides = given(args, args.config_flags)
         plan = plan_start(args.config, overrides, check_only=args.check_config)
+        signal.signal(signal.SIGHUP, refuse_reload)  # (from here: logging is set up, and the start may take minutes)
         if args.check_config:
             print("kvpoold: the configuration is valid and fits its memory_limit.", file=sys.stderr)
             return 0
@@ -85,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     log.info("kvpoold stopped")
     return 0
+
+
+def refuse_reload(signum: int, _frame: object) -> None:
+    # (Python's default for SIGHUP ends the process at once: no cut said to the answers in flight, and no
+    # checkpoint; systemd would even count it a clean exit and not restart it.)
+    log.warning("received SIGHUP: ignored, kvpoold reads its settings at start only; restart it to apply new ones")
 
 
 def open_step_log(path: str) -> StepLog | None:
@@ -292,14 +300,8 @@ def serve(d: Daemon, stack: contextlib.ExitStack) -> None:
         notifier.stopping()
         engine.stopping.set()
 
-    def refuse_reload(signum: int, _frame: object) -> None:
-        # (Python's default for SIGHUP ends the process at once: no cut said to the answers in flight, and no
-        # checkpoint; systemd would even count it a clean exit and not restart it.)
-        log.warning("received SIGHUP: ignored, kvpoold reads its settings at start only; restart it to apply new ones")
-
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGHUP, refuse_reload)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     if config.http:  # (bound before the threads start: nothing below may unwind the stack under them)
         try:
@@ -333,8 +335,9 @@ def serve(d: Daemon, stack: contextlib.ExitStack) -> None:
         # Whatever ends this (a stop, or an error here), the threads end before the stack closes their sockets
         # and the model under them.
         engine.stopping.set()
+        deadline = time.monotonic() + THREADS_STOP_S
         engine_thread.join(THREADS_STOP_S)
-        io_thread.join(THREADS_STOP_S)
+        io_thread.join(max(0.0, deadline - time.monotonic()))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,13 @@ class StartPlan:
         print(f"kvpoold: memory plan for {self.model_path.name}:\n{self.memory.table()}", file=sys.stderr)
 
 
+def appendable(path: Path) -> bool:
+    """Whether a file can be opened to append to: itself writable, or (not there yet) its directory."""
+    if path.exists():
+        return os.access(path, os.W_OK)
+    return path.parent.is_dir() and os.access(path.parent, os.W_OK)
+
+
 def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: bool) -> StartPlan:
     """The configuration and what follows from it (exit 2 for a bad one, or a plan over memory_limit)."""
     try:
@@ -68,11 +75,10 @@ def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: b
                 f"log_file = {config.log_file!r} cannot be opened to append to ({exc.strerror}); create its "
                 "directory, or set another log_file."
             ) from None
-        step_log_dir = Path(config.step_log).parent if config.step_log else None
-        if step_log_dir is not None and not (step_log_dir.is_dir() and os.access(step_log_dir, os.W_OK)):
+        if config.step_log and not appendable(Path(config.step_log)):
             raise ConfigError(
-                f"step_log = {config.step_log!r}: its directory does not exist or is not writable; create it, or "
-                "set another step_log."
+                f"step_log = {config.step_log!r} cannot be appended to (the file is not writable, or its directory "
+                "does not exist or is not); create it, or set another step_log."
             )
         for name in unknown_environment(dict(os.environ)):
             log.warning("%s is not a setting (check its spelling against docs/config.md): it is ignored", name)

@@ -2,9 +2,10 @@
 
 The engine handles requests between its steps. Taking them in arrival order let one connection that sends many
 (thousands of status requests, a stream of detokenizes it never reads) hold every other connection's answers, and
-every running generation's next step, for as long as it kept sending. Here each connection's requests wait in a
-queue of their own, in their order; the engine takes one from each connection in turn, and while generations wait
-for their next step it stops after a short slice, leaving the rest for the next round.
+every running generation's next step, for as long as it kept sending (and, with none running, the engine's
+housekeeping and the watchdog's heartbeat). Here each connection's requests wait in a queue of their own, in their
+order; the engine takes one from each connection in turn, and stops after a short slice, leaving the rest for the
+next round.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from kvpool import protocol as p
 
-# While generations wait for their step, the requests handled between two steps take at most this long (one more
-# may start before the slice ends): a step later at most by this, whoever sends what.
+# The requests handled between two steps take at most this long (the one that passes it ends first): a step later
+# at most by this, whoever sends what.
 SLICE_S = 0.01
 
 Item = tuple[bytes, p.AnyRequest, float]  # (client, request, when the I/O thread received it)
@@ -39,10 +40,9 @@ class Intake:
             self._arrived.put((client, request, time.monotonic()))
             return True
 
-    def take(self, wait: float, sliced: Callable[[], bool]) -> Iterator[Item]:
-        """The requests to handle now, a connection at a time in turns: waits up to ``wait`` seconds for one when
-        none is there; stops after SLICE_S while ``sliced()`` (generations wait for their next step; asked after
-        each request, since one may start a generation)."""
+    def take(self, wait: float) -> Iterator[Item]:
+        """The requests to handle now, a connection at a time in turns, for at most SLICE_S: waits up to ``wait``
+        seconds for one when none is there."""
         if not self._waiting:
             try:
                 self._file(self._arrived.get(timeout=wait) if wait else self._arrived.get_nowait())
@@ -60,7 +60,7 @@ class Intake:
             else:
                 del self._waiting[client]
             yield item
-            if time.monotonic() >= until and sliced():
+            if time.monotonic() >= until:
                 return
 
     def close(self) -> list[Item]:

@@ -284,7 +284,7 @@ class Engine:
         self.calibrated = self.scheduler.cost.calibrated()
 
     def _take_requests(self, wait: float) -> None:
-        for item in self.intake.take(wait, sliced=lambda: not self.scheduler.idle):
+        for item in self.intake.take(wait):
             self._handle(*item)
 
     def _handle(self, client: bytes, request: p.AnyRequest, received_at: float) -> None:
