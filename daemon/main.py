@@ -29,7 +29,7 @@ from kvpool.daemon.kv.manager import KvManager
 from kvpool.daemon.kv.pool.pool import Pool
 from kvpool.daemon.kv.pool.segment import PoolError
 from kvpool.daemon.kv.recovery import recover
-from kvpool.daemon.kv.sessions import SessionTable
+from kvpool.daemon.kv.sessions import Session, SessionTable
 from kvpool.daemon.kv.spill_dir import SpillDir, SpillError
 from kvpool.daemon.llama.model import Model, ModelLoadError, Placement
 from kvpool.daemon.locations import default_pool_name, group_id, spill_dir_for
@@ -57,7 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--reset-pool",
         action="store_true",
-        help="discard an existing pool that does not match (other model, layout or corrupt)",
+        help="discard the pool segment and every session in it (their spill files too) before starting: for a pool "
+        "that is refused (another model, layout or size, or damaged); never leave it on a service's command line",
     )
     config_flags = add_flags(ap, Config)
     ap.add_argument(
@@ -176,12 +177,22 @@ def assemble(plan: StartPlan, reset_pool: bool, stack: contextlib.ExitStack) -> 
         received_bytes=lambda: server.received_bytes,
         step_log=step_log,
     )
-    watch.attach(lambda: [(g.client, g.request.id) for g in engine.scheduler.generations()], server.send)
+    watch.attach(
+        lambda: [(g.client, g.request.id, saved_tokens(g.session)) for g in engine.scheduler.generations()],
+        server.send,
+    )
     if config.rpc_servers:
         watch.watch_stalls(lambda: engine.heartbeat, engine.stopping, config.rpc_timeout)
     if remote is not None:
         remote.start(list(kv.sessions.by_id.values()))  # recovered sessions: their leases, their newest state
     return Daemon(config, address, server, model, engine)
+
+
+def saved_tokens(s: Session) -> int:
+    """The tokens a restarted daemon recovers for ``s``: its last checkpoint's (read from the thread that reports a
+    lost worker, while the engine thread waits inside llama.cpp)."""
+    snapshot = s.snapshot
+    return snapshot.n_tokens if snapshot is not None else 0
 
 
 def bind_server(config: Config, address: str, stack: contextlib.ExitStack) -> Server:

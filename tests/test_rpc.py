@@ -211,6 +211,7 @@ def test_lost_worker_ends_generations_with_worker_lost_and_a_restart_recovers(
         sessions = {i: client.open_session() for i in range(3)}
         ids = {i: (s.id, s.token) for i, s in sessions.items()}
         run_turns(client, sessions, range(2))
+        saved = len(sessions[0].history())
     raw = RawConnection(daemon.address)
     sid, token = ids[0]
     raw.send(p.Generate(id=9, session=sid, token=token, prompt="interrupted", max_tokens=4000, **GREEDY))
@@ -222,6 +223,8 @@ def test_lost_worker_ends_generations_with_worker_lost_and_a_restart_recovers(
     raw.close()
     assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.WORKER_LOST, reply
     assert f"rpc worker {worker.endpoint}" in reply.message
+    # What a restart recovers, said (it said "its last completed turn", which a preempted or on_evict session is not).
+    assert reply.detail == {"saved_tokens": saved} and f"{saved} tokens (detail.saved_tokens)" in reply.message
     daemon.proc.wait(30)
     assert daemon.proc.returncode == EXIT_WORKER_LOST
     assert f"rpc worker {worker.endpoint} (Connection refused) is gone" in daemon.log()
@@ -231,6 +234,7 @@ def test_lost_worker_ends_generations_with_worker_lost_and_a_restart_recovers(
     daemon.start()
     with daemon.client() as client:
         assert client.status().sessions.open == 3
+        assert len(client.resume_session(sid, token).history()) == saved
         after = run_turns(client, {i: client.resume_session(*ids[i]) for i in ids}, range(2, 3))
     assert after == {i: [turns[2]] for i, turns in expected.items()}
 

@@ -28,7 +28,8 @@ log = logging.getLogger("kvpool.rpc")
 EXIT_WORKER_LOST = 75  # EX_TEMPFAIL: an rpc worker is down (at start, or lost while running); try again later
 REPLY_FLUSH_S = 0.5  # time the I/O thread gets to send the WORKER_LOST replies before the process ends
 
-InFlight = Callable[[], list[tuple[bytes, int]]]  # (client, request id) of every generation in flight
+# (client, request id, the tokens its session's last checkpoint holds) of every generation in flight
+InFlight = Callable[[], list[tuple[bytes, int, int]]]
 Send = Callable[[bytes, p.Reply], None]
 
 
@@ -108,14 +109,17 @@ class WorkerWatch:
     def _tell_clients(self, what: str) -> int:
         if self._in_flight is None or self._send is None:
             return 0
-        message = (
-            f"The {what}; this generation ended without its answer. kvpoold restarts and recovers the session "
-            "from its last completed turn once the worker is back: retry then."
-        )
         try:
             in_flight = self._in_flight()
-            for client, request_id in in_flight:
-                self._send(client, p.Error(id=request_id, code=p.ErrorCode.WORKER_LOST, message=message))
+            for client, request_id, saved in in_flight:
+                message = (
+                    f"The {what}; this generation ended without its answer. kvpoold restarts once the worker is "
+                    f"back, and recovers the session as it was last saved: {saved} tokens (detail.saved_tokens), "
+                    "which may hold none of this turn, or its prompt and part of its answer; resume it, read its "
+                    "history, then go on from there."
+                )
+                detail = {"saved_tokens": saved}
+                self._send(client, p.Error(id=request_id, code=p.ErrorCode.WORKER_LOST, message=message, detail=detail))
         except Exception:  # the process ends either way; a failure to tell is logged, not raised into C
             log.exception("could not tell the clients in flight")
             return 0
