@@ -220,6 +220,7 @@ def test_pool_of_another_model_is_refused(start_daemon: Start, short_tmp: Path) 
     daemon.start()
     with daemon.client() as client:
         assert client.status().sessions.open == 0
+    assert "discarded pool segment" in daemon.log() and "with the 1 sessions it held" in daemon.log()
 
 
 def test_sessions_expire_in_every_tier(start_daemon: Start) -> None:
@@ -234,6 +235,24 @@ def test_sessions_expire_in_every_tier(start_daemon: Start) -> None:
             time.sleep(0.2)  # polling a bounded wait for the daemon's 1 s timeout
         status = client.status()
         assert status.sessions.open == 0 and status.pool.used_bytes == 0
+
+
+def test_a_session_read_within_its_timeout_is_not_idle(start_daemon: Start) -> None:
+    """session_timeout counts from a session's last request: a client that reads its history (a transcript view)
+    or cancels keeps it (only turns and resumes counted, and a polled session expired under its reader)."""
+    daemon = start_daemon("--session-timeout", "1.5")
+    with daemon.client() as client:
+        s = client.open_session()
+        s.complete("a", max_tokens=2, **GREEDY)
+        end = time.monotonic() + 4.0  # past twice the timeout, the quantity under test
+        while time.monotonic() < end:
+            assert s.history()  # (UNKNOWN_SESSION once expired)
+            s.cancel()
+            time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while client.status().sessions.open and time.monotonic() < deadline:
+            time.sleep(0.2)  # left alone now, it expires (a bounded wait for the daemon's housekeeping)
+        assert client.status().sessions.open == 0
 
 
 def test_idle_time_counts_from_the_last_turn_across_restarts(start_daemon: Start) -> None:

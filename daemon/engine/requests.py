@@ -260,8 +260,15 @@ class RequestHandlers:
         return p.TextReply(id=r.id, text=self.model.detokenize(self._checked_tokens(r.tokens)))
 
     def history(self, client: bytes, r: p.History, received_at: float) -> p.Reply:
-        s = self.sessions.get(r.session, r.token)
+        s = self._used(r.session, r.token)
         return p.HistoryReply(id=r.id, tokens=s.tokens[r.start :], context_tokens=len(s.tokens))
+
+    def _used(self, session: str, token: str) -> Session:
+        """A session a request names: in use from now on (session_timeout counts from its last request)."""
+        s = self.sessions.get(session, token)
+        s.last_used = time.monotonic()
+        self.kv.touch(s)
+        return s
 
     def close(self, client: bytes, r: p.CloseSession, received_at: float) -> p.Reply:
         s = self.sessions.get(r.session, r.token)
@@ -273,7 +280,7 @@ class RequestHandlers:
         return p.Closed(id=r.id, session=s.id)
 
     def cancel(self, client: bytes, r: p.Cancel, received_at: float) -> p.Reply:
-        s = self.sessions.get(r.session, r.token)
+        s = self._used(r.session, r.token)
         g = self.scheduler.generation_of(s)
         if g is None:
             return p.Cancelled(id=r.id, cancelled=False)

@@ -7,6 +7,7 @@ session; what it holds is laid out by layout.py and read and written through Poo
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
-from kvpool.daemon.kv.pool.layout import ALIGN, ENTRY, HEADER, HEADER_BYTES, LAYOUT_VERSION, MAGIC
+from kvpool.daemon.kv.pool.layout import ALIGN, ENTRY, HEADER, HEADER_BYTES, LAYOUT_VERSION, LIVE, MAGIC, SESSION
+
+log = logging.getLogger("kvpool.kv")
 
 
 class PoolError(Exception):
@@ -29,6 +32,24 @@ def _lock(shm: posix_ipc.SharedMemory) -> None:
         raise PoolError(
             f"Pool segment {shm.name} is in use by another running kvpoold; give each daemon its own --pool-name."
         ) from None
+
+
+def _live_sessions(shm: posix_ipc.SharedMemory) -> int:
+    """How many live sessions a segment's table holds, for the log of a --reset-pool; 0 when it cannot be read as a
+    pool (too small, not formatted, another layout)."""
+    if shm.size < HEADER_BYTES:
+        return 0
+    with mmap.mmap(shm.fd, shm.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping:
+        h = np.frombuffer(mapping, dtype=HEADER, count=1)[0]
+        if h["magic"] != MAGIC or h["layout"] != LAYOUT_VERSION:
+            return 0
+        entries, offset = int(h["entries"]), int(h["table_offset"])
+        if offset + entries * ENTRY.itemsize > shm.size:
+            return 0
+        table = np.frombuffer(mapping, dtype=ENTRY, count=entries, offset=offset)
+        held = int(np.count_nonzero((table["state"] == LIVE) & (table["kind"] == SESSION)))
+        del h, table
+    return held
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -70,8 +91,14 @@ class Segment:
                 pass
             else:
                 _lock(existing)  # never discard a pool another daemon is using
+                held = _live_sessions(existing)
                 existing.close_fd()
                 cls.unlink(name)
+                log.warning(
+                    "--reset-pool: discarded pool segment %s with the %d sessions it held (their spill files go too)",
+                    name,
+                    held,
+                )
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
         except posix_ipc.ExistentialError:
