@@ -1,5 +1,6 @@
 """Where a daemon's state lives on this machine: its pool's name in /dev/shm, its spill directory, and the group
-its clients are in. Derived from the address, so two daemons never share either."""
+its clients are in. Derived from the address, so two daemons never share either. And whether a file it is told to
+write can be."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import grp
 import hashlib
 import os
 from pathlib import Path
+
+
+def appendable(path: Path) -> bool:
+    """Whether a file can be opened to write or append to: itself writable, or (not there yet) its directory."""
+    if path.exists():
+        return path.is_file() and os.access(path, os.W_OK)
+    return path.parent.is_dir() and os.access(path.parent, os.W_OK)
 
 
 def group_id(group: str) -> int | None:

@@ -25,6 +25,7 @@ from kvpool.daemon.llama.memory_plan import MemoryPlan, model_shape, plan_memory
 from kvpool.daemon.llama.model import Placement
 from kvpool.daemon.llama.model.loading import fingerprint
 from kvpool.daemon.llama.projector import ProjectorError, ProjectorPlan, plan_projector
+from kvpool.daemon.locations import appendable
 from kvpool.daemon.ops.logs import setup_logging
 from kvpool.daemon.rpc.connect import WorkersUnavailable, connect_workers
 from kvpool.daemon.rpc.faults import WorkerWatch
@@ -55,13 +56,6 @@ class StartPlan:
 
     def print_memory(self) -> None:
         print(f"kvpoold: memory plan for {self.model_path.name}:\n{self.memory.table()}", file=sys.stderr)
-
-
-def appendable(path: Path) -> bool:
-    """Whether a file can be opened to append to: itself writable, or (not there yet) its directory."""
-    if path.exists():
-        return os.access(path, os.W_OK)
-    return path.parent.is_dir() and os.access(path.parent, os.W_OK)
 
 
 def plan_start(config_file: str | None, overrides: dict[str, Any], check_only: bool) -> StartPlan:

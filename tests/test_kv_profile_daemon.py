@@ -103,3 +103,23 @@ def test_the_command_measures_a_profile_a_daemon_starts_with(
         assert client.status().spill.kv_type == "profile: q8_0/q4_0h by layer"
     bad = run_until_exit([*command, "--base", "q3_k"])
     assert bad.returncode == 2 and "no store type" in bad.stderr, bad.stderr
+
+
+def test_the_commands_bad_usage_is_said_before_anything_is_measured(tiny_model: Path, tmp_path: Path) -> None:
+    """Each was a segfault, a traceback or a profile measured on nothing; and a place the profile cannot be written
+    was found only after the measurement (minutes on the default model)."""
+    command = [sys.executable, "-m", "kvpool.daemon.llama.profile_command", "--model", str(tiny_model)]
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_bytes(b"not a model at all")
+    for args, said in (
+        (["--score", "-4"], "--score: -4 is less than 1"),
+        (["--context", "0"], "--context: 0 is less than 1"),
+        (["--windows", "0"], "--windows: 0 is less than 1"),
+        (["--most-kld", "nan"], "--most-kld: nan is not a finite number"),
+        (["--top1-points", "-50"], "--top1-points: -50 is not a finite number of at least 0"),
+        (["--out", str(tmp_path / "missing" / "p.json")], "cannot write"),
+    ):
+        done = run_until_exit([*command, *args], timeout=60)
+        assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+    done = run_until_exit([sys.executable, "-m", "kvpool.daemon.llama.profile_command", "--model", str(not_gguf)])
+    assert done.returncode == 2 and "not a GGUF file" in done.stderr and "Traceback" not in done.stderr

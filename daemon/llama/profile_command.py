@@ -13,9 +13,11 @@ still holds. The daemon uses the file with
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvpool.daemon.kv.codec.kv_types import RowCoding, StoreType, coding_named
@@ -29,10 +31,36 @@ from kvpool.daemon.kv.codec.precision_profile import (
     write_profile,
 )
 from kvpool.daemon.llama.default_model import ModelNotFound, resolve_model_path
+from kvpool.daemon.llama.gguf_meta import GgufError
 from kvpool.daemon.llama.kv_sensitivity import Score, SensitivityMeter
 from kvpool.daemon.llama.model.loading import ModelLoadError, fingerprint
+from kvpool.daemon.locations import appendable
 
 RETRIES = 6  # profiles measured while giving layers back, and again while lowering more
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is less than {least}")
+        return value
+
+    return parse
+
+
+def _share(text: str) -> float:
+    """A finite number of at least 0 (a multiple, or points)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number of at least 0")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,12 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="where to write it (default: MODEL.gguf.kvprofile.json)")
     ap.add_argument("--base", default="q8_0/q4_0h", help="K/V codings to start from (sensitive K layers keep K's)")
     ap.add_argument("--low", default="q5_1", help="the coding the other K layers are lowered to")
-    ap.add_argument("--most-kld", type=float, default=1.5, help="the KLD allowed, as a multiple of the noise floor's")
-    ap.add_argument("--top1-points", type=float, default=1.0, help="top-1 agreement allowed below the floor's")
-    ap.add_argument("--context", type=int, default=1024, help="tokens of context before each scored part")
-    ap.add_argument("--score", type=int, default=128, help="positions scored after each context")
-    ap.add_argument("--windows", type=int, default=6, help="windows of text (context + scored part)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--most-kld", type=_share, default=1.5, help="the KLD allowed, as a multiple of the noise floor's")
+    ap.add_argument("--top1-points", type=_share, default=1.0, help="top-1 agreement allowed below the floor's")
+    ap.add_argument("--context", type=_at_least(1), default=1024, help="tokens of context before each scored part")
+    ap.add_argument("--score", type=_at_least(1), default=128, help="positions scored after each context")
+    ap.add_argument("--windows", type=_at_least(1), default=6, help="windows of text (context + scored part)")
+    ap.add_argument("--threads", type=_at_least(1), default=os.cpu_count() or 1)
     ap.add_argument("--text", type=Path, default=None, help="a text file to score (default: Python's pydoc topics)")
     return ap.parse_args(argv)
 
@@ -58,16 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         base = StoreType.named(args.base)
         low = coding_named(args.low)
         text = args.text.read_text(encoding="utf-8") if args.text else None
-    except (ModelNotFound, ValueError, OSError) as exc:
+    except (ModelNotFound, GgufError, ValueError, OSError) as exc:
         print(f"kvpool-kv-profile: {exc}", file=sys.stderr)
         return 2
     out = args.out or beside(model_path)
+    if not appendable(out):  # (found before the measurement, which takes minutes, not after it)
+        print(f"kvpool-kv-profile: cannot write {out}; name a writable file with --out", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     try:
         meter = SensitivityMeter(
             model_path, context=args.context, score=args.score, windows=args.windows, threads=args.threads, text=text
         )
-    except (ValueError, ModelLoadError) as exc:  # (a text too short for the windows; a file llama.cpp cannot load)
+    except (ValueError, ModelLoadError, GgufError) as exc:  # (a text too short for the windows; a file not a model)
         print(f"kvpool-kv-profile: {exc}", file=sys.stderr)
         return 2
     try:

@@ -65,7 +65,8 @@ class PrecisionProfile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if self.measured:
             m = self.measured
             text += (
-                f" (measured: {m.vs_f16:.2f}x f16's conversations at {m.kld / m.floor_kld:.2f}x the noise floor's KLD, "
+                f" (measured: {m.vs_f16:.2f}x f16's conversations at {m.kld / max(m.floor_kld, 1e-12):.2f}x the noise "
+                "floor's KLD, "
                 f"top-1 {100 * m.top1:.1f} % against the floor's {100 * m.floor_top1:.1f} %)"
             )
         return text
