@@ -423,6 +423,23 @@ def test_admission_refuses_a_first_token_that_cannot_make_its_budget() -> None:
     assert scheduler.task_stats["voice"].refusals == {"BUDGET_UNMEETABLE": 1}
 
 
+def test_admission_counts_the_wait_for_a_slot_held_by_an_answer_that_cannot_be_swapped_out() -> None:
+    """Every hot slot held by an answer that is not best-effort: a first token with a budget waits for that answer to
+    end. It was admitted as if a slot were free, and missed its budget by seconds."""
+    scheduler, sessions = scheduler_alone()  # the uncalibrated prior: 10 ms a step and 2 ms a token
+    chat, voice = session_of(sessions, "default"), session_of(sessions, "voice")
+    long = generation(chat, scheduler.admit(chat, None, 4, time.monotonic()))
+    scheduler.add(long)
+    scheduler.start(long)  # 128 tokens to go (its max_tokens): over a second
+    with pytest.raises(RequestRefused) as refused:
+        scheduler.admit(voice, None, prompt_tokens=20, received_at=time.monotonic(), slot_at_hand=False)
+    assert refused.value.code == ErrorCode.BUDGET_UNMEETABLE and refused.value.detail["estimate_ms"] > 1000
+    assert "every hot slot held by an answer that cannot be swapped out" in refused.value.message
+    assert scheduler.admit(voice, None, prompt_tokens=20, received_at=time.monotonic()).ttft_s == pytest.approx(0.3)
+    long.completion_tokens = 126  # two steps from its end: the wait fits the budget
+    assert scheduler.admit(voice, None, 20, time.monotonic(), slot_at_hand=False).ttft_s == pytest.approx(0.3)
+
+
 def test_admission_caps_a_tasks_queue() -> None:
     scheduler, sessions = scheduler_alone()
     voices = [session_of(sessions, "voice") for _ in range(3)]

@@ -365,7 +365,7 @@ class RequestHandlers:
         replay = self._replay(r, s.tokens + new)
         text = self._text(r, s.tokens + new)  # refused (text_from out of range) before a sampler is built
         encodes = sum(self.media.expected_seconds(piece) for _, piece in prompt.media) if self.media else 0.0
-        budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at, encodes)
+        budget = self.scheduler.admit(s, r.deadline_ms, to_compute, received_at, encodes, self._slot_at_hand(s))
         try:
             sampler = self.model.new_sampler(params, s.tokens + new, replay)
         except GrammarError as exc:
@@ -464,6 +464,13 @@ class RequestHandlers:
                 "constrained answer started (after the prompt).",
             )
         return replay
+
+    def _slot_at_hand(self, s: Session) -> bool:
+        """Whether ``s`` can have a hot slot at once: its own, a free one, an idle session's, or a best-effort
+        generation's that a deadline-bound one may swap out."""
+        if s.slot is not None or self.kv.free_slot_count or self.kv.idle_resident():
+            return True
+        return self.scheduler.policy.preempts and any(g.best_effort for g in self.scheduler.running)
 
     def _check_quota(self, s: Session) -> None:
         profile = self.config.tasks.get(s.task)  # a recovered session's task may have left the config

@@ -107,11 +107,13 @@ class Scheduler:
         prompt_tokens: int,
         received_at: float,
         encode_seconds: float = 0.0,
+        slot_at_hand: bool = True,
     ) -> Budget:
         """The budgets a new generation of ``session`` runs with, or RequestRefused: its task's queue is full, or
         (under "budgets") its first token cannot come within its budget. ``prompt_tokens``: what it will
         compute (a shared prefix's part excluded); ``encode_seconds``: what its media's encodes are expected to
-        take."""
+        take; ``slot_at_hand``: a hot slot can be had at once (its own, a free one, an idle session's, or a best-effort
+        generation's to swap out); else it waits for a running answer to end, which the estimate counts."""
         task = session.task
         profile = self.config.tasks.get(task) or TaskProfile()  # a recovered session's task may have left
         stats = self.task_stats[task]
@@ -129,13 +131,16 @@ class Scheduler:
         if ttft_ms and not profile.best_effort and self.policy.checks_budgets:
             deadline = received_at + ttft_ms / 1000.0
             estimate = self.estimate_ttft(prompt_tokens, len(session.tokens), deadline, received_at) + encode_seconds
+            if not slot_at_hand:
+                estimate += self.until_a_slot_frees()
             if not within(estimate, ttft_ms / 1000.0):
                 stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
                 raise RequestRefused(
                     ErrorCode.BUDGET_UNMEETABLE,
                     f"The first token would take about {estimate * 1000.0:.0f} ms but the budget is {ttft_ms:.0f} ms "
-                    f"({prompt_tokens} prompt tokens, {len(self.running)} generations running); shorten "
-                    "the prompt, retry later, or use a best-effort task.",
+                    f"({prompt_tokens} prompt tokens, {len(self.running)} generations running"
+                    f"{'' if slot_at_hand else ', every hot slot held by an answer that cannot be swapped out'}); "
+                    "shorten the prompt, retry later, or use a best-effort task.",
                     {
                         "estimate_ms": round(estimate * 1000.0, 1),
                         "budget_ms": ttft_ms,
@@ -158,6 +163,15 @@ class Scheduler:
             if profile.ttft_ms and not profile.best_effort and self.sessions.count(task):
                 caps.append(profile.ttft_ms / 1000.0 * HEADROOM)
         return min(caps) if caps else None
+
+    def until_a_slot_frees(self) -> float:
+        """Seconds until the running answer nearest its end has ended, were it to run to its max_tokens (it may end
+        sooner): what a generation waits for that no hot slot can be had for."""
+        left = [g.request.max_tokens - g.completion_tokens for g in self.running if not g.best_effort]
+        if not left:
+            return 0.0
+        step = self.cost.predict(self.cost.shape([(g.position, 1, 1) for g in self.running]))
+        return max(0, min(left)) * step
 
     def estimate_ttft(self, prompt_tokens: int, position: int, deadline: float, received_at: float) -> float:
         """Seconds from the request's arrival to its first token: the time it already waited (the step that was
