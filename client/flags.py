@@ -73,4 +73,11 @@ def given(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 def comma_separated(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
+    """``a,b`` -> [a, b]; an empty text is an empty list (to clear the file's); an empty item is refused (``a,,b``,
+    ``,``: a list that would mean less than was written)."""
+    if not text.strip():
+        return []
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty item; separate the items with single commas")
+    return items

@@ -427,6 +427,12 @@ def load_config(
             f"{source}: draft_min_tokens = {config.draft_min_tokens} is more than draft_tokens = "
             f"{config.draft_tokens}, the most a guess may feed; lower it or raise draft_tokens."
         )
+    if not config.rpc_servers and (config.rpc_layers != -1 or config.tensor_split):
+        key = "rpc_layers" if config.rpc_layers != -1 else "tensor_split"
+        raise ConfigError(
+            f"{source}: {key} is set but rpc_servers is empty: with no rpc workers the whole model runs here and "
+            f"{key} would be ignored; set rpc_servers, or leave {key} out."
+        )
     if config.kv_profile and not profiled:
         raise ConfigError(
             f"{source}: kv_profile = {config.kv_profile!r} is set, but no tier stores by it; set pool_kv_type or "

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import protocol as p
-from kvpool.client.errors import BudgetUnmeetable
+from kvpool.client.errors import BudgetUnmeetable, ContextOverflow
 from kvpool.daemon.config import ConfigError, load_config
 
 from .daemon_process import DaemonProcess
@@ -175,3 +175,25 @@ def test_calibration_at_start_can_be_turned_off(start_daemon: Start) -> None:
     with prior.client() as client:
         cost = client.status().scheduler.cost_model
         assert cost.calibration == [] and cost.small_steps.fixed_ms == 10.0  # the prior, untouched by any step
+
+
+def test_late_tokens_are_counted_while_the_answer_runs(start_daemon: Start) -> None:
+    """`late tok` moved only when an answer ended: a status read mid-answer said 0 while the client had seen
+    dozens of tokens past their budget."""
+    daemon = start_daemon(config="[tasks.default]\n[tasks.paced]\ntpot_ms = 0.001\n")  # (no step is that quick)
+    with daemon.client() as client, client.open_session("paced") as s:
+        stream = s.generate("on and on", max_tokens=400, temperature=0.0)
+        seen = 0
+        for chunk in stream:
+            seen += len(chunk.tokens)
+            if seen >= 20:
+                break
+        assert client.status().tasks["paced"].late_tokens >= 10  # (mid-answer: it said 0 until the end)
+        stream.close()
+
+
+def test_a_tasks_own_system_prompt_too_long_for_its_sessions_is_named(start_daemon: Start) -> None:
+    daemon = start_daemon("--context-size", "512", config=f'[tasks.default]\nsystem_prompt = "{"x" * 700}"\n')
+    configured = r"Task 'default''s configured system_prompt \(tasks.default"
+    with daemon.client() as client, pytest.raises(ContextOverflow, match=configured):
+        client.open_session()  # (it read as if the client had sent a system prompt)

@@ -55,6 +55,9 @@ def test_bad_config_names_key_and_value(tmp_path: Path, text: str, expected: str
         ({}, {"KVPOOL_CACHE_POOL_SIZE": "banana"}, "KVPOOL_CACHE_POOL_SIZE: `cache_pool_size`: 'banana' is not a size"),
         ({"cache_pool_size": "banana"}, {}, "--cache-pool-size: `cache_pool_size`: 'banana' is not a size"),
         ({"cache_pool_size": "1.5"}, {}, "'1.5' is not a whole number of bytes"),  # (it was read as 1 byte)
+        # Settings of the rpc split without rpc workers were ignored without a word.
+        ({"rpc_layers": 3}, {}, "rpc_layers is set but rpc_servers is empty"),
+        ({"tensor_split": [1.0]}, {}, "tensor_split is set but rpc_servers is empty"),
         # hot_slots and prefix_slots each within bounds, together past llama.cpp's 256 sequences: it could not start.
         ({"hot_slots": 256}, {}, "hot_slots = 256 and prefix_slots = 2 take 259 of llama.cpp's sequences"),
         (

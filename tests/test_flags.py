@@ -45,6 +45,15 @@ def test_a_flag_refuses_a_value_its_setting_does_not_take(capsys: pytest.Capture
     assert exit_.value.code == 2 and "invalid choice: 'q3_k'" in capsys.readouterr().err
 
 
+def test_a_list_flag_with_an_empty_item_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--rpc-servers ,` meant no workers at all, without a word: the whole model ran here."""
+    for text in (",", "127.0.0.1:50052,,127.0.0.1:50053", " , "):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--rpc-servers", text])
+        assert exit_.value.code == 2 and "has an empty item" in capsys.readouterr().err
+    assert parse_args(["--rpc-servers", ""]).rpc_servers == []  # (an empty text clears the file's list)
+
+
 def test_gateway_flags_their_variables_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_GATEWAY_PORT", "9123")
     config = gateway_args(["--no-reuse", "--alias", "a", "--alias", "b", "--health-check", "/up", "--state-file", "x"])

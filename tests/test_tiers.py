@@ -346,6 +346,8 @@ pool_quota = "100KiB"
             s.complete("more", max_tokens=2)
         other = client.open_session()  # other tasks are not affected
         assert other.complete(LONG, max_tokens=2).usage.completion_tokens == 2
+        # The task's refusals column counts its quota's refusals (it counted only queue and budget refusals).
+        assert client.status().tasks["voice"].refusals == {"QUOTA_EXCEEDED": 1}
 
 
 def test_restore_into_a_full_kv_hibernates_instead_of_failing(start_daemon: Start) -> None:

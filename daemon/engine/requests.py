@@ -145,7 +145,12 @@ class RequestHandlers:
                 ErrorCode.OVERLOADED,
                 "The daemon's memory is above its memory_high_water; close sessions or retry later.",
             )
-        self.sessions.check_can_open(r.task)  # first: the system prompt may come from the task's profile
+        try:
+            self.sessions.check_can_open(r.task)  # first: the system prompt may come from the task's profile
+        except RequestRefused as refused:
+            if r.task in self.config.tasks:  # (a task's own quota: its refusals column counts it)
+                self.scheduler.task_stats[r.task].refusals[refused.code.value] += 1
+            raise
         system = self._system_prompt(client, r)
         try:
             s = self.kv.open(
@@ -188,10 +193,16 @@ class RequestHandlers:
         tokens = prompt.tokens
         if len(tokens) >= limit:
             prompt.release()
+            configured = not any(given)  # (the client sent none: the task's own is too long for its sessions)
+            whose = (
+                f"Task {r.task!r}'s configured system_prompt (tasks.{r.task}.system_prompt)"
+                if configured
+                else ("The system prompt")
+            )
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"The system prompt is {len(tokens)} tokens; task {r.task!r} sessions hold at most {limit - 1} "
-                "before their first answer. Shorten it.",
+                f"{whose} is {len(tokens)} tokens; task {r.task!r} sessions hold at most {limit - 1} before their "
+                f"first answer. Shorten it{' in the config' if configured else ''}.",
                 {"prompt_tokens": len(tokens), "context_limit": limit},
             )
         return prompt
@@ -479,6 +490,7 @@ class RequestHandlers:
             return
         held = sum(x.snapshot_bytes for x in self.sessions.by_id.values() if x.task == s.task)
         if held >= quota:
+            self.scheduler.task_stats[s.task].refusals[ErrorCode.QUOTA_EXCEEDED.value] += 1
             raise RequestRefused(
                 ErrorCode.QUOTA_EXCEEDED,
                 f"Task {s.task!r} holds {held} bytes of session snapshots, at or over its pool_quota of {quota}; "

@@ -54,14 +54,15 @@ class TaskStats:
     refusals: Counter[str] = field(default_factory=Counter)
     preemptions: int = 0
 
-    def status(self, queue_depth: int) -> TaskStatus:
+    def status(self, queue_depth: int, late_in_flight: int = 0) -> TaskStatus:
+        """``late_in_flight``: late tokens of the task's answers still running (added to the count as they end)."""
         return TaskStatus(
             ttft_ms=self.ttft_ms.summary(),
             tpot_ms=self.tpot_ms.summary(),
             ttft_buckets=self.ttft_ms.histogram(),
             tpot_buckets=self.tpot_ms.histogram(),
             deadline_misses=self.deadline_misses,
-            late_tokens=self.late_tokens,
+            late_tokens=self.late_tokens + late_in_flight,
             lateness_ms=round(self.lateness_ms, 1),
             refusals=dict(self.refusals),
             preemptions=self.preemptions,

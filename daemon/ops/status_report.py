@@ -79,7 +79,13 @@ def status_of(
             step_cap_ms=round(cap * 1000.0, 2) if cap else None,
             cost_model=scheduler.cost.status(),
         ),
-        tasks={task: scheduler.task_stats[task].status(scheduler.queue_depth(task)) for task in config.tasks},
+        tasks={
+            task: scheduler.task_stats[task].status(
+                scheduler.queue_depth(task),
+                sum(g.late_tokens for g in scheduler.generations() if g.session.task == task),
+            )
+            for task in config.tasks
+        },
         pool=kv.pool_status(),
         spill=kv.spill_status(),
         sessions_by_tier=kv.sessions_by_tier(),
