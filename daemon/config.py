@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -407,7 +408,17 @@ def load_config(
             raise ConfigError(_explain(exc, table, f"tasks.{name}", source, {}, {})) from None
     if "default" not in tasks:
         raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
-    _check_deterministic(config, source)
+
+    def origin(*keys: str) -> str:
+        """Where these settings were written: a flag, a variable, or the file (the first that set one of them)."""
+        for key in keys:
+            if key in flagged:
+                return f"--{key.replace('_', '-')}"
+            if key in from_env:
+                return f"{ENV_PREFIX}{key.upper()}"
+        return source
+
+    _check_deterministic(config, origin)
     profiled = [key for key in ("pool_kv_type", "spill_kv_type") if getattr(config, key) == PROFILE]
     if profiled and (config.cache_type_k, config.cache_type_v) != ("f16", "f16"):
         raise ConfigError(
@@ -418,7 +429,8 @@ def load_config(
     sequences = sequence_count(config.hot_slots, config.prefix_slots, config.determinism.extra_sequences)
     if sequences > MAX_SEQUENCES:
         raise ConfigError(
-            f"{source}: hot_slots = {config.hot_slots} and prefix_slots = {config.prefix_slots} take {sequences} of "
+            f"{origin('hot_slots', 'prefix_slots')}: hot_slots = {config.hot_slots} and prefix_slots = "
+            f"{config.prefix_slots} take {sequences} of "
             f"llama.cpp's sequences (the hot slots, one per shared prefix, one scratch sequence while sharing is "
             f"on, two more in deterministic mode), more than its {MAX_SEQUENCES}; lower one of them."
         )
@@ -430,7 +442,7 @@ def load_config(
     if not config.rpc_servers and (config.rpc_layers != -1 or config.tensor_split):
         key = "rpc_layers" if config.rpc_layers != -1 else "tensor_split"
         raise ConfigError(
-            f"{source}: {key} is set but rpc_servers is empty: with no rpc workers the whole model runs here and "
+            f"{origin(key)}: {key} is set but rpc_servers is empty: with no rpc workers the whole model runs here and "
             f"{key} would be ignored; set rpc_servers, or leave {key} out."
         )
     if config.kv_profile and not profiled:
@@ -441,7 +453,7 @@ def load_config(
     return msgspec.structs.replace(config, tasks=tasks)
 
 
-def _check_deterministic(config: Config, source: str) -> None:
+def _check_deterministic(config: Config, origin: Callable[..., str]) -> None:
     """Deterministic decoding rules out what would pick a kernel by a batch's shape (docs/determinism.md)."""
     if not config.deterministic:
         return
@@ -456,7 +468,9 @@ def _check_deterministic(config: Config, source: str) -> None:
     for key, (refused, why) in refusals.items():
         if refused:
             value = getattr(config, key)
-            raise ConfigError(f"{source}: deterministic = true does not go with {key} = {value!r}: {why}.")
+            raise ConfigError(
+                f"{origin(key, 'deterministic')}: deterministic = true does not go with {key} = {value!r}: {why}."
+            )
 
 
 SIZE_KEYS = (
@@ -544,7 +558,11 @@ def _explain(
 ) -> str:
     """Turn msgspec's "Expected `int` >= 1 - at `$.hot_slots`" into "`hot_slots` = 0 is not allowed: ..."."""
     why, sep, where = str(exc).partition(" - at `$")
-    keys = [k for k in where.rstrip("`").split(".") if k] if sep else []
+    # `$.rpc_servers[0]` -> ["rpc_servers", 0]: names, and the indices of list items
+    keys: list[Any] = [
+        int(part[1:-1]) if part.startswith("[") else part
+        for part in re.findall(r"[^.\[\]]+|\[\d+\]", where.rstrip("`") if sep else "")
+    ]
     if why.startswith("Object contains unknown field"):
         bad = why.split("`")[1]
         table = ".".join([prefix, *keys]).strip(".")
@@ -552,8 +570,13 @@ def _explain(
         return f"{source}: unknown key `{bad}` in {where_text}; check its spelling against docs/config.md."
     value: Any = raw
     for k in keys:
-        value = value.get(k) if isinstance(value, dict) else None
-    key = ".".join([prefix, *keys]).strip(".")
+        if isinstance(k, int):
+            value = value[k] if isinstance(value, list) and k < len(value) else None
+        else:
+            value = value.get(k) if isinstance(value, dict) else None
+    key = prefix
+    for k in keys:
+        key = f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}" if key else k
     origin = f"--{keys[0].replace('_', '-')}" if keys and keys[0] in flagged else source
     if keys and keys[0] in from_env:
         origin = f"{ENV_PREFIX}{keys[0].upper()}"
@@ -564,7 +587,7 @@ _KINDS = {"int": "a whole number", "float": "a number", "str": "text", "bool": "
 _BOUNDS = {">=": "at least", "<=": "at most", ">": "more than", "<": "less than"}
 
 
-def _in_words(why: str, struct: type, keys: list[str]) -> str:
+def _in_words(why: str, struct: type, keys: list[Any]) -> str:
     """msgspec's "Expected `int` >= 1" as a sentence: "it must be a whole number of at least 1"."""
     if why.startswith("Expected `str` matching regex") and (words := _described(struct, keys)):
         return f"it {words}"
@@ -577,13 +600,21 @@ def _in_words(why: str, struct: type, keys: list[str]) -> str:
     return why
 
 
-def _described(struct: type, keys: list[str]) -> str:
-    """The sentence a key's schema gives for its values (Meta description), or "" when it has none."""
-    if len(keys) != 1:
+def _described(struct: type, keys: list[Any]) -> str:
+    """The sentence a key's schema gives for its values (Meta description), or "" when it has none; for a list's
+    item (``keys`` a name, then an index), its items'."""
+    if not keys or any(not isinstance(k, int) for k in keys[1:]) or len(keys) > 2:
         return ""
     info = msgspec.inspect.type_info(struct)
     assert isinstance(info, msgspec.inspect.StructType)
     for field in info.fields:
-        if field.name == keys[0] and isinstance(field.type, msgspec.inspect.Metadata):
-            return str((field.type.extra_json_schema or {}).get("description", ""))
+        if field.name != keys[0]:
+            continue
+        kind = field.type
+        if len(keys) == 2:
+            while isinstance(kind, msgspec.inspect.Metadata):
+                kind = kind.type
+            kind = kind.item_type if isinstance(kind, msgspec.inspect.ListType) else None
+        if isinstance(kind, msgspec.inspect.Metadata):
+            return str((kind.extra_json_schema or {}).get("description", ""))
     return ""

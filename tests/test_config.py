@@ -55,6 +55,13 @@ def test_bad_config_names_key_and_value(tmp_path: Path, text: str, expected: str
         ({}, {"KVPOOL_CACHE_POOL_SIZE": "banana"}, "KVPOOL_CACHE_POOL_SIZE: `cache_pool_size`: 'banana' is not a size"),
         ({"cache_pool_size": "banana"}, {}, "--cache-pool-size: `cache_pool_size`: 'banana' is not a size"),
         ({"cache_pool_size": "1.5"}, {}, "'1.5' is not a whole number of bytes"),  # (it was read as 1 byte)
+        # A list's item: its value, its flag and the words for it (it said "defaults: ... = None" and a regex).
+        (
+            {"rpc_servers": ["127.0.0.1:0"]},
+            {},
+            "--rpc-servers: `rpc_servers[0]` = '127.0.0.1:0' is not allowed: it must be",
+        ),
+        ({"deterministic": True, "cpu_repack": "on"}, {}, "--cpu-repack: deterministic = true does not go with"),
         # Settings of the rpc split without rpc workers were ignored without a word.
         ({"rpc_layers": 3}, {}, "rpc_layers is set but rpc_servers is empty"),
         ({"tensor_split": [1.0]}, {}, "tensor_split is set but rpc_servers is empty"),

@@ -5,8 +5,10 @@ a worker down at start or lost mid-run gives a clear error, and a restart recove
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -188,6 +190,30 @@ def test_worker_down_at_start_is_named(tiny_model: Path, short_tmp: Path) -> Non
     assert result.returncode == EXIT_WORKER_LOST
     assert f"rpc worker {endpoint} is down (Connection refused)" in result.stderr
     assert "kvpool rpc-worker --host 127.0.0.1" in result.stderr
+
+
+def test_a_peer_that_is_no_rpc_worker_is_a_settings_error(tiny_model: Path, short_tmp: Path) -> None:
+    """Something that accepts the connection and closes it (another service on that port) was reported as a worker
+    lost mid-run, answers in flight and all, with the exit code systemd restarts on (75): a loop over a setting."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def close_each() -> None:
+        while True:
+            try:
+                peer, _ = listener.accept()
+            except OSError:
+                return
+            peer.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    try:
+        endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+        result = run_until_exit(kvpoold_command(tiny_model, f"ipc://{short_tmp}/d.sock", "--rpc-servers", endpoint))
+    finally:
+        listener.close()
+    assert result.returncode == 2, result.stderr
+    assert f"rpc_servers {endpoint} accepted kvpoold's connection at start but did not answer" in result.stderr
+    assert "WORKER_LOST" not in result.stderr
 
 
 def test_worker_serving_another_daemon_is_named(start_daemon: Start, start_worker: Callable[..., RpcWorker]) -> None:

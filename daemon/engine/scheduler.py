@@ -46,6 +46,11 @@ class Budget:
     priority: int = 0
 
 
+def _ms(ms: float) -> str:
+    """Milliseconds as a sentence gives them: whole ones, with a tenth below 10 (a 0.5 ms budget is not "0 ms")."""
+    return f"{ms:.1f} ms" if ms < 10 else f"{ms:.0f} ms"
+
+
 class Scheduler:
     def __init__(self, config: Config, sessions: SessionTable, batch_capacity: int, attention_tile: int = 0):
         self.config = config
@@ -137,7 +142,7 @@ class Scheduler:
                 stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
                 raise RequestRefused(
                     ErrorCode.BUDGET_UNMEETABLE,
-                    f"The first token would take about {estimate * 1000.0:.0f} ms but the budget is {ttft_ms:.0f} ms "
+                    f"The first token would take about {_ms(estimate * 1000.0)} but the budget is {_ms(ttft_ms)} "
                     f"({prompt_tokens} prompt tokens, {len(self.running)} generations running"
                     f"{'' if slot_at_hand else ', every hot slot held by an answer that cannot be swapped out'}); "
                     "shorten the prompt, retry later, or use a best-effort task.",

@@ -66,11 +66,21 @@ class WorkerWatch:
             log.critical("llama.cpp aborted: %s", message)
             return
         down = self.down()
+        said = f"llama.cpp: {message.rsplit(': ', 1)[-1]}"
+        if not down and self._in_flight is None:  # at start, from a peer that still listens: not a worker's fault
+            log.critical(
+                "rpc_servers %s accepted kvpoold's connection at start but did not answer as llama.cpp's RPC server "
+                "(%s): is it a `kvpool rpc-worker` of this llama.cpp? Fix rpc_servers; exiting with 2.",
+                ", ".join(self.endpoints),
+                said,
+            )
+            self._flush()
+            os._exit(2)
         if down:
             what = "rpc worker " + ", ".join(down) + " is gone"
         else:
             what = f"the connection to rpc worker {', '.join(self.endpoints)} broke"
-        self._end(what, f"llama.cpp: {message.rsplit(': ', 1)[-1]}")
+        self._end(what, said)
 
     def watch_stalls(self, heartbeat: Callable[[], float], stopping: threading.Event, timeout: float) -> None:
         """ggml-rpc has no timeout: a worker whose host hangs, or a link that drops packets without a reset,
@@ -101,10 +111,14 @@ class WorkerWatch:
         told = self._tell_clients(what)
         if told:
             time.sleep(REPLY_FLUSH_S)  # bounded: the I/O thread forwards them, then the process ends regardless
+        self._flush()
+        os._exit(EXIT_WORKER_LOST)
+
+    @staticmethod
+    def _flush() -> None:
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stderr.flush()
-        os._exit(EXIT_WORKER_LOST)
 
     def _tell_clients(self, what: str) -> int:
         if self._in_flight is None or self._send is None:

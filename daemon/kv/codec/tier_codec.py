@@ -49,7 +49,16 @@ class TierCodec:
             return self.profile
         t = StoreType.named(name)
         hot_bytes = self.hot.type_k.bytes_per_element() + self.hot.type_v.bytes_per_element()
-        return t if t.bytes_per_element() < hot_bytes else None
+        if t.bytes_per_element() < hot_bytes:
+            return t
+        log.warning(
+            "a tier set to store %s keeps the hot types (%s/%s) instead: %s is no smaller than they are",
+            name,
+            self.hot.type_k.name,
+            self.hot.type_v.name,
+            name,
+        )
+        return None
 
     @property
     def compress_on_write(self) -> bool:
