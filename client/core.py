@@ -86,6 +86,10 @@ def attempts_for(message: p.Request) -> int:
     return 1 if isinstance(message, p.Hello | p.OpenSession | p.Migrate) else RETRIES + 1
 
 
+# What to do about a request a daemon that went did not answer: a turn may or may not have been kept.
+AGAIN = "send the request again; for a turn, resume the session first (Session.history() tells whether it was kept)."
+
+
 class ClientCore:
     def __init__(self, address: str):
         self.address = address
@@ -162,25 +166,19 @@ class ClientCore:
             # answer before it went, nobody will.
             raise DaemonUnavailable(
                 f"The kvpoold at {self.address} that had this request went away before answering it (a new "
-                "connection was made since); resume the session and send the turn again (Session.history() tells "
-                "whether it was kept)."
+                f"connection was made since); {AGAIN}"
             )
         if self.watch.lost(self._sent_at.get(request_id, started)):
-            raise DaemonUnavailable(
-                f"kvpoold at {self.address} restarted while this request was in flight; resume the session "
-                "and send the turn again (Session.history() tells whether it was kept)."
-            )
+            raise DaemonUnavailable(f"kvpoold at {self.address} restarted while this request was in flight; {AGAIN}")
         since = max(started, self._resumed_at)
         if self._disconnected_at is not None and now - max(self._disconnected_at, since) > DISCONNECT_GRACE_S:
             raise DaemonUnavailable(
                 f"The connection to kvpoold at {self.address} closed while this request was in flight (it stopped "
-                "or died); resume the session once it is back and send the turn again (Session.history() tells "
-                "whether it was kept)."
+                f"or died); once it is back, {AGAIN}"
             )
         if self.heartbeat_on and now - max(self.watch.last_heard, since) > DAEMON_SILENCE_S:
             raise DaemonUnavailable(
-                f"kvpoold at {self.address} stopped answering heartbeats (it died or hung); "
-                "resume the session and send the turn again (Session.history() tells whether it was kept)."
+                f"kvpoold at {self.address} stopped answering heartbeats (it died or hung); {AGAIN}"
             )
         if now >= deadline:
             raise RequestTimeout(
