@@ -107,8 +107,8 @@ class ToolResultPrefill:
         conversation's lock (``release`` gives it back) until done. False: nothing to prefill, the caller keeps
         the lock."""
         mapping = self.store.get(key)
-        if turn.next_opening is None or mapping is None or not isinstance(mapping.held, Held):
-            return False  # (a session already followed by an opening is followed by no other)
+        if turn.next_opening is None or turn.final is None or mapping is None or not isinstance(mapping.held, Held):
+            return False  # (a session already followed by an opening is followed by no other; a cut turn's waits)
         opening = turn.next_opening(mapping.held)
         if not opening or not self.admission.try_hold():  # (busy: requests go first)
             return False

@@ -241,9 +241,17 @@ class Turns:
         if mapping.held is not None and rest is not None:
             try:
                 session = await client.resume_session(mapping.session, mapping.token)
+                beyond = await session.history(mapping.held.tokens)
             except GONE:
                 return None
             tokens, parts = await pieces(client, rest, False, special, mapping.held.trim, media)
+            if beyond and tokens and beyond[: len(tokens)] == tokens:
+                # It holds this very turn already, and part of an answer: the turn was cut after it went in (a
+                # daemon stopped mid-answer, a gateway killed before it could write the answer down). A new session
+                # answers it. (Other tokens there are another program's doing: the daemon's CONFLICT says so.)
+                self.metrics.reused.labels("edited").inc()
+                await self._close_session(session)
+                return None
             if tokens or parts:
                 self.metrics.reused.labels("continued").inc()
                 names = media.part_names(parts) if media is not None and parts else {}
@@ -295,9 +303,10 @@ class Turns:
         return False
 
     async def _remember(self, client: AsyncClient, store: ConversationStore, key: str, turn: Turn) -> None:
-        """What the session stands for now: as before when the daemon refused the turn before applying anything,
-        else from its answer (nothing to continue from after a cancelled or failed one)."""
-        if turn.refused and not turn.generated:
+        """What the session stands for now: as before when the daemon refused the turn before applying anything, or
+        cut it (a killed daemon loses the turn in flight: the next request that continues the session finds out
+        whether it holds more, _continue); else from its answer (nothing to continue from after a cancelled one)."""
+        if (turn.refused and not turn.generated) or turn.final is None:
             held = turn.before
         else:
             try:

@@ -3,6 +3,7 @@ model, with the chat template the suite's GGUF carries)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -125,6 +126,41 @@ def test_reuse_survives_a_daemon_kill_and_a_gateway_restart(
         previous = turns[k - 1][1]
         assert turns[k][1].prompt_tokens_details.cached_tokens == previous.prompt_tokens + previous.completion_tokens
     assert [a for a, _ in converse(c, "never-restarted", 4)] == [a for a, _ in turns]
+
+
+@pytest.mark.parametrize("killed", ["daemon", "gateway"])
+def test_a_turn_cut_by_a_kill_is_sent_again_on_what_the_session_kept(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess], killed: str
+) -> None:
+    """A daemon killed mid-answer keeps the session as it was before the turn: the turn sent again continues it
+    (it was started afresh, its KV thrown away). A gateway killed mid-answer leaves a session holding more than its
+    map says: the turn sent again starts afresh (it got a 409 telling an HTTP client to read Session.history())."""
+    gateway = start_gateway(daemon.address, "--resume-wait", "0")
+    c = client_of(gateway)
+    history = [{"role": "user", "content": "hello"}]
+    first = chat(c, history, prompt_cache_key="cut")
+    assert first.usage is not None
+    history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "on"}]
+    stream = c.chat.completions.create(
+        model="tiny", messages=history, max_tokens=1500, stream=True, prompt_cache_key="cut", temperature=0.0
+    )
+    next(iter(stream))  # under way
+    if killed == "daemon":
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+    else:
+        assert gateway.proc is not None
+        gateway.proc.kill()
+        gateway.proc.wait(10)
+    with contextlib.suppress(openai.APIError, httpx.HTTPError):
+        for _ in stream:
+            pass
+    if killed == "gateway":
+        gateway.start()
+    again = chat(c, history, prompt_cache_key="cut")  # (a 409 raised here)
+    assert again.usage is not None and again.choices[0].message.content
+    kept = first.usage.prompt_tokens + first.usage.completion_tokens if killed == "daemon" else 0
+    assert again.usage.prompt_tokens_details.cached_tokens == kept
 
 
 def test_an_edited_history_answers_as_a_fresh_conversation(served: GatewayProcess) -> None:
