@@ -46,6 +46,13 @@ STATUS: dict[str, tuple[int, str]] = {
     DaemonUnavailable.code: (503, "server_error"),
     RequestTimeout.code: (504, "server_error"),
 }
+# What an HTTP client can do, where the client library's sentence tells its own caller to resume a session (which an
+# HTTP client does not hold).
+AGAIN_LATER = "send the request again once it is back: a conversation is kept up to its last whole answer."
+FOR_HTTP = {
+    DaemonUnavailable.code: f"kvpoold did not answer (it stopped, is restarting, or is gone); {AGAIN_LATER}",
+    ErrorCode.SHUTTING_DOWN.value: f"kvpoold is stopping; {AGAIN_LATER}",
+}
 RETRY_AFTER_S = 1  # for 429 and 503: most refusals clear within a turn or a restart
 # Where OpenAI names the same error otherwise, its name (clients match on it); else the daemon's code, lower case.
 OPENAI_CODES = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded", DaemonUnavailable.code: "daemon_unavailable"}
@@ -104,7 +111,7 @@ class HttpError(Exception):
     def from_kvpool(cls, code: str | None, message: str) -> HttpError:
         status, kind = STATUS.get(code or "", (500, "server_error"))
         name = OPENAI_CODES.get(code or "", (code or "internal").lower())
-        return cls(status, message, name, kind)
+        return cls(status, FOR_HTTP.get(code or "", message), name, kind)
 
     def renamed(self, names: Mapping[str, str]) -> HttpError:
         """The same error for a request translated into the chat route's (Responses, Messages): each chat field it

@@ -18,12 +18,12 @@ from kvpool.client.chat_template import TemplateError
 
 from . import anthropic_messages, fields, responses_api
 from .dispatch import Job, OtherAnswer, respond
-from .http_errors import HttpError, named_as
+from .http_errors import HttpError, named_as, refuse
 from .media_parts import RequestMedia, holds_media
 from .messages import answer_separator, template_messages
 from .middleware import FIELD_AT, decode, read_body, route
 from .responses_store import StoredResponse
-from .schema import ChatCompletionRequest, CompletionRequest
+from .schema import MAX_STOPS, ChatCompletionRequest, CompletionRequest
 from .shaping import ChoiceFormat
 from .tool_result_prefill import ToolResultOpening
 from .tools import Toolbox
@@ -113,7 +113,15 @@ def build_routes(gateway: Gateway) -> list[Route]:
             body, model.status.n_vocab, body.max_completion_tokens or body.max_tokens, fields.DEFAULT_CHAT_MAX_TOKENS
         )
         own = params.get("stop", [])
-        params["stop"] = [*own, *(implied for implied in model.template.stops if implied not in own)]
+        implied = [stop for stop in model.template.stops if stop not in own]
+        if len(own) + len(implied) > MAX_STOPS:  # (the daemon's bound, which the client could not see)
+            raise refuse(
+                "stop",
+                f"`stop` may hold at most {MAX_STOPS - len(implied)} strings with this chat template, which adds "
+                f"{', '.join(repr(s) for s in implied)} of its own.",
+                "invalid_value",
+            )
+        params["stop"] = [*own, *implied]
         schema_fields: list[tuple[str, str]] = []
         if toolbox is not None:
             schema, schema_fields = toolbox.schema()

@@ -19,7 +19,8 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 MaxTokens = Annotated[int, Meta(ge=1, le=1 << 20)]
 Seed = Annotated[int, Meta(ge=0, le=2**32 - 1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=256)]
-Stop = StopString | Annotated[list[StopString], Meta(max_length=16)]
+MAX_STOPS = 16  # the daemon's bound (protocol.Generate.stop), a chat template's own stops included
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOPS)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 # OpenAI's logit_bias: token ids (as the JSON object's keys, so strings) to a bias in -100..100.
 LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)]

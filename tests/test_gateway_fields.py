@@ -631,3 +631,19 @@ def test_completions_field(
     field: str, stack: tuple[DaemonProcess, GatewayProcess], start_gateway: Callable[..., GatewayProcess]
 ) -> None:
     run(COMPLETIONS[field], Api(stack[1], False, start_gateway, stack[0]), field)
+
+
+def test_stop_strings_past_what_the_template_leaves_are_refused_by_name(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    """A template with a stop of its own leaves room for 15: the 16th was accepted by the gateway, then refused by the
+    daemon as "Expected array of length <= 16 - at $.stop", with no param."""
+    c = client_of(start_gateway(daemon.address, "--chat-template", "transcript"))
+    hi = [{"role": "user", "content": "Hi"}]
+    stops = [f"s{i}" for i in range(16)]
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model="tiny", messages=hi, max_tokens=2, stop=stops)  # type: ignore[arg-type]
+    body: Any = refused.value.body
+    assert body["param"] == "stop" and "at most 15 strings with this chat template" in body["message"], body
+    done = c.chat.completions.create(model="tiny", messages=hi, max_tokens=2, stop=stops[:15])  # type: ignore[arg-type]
+    assert done.choices[0].finish_reason in ("stop", "length")

@@ -230,6 +230,9 @@ def test_a_daemon_stopped_mid_answer_is_an_error_never_a_finish(
     assert events[-1] != "[DONE]" and "[DONE]" not in events
     last = json.loads(events[-1])
     assert last["error"]["code"] in ("shutting_down", "daemon_unavailable")
+    # (what an HTTP client can do: it holds no session to resume, which the client library's sentence said)
+    assert "send the request again once it is back" in last["error"]["message"]
+    assert "Session" not in last["error"]["message"]
     finishes = [c.get("finish_reason") for e in events[:-1] for c in json.loads(e).get("choices", [])]
     assert not any(finishes), "a cut stream announced a finish"
     daemon.stop()
