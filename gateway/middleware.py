@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import anyio
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -82,18 +83,29 @@ def authorize(request: Request, api_key: str) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or 413 as soon as it passes ``limit`` bytes (nothing more is read)."""
+async def read_body(request: Request, limit: int, seconds: float) -> bytes:
+    """The body, or 413 as soon as it passes ``limit`` bytes (nothing more is read), or 408 when it has not arrived
+    whole within ``seconds``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(
             413, f"The request body is {declared} bytes; this gateway accepts at most {limit}.", "too_large"
         )
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HttpError(413, f"The request body is over {limit} bytes, the most this gateway accepts.", "too_large")
+    try:
+        with anyio.fail_after(seconds):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise HttpError(
+                        413, f"The request body is over {limit} bytes, the most this gateway accepts.", "too_large"
+                    )
+    except TimeoutError:
+        raise HttpError(
+            408,
+            f"The request body did not arrive whole within {seconds:g} s (--body-timeout); send it at once.",
+            "timeout",
+        ) from None
     return bytes(body)
 
 

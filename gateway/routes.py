@@ -67,6 +67,9 @@ def build_routes(gateway: Gateway) -> list[Route]:
     def wrapped(name: str):
         return route(name, config, gateway.metrics)
 
+    async def body_of(request: Request) -> bytes:
+        return await read_body(request, config.max_body_bytes, config.body_timeout)
+
     def request_media() -> RequestMedia:
         return RequestMedia(config.media_dir, config.fetch_media_urls, config.max_body_bytes)
 
@@ -82,9 +85,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
 
     @wrapped(CHAT)
     async def chat(request: Request) -> Response:
-        return await chat_answer(
-            request, decode(await read_body(request, config.max_body_bytes), ChatCompletionRequest)
-        )
+        return await chat_answer(request, decode(await body_of(request), ChatCompletionRequest))
 
     async def chat_prompt(
         body: ChatCompletionRequest, media: RequestMedia
@@ -164,7 +165,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
     @anthropic(MESSAGES)
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API, through the chat route (anthropic_messages.py)."""
-        asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.MessagesRequest)
+        asked = decode(await body_of(request), anthropic_messages.MessagesRequest)
         translated, names = anthropic_messages.chat_request(asked)
         with named_as(names):
             body = as_chat_request(translated)
@@ -174,7 +175,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
     @anthropic(COUNT_TOKENS)
     async def count_tokens(request: Request) -> Response:
         """The tokens a Messages request's prompt comes to, as the chat route renders it."""
-        asked = decode(await read_body(request, config.max_body_bytes), anthropic_messages.CountTokensRequest)
+        asked = decode(await body_of(request), anthropic_messages.CountTokensRequest)
         translated, names = anthropic_messages.chat_request(asked)
         with named_as(names):
             model, text, *_ = await chat_prompt(as_chat_request(translated), request_media())
@@ -189,7 +190,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
     @wrapped(RESPONSES)
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, through the chat route (responses_api.py); a chain runs as one conversation."""
-        asked = decode(await read_body(request, config.max_body_bytes), responses_api.ResponsesRequest)
+        asked = decode(await body_of(request), responses_api.ResponsesRequest)
         responses_api.refuse_unserved(asked)
         history: list[dict[str, Any]] = []
         # A chain runs as the conversation its client names, else as an unnamed one, continued by its history as
@@ -246,7 +247,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
 
     @wrapped(COMPLETIONS)
     async def completions(request: Request) -> Response:
-        body = decode(await read_body(request, config.max_body_bytes), CompletionRequest)
+        body = decode(await body_of(request), CompletionRequest)
         fields.refuse_completion_fields(body)
         model = await gateway.model()
         prompt = fields.completion_prompt(body, model.status.n_vocab)

@@ -34,6 +34,9 @@ class GatewayConfig:
     # The conversation map (None: kept in memory only; the command line's default is default_state_file()).
     state_file: Annotated[Path | None, Flag("where conversations are mapped to sessions", parse=path_or_default)] = None
     max_body_bytes: Annotated[int, Flag("the largest request body")] = 4 << 20
+    # A body that has not arrived whole in this long is answered 408: a client sending slowly (or never finishing)
+    # must not hold a connection and its bytes for ever.
+    body_timeout: Annotated[float, Flag("seconds a request body may take to arrive whole (408 past it)")] = 30.0
     # Images and audio a message names by path or URL (a data: URL is always read, docs/gateway.md): local files
     # only under this folder, http(s) URLs only when fetching them is on. Neither by default.
     media_dir: Annotated[

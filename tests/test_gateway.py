@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -235,6 +236,23 @@ def test_two_conversations_interleaved_stay_apart(served: GatewayProcess) -> Non
             answers[key].append(answer)
             histories[key] += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"turn {k + 1}"}]
     assert answers["x"] == answers["y"] == [a for a, _ in alone]
+
+
+def test_a_body_that_never_arrives_whole_is_answered_408(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    """A client that sends 10 of the 100 bytes it announced held its connection and its bytes for ever (30 such
+    held 130 MiB of the gateway's memory)."""
+    gateway = start_gateway(daemon.address, "--body-timeout", "1")
+    host, port = gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as slow:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        slow.sendall((head + "Content-Length: 100\r\n\r\n").encode() + b'{"model": ')
+        answer = b""
+        while b"--body-timeout" not in answer and (piece := slow.recv(4096)):  # (bounded by the socket's timeout)
+            answer += piece
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive whole within 1 s" in answer, answer[:400]
+    assert chat(client_of(gateway), [{"role": "user", "content": "hi"}]).choices[0].message.content is not None
 
 
 def test_errors_are_openai_errors_with_the_right_status(served: GatewayProcess) -> None:
