@@ -236,14 +236,12 @@ class RequestHandlers:
 
     def resume(self, client: bytes, r: p.ResumeSession, received_at: float) -> p.Reply | None:
         try:
-            s = self.sessions.get(r.session, r.token)
+            s = self._used(r.session, r.token)
         except RequestRefused as refused:
             missing = refused.code in (ErrorCode.UNKNOWN_SESSION, ErrorCode.SESSION_EVICTED)
             if missing and self.remote.fetch(client, r, prefetch=r.prefetch, answer_prefetched=False):
                 return None  # the reply comes when the fetch ends
             raise
-        s.last_used = time.monotonic()
-        self.kv.touch(s)
         self.remote.check_owned(s)
         if r.prefetch:
             self.preloader.hint(s)
