@@ -487,8 +487,27 @@ def encode(message: Request | Reply) -> bytes:
     return _encoder.encode(message)
 
 
+class _ErrorOfAnyCode(Reply, tag="error"):
+    code: str
+    message: str
+    detail: dict[str, Any] | None = None
+
+
+_error_of_any_code_decoder = msgspec.msgpack.Decoder(_ErrorOfAnyCode)
+
+
 def decode_reply(frame: bytes) -> AnyReply:
-    return _reply_decoder.decode(frame)
+    """The reply in ``frame``. An Error whose code this version does not know (a newer daemon's) is still an Error,
+    its code the plain string: dropping it would leave its request waiting for an answer that came."""
+    try:
+        return _reply_decoder.decode(frame)
+    except msgspec.ValidationError as not_known:
+        try:
+            other = _error_of_any_code_decoder.decode(frame)
+        except msgspec.DecodeError:
+            raise not_known from None  # not an Error either: say what failed the first time
+        code: Any = other.code  # a plain string where an ErrorCode is expected: error_from_code takes either
+        return Error(id=other.id, instance=other.instance, code=code, message=other.message, detail=other.detail)
 
 
 class RequestDecodeError(Exception):

@@ -58,6 +58,36 @@ def test_every_error_code_has_an_exception_class() -> None:
     assert type(error_from_code("FUTURE_CODE", "x")) is KvpoolError
 
 
+def test_an_error_code_newer_than_this_client_still_ends_its_request() -> None:
+    # A newer daemon's code (SPILL_UNAVAILABLE was one) failed the reply's validation: the client dropped the frame
+    # and its request waited out its timeout, a cut generation's detail lost with it.
+    from kvpool.client.results import raise_if_error
+
+    frame = msgspec.msgpack.encode(
+        {
+            "op": "error",
+            "id": 7,
+            "instance": "d1",
+            "code": "FUTURE_CODE",
+            "message": "Something a newer daemon says.",
+            "detail": {"completion_tokens": 3, "context_tokens": 40},
+        }
+    )
+    reply = p.decode_reply(frame)
+    assert isinstance(reply, p.Error) and (reply.id, reply.instance, reply.code) == (7, "d1", "FUTURE_CODE")
+    with pytest.raises(KvpoolError) as raised:
+        raise_if_error(reply)
+    assert raised.value.code == "FUTURE_CODE" and raised.value.message == "Something a newer daemon says."
+    assert raised.value.cut  # what the session kept still reads as a cut answer
+    # A known code still decodes as its member, and a frame that is no reply at all is still refused.
+    known = p.decode_reply(p.encode(p.Error(id=1, code=p.ErrorCode.POOL_FULL, message="m")))
+    assert isinstance(known, p.Error) and known.code is p.ErrorCode.POOL_FULL
+    with pytest.raises(msgspec.ValidationError, match="code"):
+        p.decode_reply(msgspec.msgpack.encode({"op": "error", "id": 1, "code": 5, "message": "m"}))
+    with pytest.raises(msgspec.ValidationError, match="finish_reason"):
+        p.decode_reply(msgspec.msgpack.encode({"op": "final", "id": 1, "finish_reason": "future"}))
+
+
 def test_a_request_is_lost_to_a_restart_only_if_the_old_daemon_heard_it() -> None:
     from kvpool import protocol as p
     from kvpool.client.restarts import RestartWatch
