@@ -141,17 +141,20 @@ def bounded(covariance: np.ndarray) -> np.ndarray:
 
 
 def nonnegative(theta: np.ndarray, covariance: np.ndarray) -> np.ndarray:
-    """The fit ``theta`` with every marginal cost (all but the fixed one) at zero or more: predictions must grow
-    with the work, and noise, or features that move together in the steps seen, can put one below zero. Those are
-    held at zero and the others moved to fit the same steps as well as they can so (least squares with them held,
-    from the fit's own ``covariance``), until none is below. Zeroing a negative one alone leaves the others where it
-    had pulled them: at one stream nearly every step has several logits rows, the fit put the cost of several at
+    """The fit ``theta`` with every cost at zero or more: predictions must grow with the work, and a step costs
+    something before any work, but noise, or features that move together in the steps seen, can put one below zero.
+    Those are held at zero and the others moved to fit the same steps as well as they can so (least squares with them
+    held, from the fit's own ``covariance``), until none is below. Zeroing a negative one alone leaves the others where
+    it had pulled them: at one stream nearly every step has several logits rows, the fit put the cost of several at
     -8 to -11 ms and the fixed cost as much higher, and dropping the negative part priced every step of several rows
-    that much too high (the fast factor settled at 0.73-0.78 to make up for it)."""
+    that much too high (the fast factor settled at 0.73-0.78 to make up for it). The fixed cost is held too: nearly
+    every large step beside a voice session has one logits row, so the large steps' fit could not tell the fixed cost
+    from a row's, and put them at -106 and +143 ms; a prompt chunk alone (no row) was then predicted at 181 ms and took
+    311, and the voice turn waiting behind it was refused."""
     usable, held = theta.copy(), np.zeros(len(theta), dtype=bool)
-    clamped = np.concatenate([theta[:1], np.maximum(theta[1:], 0.0)])  # (where the covariance cannot say more)
-    while (negative := usable < 0.0)[1:].any():
-        held[1:] |= negative[1:]
+    clamped = np.maximum(theta, 0.0)  # (where the covariance cannot say more)
+    while (negative := usable < 0.0).any():
+        held |= negative
         free = ~held
         try:
             np.linalg.cholesky(covariance[np.ix_(held, held)])  # (raises unless positive definite)
