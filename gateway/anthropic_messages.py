@@ -360,6 +360,7 @@ class AnthropicAnswer:
             yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": {"output_tokens": output}})
             yield event("message_stop", {"type": "message_stop"})
         except KvpoolError as exc:  # the status line went out already: the error travels as an event
+            stream.on_cut(exc)
             error = HttpError.from_kvpool(exc.code, exc.message)
             yield event("error", error_body(error))
 

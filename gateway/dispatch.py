@@ -132,6 +132,9 @@ async def respond(request: Request, gateway: Gateway, model_id: str, job: Job) -
     def first_text() -> None:
         metrics.first_token.labels(job.route).observe(time.monotonic() - started)
 
+    def cut(exc: KvpoolError) -> None:
+        metrics.streams_cut.labels(job.route, exc.code).inc()
+
     def expect_results() -> None:
         """An answer that called tools: its conversation's next request carries their results."""
         state = states[0]
@@ -189,7 +192,7 @@ async def respond(request: Request, gateway: Gateway, model_id: str, job: Job) -
     async def body() -> AsyncIterator[bytes]:
         try:
             usage = answer_usage if job.include_usage else None
-            stream = Stream(generations, states, head, usage, first_text)
+            stream = Stream(generations, states, head, usage, first_text, cut)
             if job.answer is not None:
                 events = job.answer.events(stream, generations.prompt_tokens, generations.cached_tokens)
             else:

@@ -55,6 +55,13 @@ class GatewayMetrics:
             ["code"],
             registry=self.registry,
         )
+        self.streams_cut = Counter(
+            "kvpool_gateway_streams_cut",
+            "Streamed answers that ended with an error event (a cut: their 200 status had gone out, and "
+            "kvpool_gateway_requests counts them under it), by route and the error's code.",
+            ["route", "code"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "kvpool_gateway_queue_depth", "Requests waiting in the gateway's queue now.", registry=self.registry
         )

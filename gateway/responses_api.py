@@ -443,6 +443,7 @@ class ResponsesAnswer:
             kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
             yield events.emit(kind, response=response)
         except KvpoolError as exc:  # the status line went out already: the error travels as events
+            stream.on_cut(exc)
             error = HttpError.from_kvpool(exc.code, exc.message)
             yield events.emit("error", code=error.code, message=error.message, param=None)
             failed = self.head("failed") | {"error": {"code": error.code, "message": error.message}}

@@ -29,13 +29,15 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 @dataclass(frozen=True)
 class Stream:
     """What a stream's events are made of: the running generations and their choices' states, the chunks' common
-    fields (``head``), the usage chunk's body at the end (None: not asked for), and what to call at the first text."""
+    fields (``head``), the usage chunk's body at the end (None: not asked for), what to call at the first text, and
+    what to call when the stream ends with an error event instead of its own end."""
 
     generations: Generations
     states: list[ChoiceState]
     head: dict[str, Any]
     usage: Callable[[], dict[str, Any]] | None
     on_first_text: Callable[[], None]
+    on_cut: Callable[[KvpoolError], None]
 
 
 async def first_choice_deltas(stream: Stream) -> AsyncIterator[dict[str, Any]]:
@@ -112,4 +114,5 @@ async def _events(
             yield sse(head | {"choices": [], "usage": stream.usage()})
         yield sse("[DONE]")
     except KvpoolError as exc:  # the status line went out already: the error travels as an event
+        stream.on_cut(exc)
         yield sse(HttpError.from_kvpool(exc.code, exc.message).body())

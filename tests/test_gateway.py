@@ -4,6 +4,7 @@ model, with the chat template the suite's GGUF carries)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -156,6 +157,11 @@ def test_a_turn_cut_by_a_kill_is_sent_again_on_what_the_session_kept(
     with contextlib.suppress(openai.APIError, httpx.HTTPError):
         for _ in stream:
             pass
+    if killed == "daemon":  # the stream's 200 went out before the cut: its error event is counted apart
+        metrics = httpx.get(gateway.url + "/metrics", timeout=WAIT_S).text
+        series = r'^kvpool_gateway_streams_cut_total\{code="(\w+)",route="/v1/chat/completions"\} 1\.0$'
+        cut = re.findall(series, metrics, re.M)
+        assert len(cut) == 1, metrics
     if killed == "gateway":
         gateway.start()
     again = chat(c, history, prompt_cache_key="cut")  # (a 409 raised here)
