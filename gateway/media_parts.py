@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from kvpool.client.media import Audio, Image
+from kvpool.protocol.file_kinds import SIGNATURES, file_kind
 
 from .http_errors import HttpError, refuse
 
@@ -27,34 +28,17 @@ MARK = "\u2063kvpool-medium:{}\u2063"
 _MARKS = re.compile("\u2063kvpool-medium:([0-9a-f]{64})\u2063")
 FETCH_TIMEOUT_S = 10.0
 AUDIO_FORMATS = ("wav", "mp3", "flac")
-# What a file's first bytes say it is: a declared type (a data: URL's, input_audio.format) that names another is
-# refused rather than passed over (the bytes decide what the daemon reads either way).
-_SIGNATURES = {
-    "png": (b"\x89PNG\r\n\x1a\n",),
-    "jpeg": (b"\xff\xd8\xff",),
-    "gif": (b"GIF87a", b"GIF89a"),
-    "bmp": (b"BM",),
-    "webp": (),  # RIFF, as WAV: told apart below (llama.cpp reads no WebP; the daemon says so)
-    "wav": (),
-    "mp3": (b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"),
-    "flac": (b"fLaC",),
-}
 _NAMES = {"jpg": "jpeg", "x-ms-bmp": "bmp", "x-wav": "wav", "wave": "wav", "mpeg": "mp3", "x-flac": "flac"}
 
 
-def file_kind(data: bytes) -> str | None:
-    """png, jpeg, gif, bmp, webp, wav, mp3 or flac, from the first bytes; None for anything else."""
-    if data.startswith(b"RIFF"):
-        return {b"WAVE": "wav", b"WEBP": "webp"}.get(data[8:12])
-    return next((name for name, marks in _SIGNATURES.items() if marks and data.startswith(marks)), None)
-
-
 def check_declared(declared: str, data: bytes, where: str, what: str) -> None:
-    """A 400 when ``declared`` (a subtype such as png, or a MIME type) names another kind of file than ``data``."""
+    """A 400 when ``declared`` (a subtype such as png, or a MIME type) names another kind of file than ``data``: a
+    declared type (a data: URL's, input_audio.format) is refused rather than passed over (the bytes decide what the
+    daemon reads either way; it refuses a WebP, which llama.cpp does not read, itself)."""
     subtype = declared.lower().partition("/")[2] or declared.lower()
     named = _NAMES.get(subtype, subtype)
     found = file_kind(data)
-    if named in _SIGNATURES and found is not None and found != named:
+    if named in SIGNATURES and found is not None and found != named:
         raise refuse(
             where, f"{where}: {what} is {declared}, but the bytes are a {found.upper()} file.", "invalid_value"
         )

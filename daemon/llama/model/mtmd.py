@@ -20,14 +20,11 @@ import numpy as np
 from kvpool.daemon.kv.positions import MAX_N_POS
 from kvpool.daemon.llama.model.backend import route_media_log
 from kvpool.daemon.llama.model.loading import ModelLoadError
+from kvpool.protocol.file_kinds import AUDIO_KINDS, IMAGE_KINDS, file_kind
 
 IMAGE, AUDIO = "image", "audio"
 # The formats a medium's bytes come in: raw frames, PCM, or a file (JPEG, PNG, BMP, GIF; WAV, MP3, FLAC).
 RGB, RGBA, PCM_F32, ENCODED = "rgb", "rgba", "pcm_f32", "encoded"
-
-
-_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
-_AUDIO_MAGIC = (b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"fLaC")
 
 
 MAX_DECODED_PIXELS = 1 << 24  # a file that decodes to more (4096 x 4096) is refused before it is decoded
@@ -90,13 +87,10 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
 
 
 def _file_kind(data: bytes) -> str:
-    """What a file's first bytes say it is (checked before llama.cpp's decoders, whose fallback for unknown bytes
-    starts ffprobe)."""
-    if data.startswith(_IMAGE_MAGIC):
-        return IMAGE
-    if data.startswith(_AUDIO_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WAVE"):
-        return AUDIO
-    return ""
+    """IMAGE or AUDIO when a file's first bytes say it is one llama.cpp decodes (checked before its decoders, whose
+    fallback for unknown bytes starts ffprobe), else ""."""
+    kind = file_kind(data)
+    return IMAGE if kind in IMAGE_KINDS else AUDIO if kind in AUDIO_KINDS else ""
 
 
 class MediaError(Exception):
