@@ -3,6 +3,7 @@ admission with a scheduler alone, and the moves on the fake model's tiers. No ll
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -284,6 +285,25 @@ def test_nonnegative_moves_the_free_coefficients_as_the_covariance_ties_them() -
     # A covariance that is no longer one (not positive definite): the plain clamp.
     broken = np.array([[1.0, 0.0, 2.0], [0.0, 1.0, 0.0], [2.0, 0.0, -1.0]])
     assert (cost_model.nonnegative(theta, broken) == [0.03, 0.002, 0.0]).all()
+
+
+def test_a_prompt_chunk_alone_is_not_priced_under_what_the_steps_beside_a_voice_session_taught() -> None:
+    """Replays a measured trace (tests/data: the calibration and first steps of bench/latency.py with guesses on an
+    AMD EPYC). Beside the voice session every large step had one logits row; the large steps' fit put the fixed
+    cost at -106 ms and a row at +143, so the first prompt chunk alone after them (311 ms) was predicted at 181 ms,
+    the chunk sized to the 180 ms cap by that, and the voice turn waiting behind it refused in 3 of 3 runs."""
+    trace = json.loads((Path(__file__).parent / "data" / "cost_trace_amd_voice_vision.json").read_text())
+    measured = {(start, n, outputs): ms / 1000.0 for start, n, outputs, ms in trace["calibration"]}
+    clock = FakeClock()
+    model = CostModel(clock=clock)
+    calibrate(model, lambda start, n, outputs=1: measured.get((start, n, outputs), 0.001 * n), guess_rows=16)
+    *before, last = trace["steps"]
+    for step in before:
+        clock.now += step["ms"] / 1000.0
+        model.update(model.shape([tuple(c) for c in step["chunks"]]), step["ms"] / 1000.0)
+        assert model.large.usable[0] >= 0.0
+    predicted = model.predict(model.shape([tuple(c) for c in last["chunks"]]))
+    assert predicted >= 0.75 * last["ms"] / 1000.0, predicted
 
 
 @pytest.mark.parametrize("rows", [1, 4])  # a shape calibration measured, and one it did not
