@@ -106,8 +106,11 @@ def build_routes(gateway: Gateway) -> list[Route]:
             raise HttpError(400, str(exc), "template", param="messages") from None
         return model, text, messages, toolbox, response
 
-    async def chat_answer(request: Request, body: ChatCompletionRequest, answer: OtherAnswer | None = None) -> Response:
-        """The chat route's answer to ``body``, shaped as OpenAI's (or as ``answer`` shapes it)."""
+    async def chat_answer(
+        request: Request, body: ChatCompletionRequest, answer: OtherAnswer | None = None, route: str = CHAT
+    ) -> Response:
+        """The chat route's answer to ``body``, shaped as OpenAI's (or as ``answer`` shapes it); ``route``: the API
+        asked, which the metrics name (a Messages or Responses request is answered through this one)."""
         media = request_media()
         model, text, messages, toolbox, response = await chat_prompt(body, media)
         params = fields.sampling(
@@ -137,7 +140,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
         if (predicted := fields.prediction_text(body)) is not None:
             params["prediction"] = predicted
         job = Job(
-            route=CHAT,
+            route=route,
             prompt=text,
             special=True,
             add_bos=model.template.needs_bos(text),
@@ -170,7 +173,8 @@ def build_routes(gateway: Gateway) -> list[Route]:
         with named_as(names):
             body = as_chat_request(translated)
             model = await gateway.model()
-            return await chat_answer(request, body, anthropic_messages.AnthropicAnswer(model.id, asked.stop_sequences))
+            answer = anthropic_messages.AnthropicAnswer(model.id, asked.stop_sequences)
+            return await chat_answer(request, body, answer, MESSAGES)
 
     @anthropic(COUNT_TOKENS)
     async def count_tokens(request: Request) -> Response:
@@ -221,7 +225,7 @@ def build_routes(gateway: Gateway) -> list[Route]:
             answer = responses_api.ResponsesAnswer(
                 asked, model.id, conversation, store if asked.store is not False else None
             )
-            return await chat_answer(request, body, answer)
+            return await chat_answer(request, body, answer, RESPONSES)
 
     def stored(request: Request) -> StoredResponse:
         found = gateway.responses.get(request.path_params["response_id"])

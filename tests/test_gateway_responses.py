@@ -5,7 +5,10 @@ cannot be honoured is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import signal
 from collections.abc import Callable
 
 import httpx
@@ -286,3 +289,24 @@ def test_a_chain_continues_after_the_gateway_and_the_daemon_restart(
     )
     assert first.usage is not None
     assert cached(second) >= first.usage.input_tokens + first.usage.output_tokens - 1
+
+
+def test_a_stream_cut_after_its_200_is_counted_under_the_api_asked(
+    daemon: DaemonProcess, start_gateway: Callable[..., GatewayProcess]
+) -> None:
+    """A Responses stream cut by a daemon's kill ends with error events after its 200: /metrics counts it under
+    /v1/responses (it was answered through the chat route, whose name the metrics took)."""
+    gateway = start_gateway(daemon.address, "--resume-wait", "0")
+    with client_of(gateway).responses.stream(
+        model="tiny", input="count for me", max_output_tokens=1500, **GREEDY
+    ) as stream:
+        events = iter(stream)
+        next(events)  # under way
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        with contextlib.suppress(openai.APIError, httpx.HTTPError):  # (the SDK raises at the error event)
+            for _ in events:
+                pass
+    metrics = httpx.get(gateway.url + "/metrics", timeout=30).text
+    cut = re.findall(r'^kvpool_gateway_streams_cut_total\{code="\w+",route="(\S+)"\} 1\.0$', metrics, re.M)
+    assert cut == ["/v1/responses"], metrics
