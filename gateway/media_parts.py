@@ -20,14 +20,14 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from kvpool.client.media import Audio, Image
-from kvpool.protocol.file_kinds import SIGNATURES, file_kind
+from kvpool.protocol.file_kinds import AUDIO_KINDS, SIGNATURES, file_kind
 
 from .http_errors import HttpError, refuse
 
 MARK = "\u2063kvpool-medium:{}\u2063"
 _MARKS = re.compile("\u2063kvpool-medium:([0-9a-f]{64})\u2063")
 FETCH_TIMEOUT_S = 10.0
-AUDIO_FORMATS = ("wav", "mp3", "flac")
+AUDIO_FORMATS = AUDIO_KINDS  # (input_audio.format names the file's kind)
 _NAMES = {"jpg": "jpeg", "x-ms-bmp": "bmp", "x-wav": "wav", "wave": "wav", "mpeg": "mp3", "x-flac": "flac"}
 
 

@@ -14,8 +14,8 @@ SIGNATURES = {
     "mp3": (b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"),
     "flac": (b"fLaC",),
 }
-IMAGE_KINDS = frozenset({"png", "jpeg", "gif", "bmp"})  # what llama.cpp decodes (no WebP)
-AUDIO_KINDS = frozenset({"wav", "mp3", "flac"})
+IMAGE_KINDS = ("png", "jpeg", "gif", "bmp")  # what llama.cpp decodes (no WebP)
+AUDIO_KINDS = ("wav", "mp3", "flac")
 
 
 def file_kind(data: bytes) -> str | None:

@@ -79,6 +79,7 @@ def test_an_error_code_newer_than_this_client_still_ends_its_request() -> None:
         raise_if_error(reply)
     assert raised.value.code == "FUTURE_CODE" and raised.value.message == "Something a newer daemon says."
     assert raised.value.cut  # what the session kept still reads as a cut answer
+    assert p._ErrorOfAnyCode.__struct_fields__ == p.Error.__struct_fields__  # (a field added to one goes in both)
     # A known code still decodes as its member, and a frame that is no reply at all is still refused.
     known = p.decode_reply(p.encode(p.Error(id=1, code=p.ErrorCode.POOL_FULL, message="m")))
     assert isinstance(known, p.Error) and known.code is p.ErrorCode.POOL_FULL

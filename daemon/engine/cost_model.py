@@ -141,8 +141,8 @@ def bounded(covariance: np.ndarray) -> np.ndarray:
 
 
 def nonnegative(theta: np.ndarray, covariance: np.ndarray) -> np.ndarray:
-    """The fit ``theta`` with every cost at zero or more: predictions must grow with the work, and a step costs
-    something before any work, but noise, or features that move together in the steps seen, can put one below zero.
+    """The fit ``theta`` with every cost at zero or more: predictions must grow with the work, and no part of a step
+    costs less than nothing, but noise, or features that move together in the steps seen, can put one below zero.
     Those are held at zero and the others moved to fit the same steps as well as they can so (least squares with them
     held, from the fit's own ``covariance``), until none is below. Zeroing a negative one alone leaves the others where
     it had pulled them: at one stream nearly every step has several logits rows, the fit put the cost of several at
@@ -152,7 +152,8 @@ def nonnegative(theta: np.ndarray, covariance: np.ndarray) -> np.ndarray:
     from a row's, and put them at -106 and +143 ms; a prompt chunk alone (no row) was then predicted at 181 ms and took
     311, and the voice turn waiting behind it was refused."""
     usable, held = theta.copy(), np.zeros(len(theta), dtype=bool)
-    clamped = np.maximum(theta, 0.0)  # (where the covariance cannot say more)
+    # Where the covariance cannot say more (rare: bounded() keeps it positive definite), each is clamped alone.
+    clamped = np.maximum(theta, 0.0)
     while (negative := usable < 0.0).any():
         held |= negative
         free = ~held
