@@ -140,12 +140,12 @@ class AsyncClient:
                 self._done(request_id)
         else:
             opened = expect(await self._call(open_request(task, system_prompt)), p.SessionOpened)  # type: ignore[arg-type]
-        return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
+        return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size, opened.context_tokens)
 
     async def resume_session(self, session_id: str, token: str, *, prefetch: bool = False) -> AsyncSession:
         request = p.ResumeSession(session=session_id, token=token, prefetch=prefetch)
         opened = expect(await self._call(request), p.SessionOpened)
-        return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size)
+        return AsyncSession(self, opened.session, opened.token, opened.task, opened.context_size, opened.context_tokens)
 
     async def close(self) -> None:
         for sending in self._sends.values():
@@ -433,12 +433,15 @@ class AsyncStream:
 
 
 class AsyncSession:
-    def __init__(self, client: AsyncClient, session_id: str, token: str, task: str, context_size: int):
+    def __init__(
+        self, client: AsyncClient, session_id: str, token: str, task: str, context_size: int, context_tokens: int = 0
+    ):
         self.client = client
         self.id = session_id
         self.token = token
         self.task = task
         self.context_size = context_size
+        self.context_tokens = context_tokens  # what it held when opened or resumed
         self.final: p.Final | None = None  # the final message of the last generation
 
     def generate(self, prompt: str | list[int] | list[Part] = "", **params: Any) -> AsyncStream:

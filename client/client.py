@@ -123,7 +123,7 @@ class Client:
                 self._done(request_id)
         else:
             opened = expect(self._call(open_request(task, system_prompt)), p.SessionOpened)  # type: ignore[arg-type]
-        return Session(self, opened.session, opened.token, opened.task, opened.context_size)
+        return Session(self, opened.session, opened.token, opened.task, opened.context_size, opened.context_tokens)
 
     def resume_session(self, session_id: str, token: str, *, prefetch: bool = False) -> Session:
         """Take back a session opened earlier (by this or another process, before or after a daemon restart; a
@@ -131,7 +131,7 @@ class Client:
         tiers now, ahead of its next turn."""
         request = p.ResumeSession(session=session_id, token=token, prefetch=prefetch)
         opened = expect(self._call(request), p.SessionOpened)
-        return Session(self, opened.session, opened.token, opened.task, opened.context_size)
+        return Session(self, opened.session, opened.token, opened.task, opened.context_size, opened.context_tokens)
 
     def close(self) -> None:
         closed = getattr(self, "_closed", None)
@@ -394,12 +394,15 @@ class Stream:
 class Session:
     """A session in the daemon: its context lives there; ``id`` and ``token`` identify and authorise it."""
 
-    def __init__(self, client: Client, session_id: str, token: str, task: str, context_size: int):
+    def __init__(
+        self, client: Client, session_id: str, token: str, task: str, context_size: int, context_tokens: int = 0
+    ):
         self.client = client
         self.id = session_id
         self.token = token
         self.task = task
         self.context_size = context_size
+        self.context_tokens = context_tokens  # what it held when opened or resumed
         self.final: p.Final | None = None  # the final message of its last generation (finish reason, timings)
 
     def generate(self, prompt: str | list[int] | list[Part] = "", **params: Any) -> Stream:

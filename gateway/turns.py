@@ -241,7 +241,9 @@ class Turns:
         if mapping.held is not None and rest is not None:
             try:
                 session = await client.resume_session(mapping.session, mapping.token)
-                beyond = await session.history(mapping.held.tokens)
+                # (the resume says how many tokens it holds: the transcript is read only where the map says other)
+                held = mapping.held.tokens
+                beyond = await session.history(held) if session.context_tokens != held else []
             except GONE:
                 return None
             tokens, parts = await pieces(client, rest, False, special, mapping.held.trim, media)

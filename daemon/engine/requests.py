@@ -149,7 +149,7 @@ class RequestHandlers:
             self.sessions.check_can_open(r.task)  # first: the system prompt may come from the task's profile
         except RequestRefused as refused:
             if r.task in self.config.tasks:  # (a task's own quota: its refusals column counts it)
-                self.scheduler.task_stats[r.task].refusals[refused.code.value] += 1
+                self.scheduler.count_refusal(r.task, refused.code)
             raise
         system = self._system_prompt(client, r)
         try:
@@ -197,7 +197,7 @@ class RequestHandlers:
             whose = (
                 f"Task {r.task!r}'s configured system_prompt (tasks.{r.task}.system_prompt)"
                 if configured
-                else ("The system prompt")
+                else "The system prompt"
             )
             raise RequestRefused(
                 ErrorCode.CONTEXT_OVERFLOW,
@@ -488,7 +488,7 @@ class RequestHandlers:
             return
         held = sum(x.snapshot_bytes for x in self.sessions.by_id.values() if x.task == s.task)
         if held >= quota:
-            self.scheduler.task_stats[s.task].refusals[ErrorCode.QUOTA_EXCEEDED.value] += 1
+            self.scheduler.count_refusal(s.task, ErrorCode.QUOTA_EXCEEDED)
             raise RequestRefused(
                 ErrorCode.QUOTA_EXCEEDED,
                 f"Task {s.task!r} holds {held} bytes of session snapshots, at or over its pool_quota of {quota}; "

@@ -121,9 +121,8 @@ class Scheduler:
         generation's to swap out); else it waits for a running answer to end, which the estimate counts."""
         task = session.task
         profile = self.config.tasks.get(task) or TaskProfile()  # a recovered session's task may have left
-        stats = self.task_stats[task]
         if profile.max_queue and self.in_flight(task) >= profile.max_queue:
-            stats.refusals[ErrorCode.OVERLOADED.value] += 1
+            self.count_refusal(task, ErrorCode.OVERLOADED)
             raise RequestRefused(
                 ErrorCode.OVERLOADED,
                 f"Task {task!r} already has {profile.max_queue} generations queued or running (its max_queue); "
@@ -139,7 +138,7 @@ class Scheduler:
             if not slot_at_hand:
                 estimate += self.until_a_slot_frees()
             if not within(estimate, ttft_ms / 1000.0):
-                stats.refusals[ErrorCode.BUDGET_UNMEETABLE.value] += 1
+                self.count_refusal(task, ErrorCode.BUDGET_UNMEETABLE)
                 raise RequestRefused(
                     ErrorCode.BUDGET_UNMEETABLE,
                     f"The first token would take about {_ms(estimate * 1000.0)} but the budget is {_ms(ttft_ms)} "
@@ -154,6 +153,10 @@ class Scheduler:
                     },
                 )
         return budget
+
+    def count_refusal(self, task: str, code: ErrorCode) -> None:
+        """A request of ``task`` refused with ``code``: its refusals column in status."""
+        self.task_stats[task].refusals[code.value] += 1
 
     def first_token_due(self) -> bool:
         """A generation with a first-token budget waits for its first token (no step should be slower than it must)."""
