@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -410,13 +410,7 @@ def load_config(
         raise ConfigError(f"{source}: [tasks] must define a `default` profile; sessions opened without a task use it.")
 
     def origin(*keys: str) -> str:
-        """Where these settings were written: a flag, a variable, or the file (the first that set one of them)."""
-        for key in keys:
-            if key in flagged:
-                return f"--{key.replace('_', '-')}"
-            if key in from_env:
-                return f"{ENV_PREFIX}{key.upper()}"
-        return source
+        return _origin(keys, source, flagged, from_env)
 
     _check_deterministic(config, origin)
     profiled = [key for key in ("pool_kv_type", "spill_kv_type") if getattr(config, key) == PROFILE]
@@ -451,6 +445,17 @@ def load_config(
             'spill_kv_type = "profile", or leave kv_profile out.'
         )
     return msgspec.structs.replace(config, tasks=tasks)
+
+
+def _origin(keys: Sequence[str], source: str, flagged: dict[str, Any], from_env: dict[str, Any]) -> str:
+    """Where these settings were written: a flag, a variable, or the file (the first key that one of them set; a flag
+    before a variable, as its value is the one kept)."""
+    for key in keys:
+        if key in flagged:
+            return f"--{key.replace('_', '-')}"
+        if key in from_env:
+            return f"{ENV_PREFIX}{key.upper()}"
+    return source
 
 
 def _check_deterministic(config: Config, origin: Callable[..., str]) -> None:
@@ -577,9 +582,7 @@ def _explain(
     key = prefix
     for k in keys:
         key = f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}" if key else k
-    origin = f"--{keys[0].replace('_', '-')}" if keys and keys[0] in flagged else source
-    if keys and keys[0] in from_env:
-        origin = f"{ENV_PREFIX}{keys[0].upper()}"
+    origin = _origin(keys[:1], source, flagged, from_env)
     return f"{origin}: `{key}` = {value!r} is not allowed: {_in_words(why, TaskProfile if prefix else Config, keys)}."
 
 

@@ -129,3 +129,9 @@ def test_example_configs_load() -> None:
         assert "default" in config.tasks, path
     edge = load_config(ROOT / "configs" / "edge-2gb.toml")
     assert edge.cache_pool_size == 192 << 20 and edge.tasks["vision"].best_effort
+
+
+def test_a_bad_value_set_by_both_a_flag_and_a_variable_is_blamed_on_the_flag() -> None:
+    # The flag's value is the one kept (and shown): the sentence named the variable, which said 2.
+    with pytest.raises(ConfigError, match=r"^--hot-slots: `hot_slots` = 0 is not allowed"):
+        load_config(overrides={"hot_slots": 0}, environ={"KVPOOL_HOT_SLOTS": "2"})
